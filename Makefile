@@ -1,0 +1,44 @@
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CACHE ?= $(or $(FSDP_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fsdp-operator)
+VENV ?= $(or $(FSDP_VENV),$(CACHE)/venv)
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: help
+help: ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
+
+.PHONY: venv
+venv: ## create/update the Python virtualenv from requirements.lock (outside the repo)
+	@hack/venv.sh
+
+.PHONY: tools
+tools: ## build the control plane, kwok, helm and KubeRay from the Go module proxy (cached)
+	@hack/build-tools.sh
+
+.PHONY: cluster-up
+cluster-up: venv tools ## start the local cluster (control plane, fake GPU nodes, KubeRay, S3, Ray)
+	@hack/cluster-up.sh
+
+.PHONY: cluster-down
+cluster-down: ## stop everything cluster-up started
+	@hack/cluster-down.sh
+
+.PHONY: lint
+lint: venv ## ruff and mypy
+	$(VENV)/bin/ruff check operator trainer tests bench
+	$(VENV)/bin/ruff format --check operator trainer tests bench
+	$(VENV)/bin/mypy
+
+.PHONY: test
+test: venv tools lint ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+.PHONY: test-unit
+test-unit: venv ## the fast tests only (no servers)
+	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+
+.PHONY: demo
+demo: cluster-up ## the main job end to end on the local cluster
+	@hack/demo.sh

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds the local cluster's binaries from the Go module proxy into a cache outside the repo, keyed by
+# version and by the wrapper module's go.sum, and links them into ./bin. A binary already in the cache
+# is never rebuilt. Each build's wall time and peak memory go to $CACHE/build-times.tsv.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/hack/lib.sh"
+
+K8S_VERSION=v1.35.4
+ETCD_VERSION=v3.6.16
+KWOK_VERSION=v0.7.0
+HELM_VERSION=v3.19.5
+KUBERAY_VERSION=v1.5.0
+
+k8s_minor=${K8S_VERSION#v1.}
+k8s_minor=${k8s_minor%%.*}
+k8s_ldflags=""
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  k8s_ldflags+=" -X $pkg.gitVersion=$K8S_VERSION -X $pkg.gitMajor=1 -X $pkg.gitMinor=$k8s_minor"
+  k8s_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
+done
+
+# name | wrapper module | package | version | extra ldflags
+components=(
+  "etcd|etcd|go.etcd.io/etcd/server/v3|$ETCD_VERSION|"
+  "kube-apiserver|k8s|k8s.io/kubernetes/cmd/kube-apiserver|$K8S_VERSION|$k8s_ldflags"
+  "kube-controller-manager|k8s|k8s.io/kubernetes/cmd/kube-controller-manager|$K8S_VERSION|$k8s_ldflags"
+  "kube-scheduler|k8s|k8s.io/kubernetes/cmd/kube-scheduler|$K8S_VERSION|$k8s_ldflags"
+  "kubectl|k8s|k8s.io/kubernetes/cmd/kubectl|$K8S_VERSION|$k8s_ldflags"
+  "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
+  "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
+  "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
+  "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
+)
+
+only=("$@")
+mkdir -p "$CACHE/tools" "$root/bin"
+for entry in "${components[@]}"; do
+  IFS='|' read -r name module pkg version ldflags <<<"$entry"
+  if ((${#only[@]})) && [[ " ${only[*]} " != *" $name "* ]]; then continue; fi
+  sum=$(sha256sum "$root/hack/go/$module/go.sum" | cut -c1-12)
+  target="$CACHE/tools/$name-$version-$sum/$name"
+  if [[ ! -x $target ]]; then
+    log "building $name $version (module hack/go/$module)"
+    mkdir -p "$(dirname "$target")"
+    start=$(date +%s)
+    (cd "$root/hack/go/$module" &&
+      /usr/bin/time -f "%M" -o "$target.maxrss" \
+        go build -trimpath -ldflags "-s -w $ldflags" -o "$target.tmp" "$pkg")
+    mv "$target.tmp" "$target"
+    printf '%s\t%s\t%ss\t%sMiB\n' "$name" "$version" "$(($(date +%s) - start))" \
+      "$(($(cat "$target.maxrss") / 1024))" | tee -a "$CACHE/build-times.tsv"
+  fi
+  ln -sfn "$target" "$root/bin/$name"
+done

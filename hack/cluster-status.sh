@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Exits 0 when the local cluster from cluster-up is running and answering; prints what is not.
+set -uo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/hack/lib.sh"
+
+ok=0
+for name in ray moto kuberay; do
+  if ! kill -0 "$(cat "$STATE/pids/$name.pid" 2>/dev/null)" 2>/dev/null; then
+    echo "$name: not running"
+    ok=1
+  fi
+done
+if ! KUBECONFIG=$STATE/kubeconfig kubectl get --raw /readyz >/dev/null 2>&1; then
+  echo "kube-apiserver: not ready"
+  ok=1
+fi
+if ! curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version" >/dev/null; then
+  echo "ray dashboard: not answering"
+  ok=1
+fi
+exit $ok

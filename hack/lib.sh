@@ -1,0 +1,55 @@
+# Shared settings and helpers for the hack/ scripts; sourced, never run. Every port is on 127.0.0.1 and
+# can be moved with the environment variable of the same name.
+# shellcheck shell=bash
+CACHE=${FSDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fsdp-operator} # builds, kept between clones
+VENV=${FSDP_VENV:-$CACHE/venv}
+STATE=${FSDP_STATE_DIR:-$root/.local-cluster} # pids, logs, kubeconfig, env file of the running cluster
+# Ray puts unix sockets under its temp dir; keep the path short (108-byte limit) and unique per checkout.
+RAY_TMP=/tmp/fsdp-ray-$(printf '%s' "$root" | sha1sum | cut -c1-8)
+CLUSTER_NAME=${CLUSTER_NAME:-fsdp-local}
+APISERVER_PORT=${APISERVER_PORT:-36443}
+S3_PORT=${S3_PORT:-36900}
+RAY_GCS_PORT=${RAY_GCS_PORT:-36379}
+RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-36265}
+RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-36001}
+KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-36080}
+KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-36081}
+export KWOK_WORKDIR=$STATE/kwok
+export PATH="$root/bin:$VENV/bin:$PATH"
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+# start_daemon NAME CMD...: runs CMD in a session of its own (pid = process group id), logs to
+# $STATE/logs/NAME.log and records the pid in $STATE/pids/NAME.pid for cluster-down.
+start_daemon() {
+  local name=$1
+  shift
+  setsid "$@" >"$STATE/logs/$name.log" 2>&1 </dev/null &
+  echo $! >"$STATE/pids/$name.pid"
+}
+
+# wait_for WHAT SECONDS CMD...: retries CMD once a second until it succeeds or the time is up.
+wait_for() {
+  local what=$1 deadline=$(($(date +%s) + $2))
+  shift 2
+  until "$@" >/dev/null 2>&1; do
+    if (($(date +%s) >= deadline)); then
+      log "timed out waiting for $what (ran: $*); logs in $STATE/logs"
+      return 1
+    fi
+    sleep 1
+  done
+}
+
+write_env_file() {
+  cat >"$STATE/env" <<ENV
+export KUBECONFIG=$STATE/kubeconfig
+export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
+export AWS_ACCESS_KEY_ID=testing
+export AWS_SECRET_ACCESS_KEY=testing
+export AWS_DEFAULT_REGION=us-west-2
+export RAY_DASHBOARD_URL=http://127.0.0.1:$RAY_DASHBOARD_PORT
+export RAY_GCS_ADDRESS=127.0.0.1:$RAY_GCS_PORT
+export FSDP_LOCAL_CLUSTER_STATE=$STATE
+ENV
+}

@@ -1,0 +1,267 @@
+"""The FSDPTrainingRun API (fsdp.training.dev/v1alpha1): the one source of the CRD schema and field docs.
+
+Training-relevant sections (model, fsdp, training, data, checkpoint, network) are the trainer contract's own
+models, embedded as they are, so the CRD, `kubectl explain` and the trainer's config cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from fsdp_trainer.contract import (
+    CheckpointRef,
+    CheckpointSpec,
+    ContractModel,
+    DataSpec,
+    FsdpSpec,
+    ModelSpec,
+    NetworkSpec,
+    RestartEntry,
+    TrainingSpec,
+    TransportReport,
+    Versions,
+)
+
+GROUP = "fsdp.training.dev"
+VERSION = "v1alpha1"
+KIND = "FSDPTrainingRun"
+PLURAL = "fsdptrainingruns"
+SINGULAR = "fsdptrainingrun"
+SHORT_NAMES = ["trainingrun", "trainingruns", "ftr"]
+API_VERSION = f"{GROUP}/{VERSION}"
+
+IMAGE_PATTERN = r"^[a-z0-9]+([._/:-][a-zA-Z0-9_.-]+)*(@sha256:[0-9a-f]{64})?$"
+
+
+class Phase(StrEnum):
+    PENDING = "Pending"  # accepted; waiting for preflight capacity
+    PROVISIONING = "Provisioning"  # RayCluster created, not ready yet
+    CLUSTER_READY = "ClusterReady"
+    RUNNING = "Running"
+    RESTARTING = "Restarting"
+    SUSPENDED = "Suspended"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+# Phases in which the cluster shape and training inputs are in use and may not change.
+ACTIVE_PHASES = (Phase.PROVISIONING, Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING)
+FINISHED_PHASES = (Phase.SUCCEEDED, Phase.FAILED)
+
+
+class Toleration(ContractModel):
+    key: str | None = Field(default=None, description="Taint key the toleration applies to.")
+    operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
+    value: str | None = Field(default=None, description="Taint value for operator Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to tolerate; empty means all."
+    )
+    toleration_seconds: int | None = Field(
+        default=None, description="How long a NoExecute taint is tolerated."
+    )
+
+
+class HeadSpec(ContractModel):
+    cpu: str = Field(default="4", description="CPU request and limit of the Ray head (a quantity).")
+    memory: str = Field(default="16Gi", description="Memory request and limit of the Ray head.")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where the head runs; the head never asks for GPUs. Default: any node that is not of "
+        "the workers' instance type.",
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Head tolerations."
+    )
+
+
+class ClusterSpec(ContractModel):
+    workers: int = Field(default=2, ge=1, le=1024, description="Ray worker pods, one per GPU node.")
+    gpus_per_worker: int = Field(default=4, ge=1, le=64, description="nvidia.com/gpu per worker pod (>= 1).")
+    efa_per_worker: int = Field(
+        default=1, ge=0, le=32, description="vpc.amazonaws.com/efa interfaces per worker; 0 runs without EFA."
+    )
+    instance_type: str = Field(
+        default="g6.12xlarge",
+        description="EC2 instance type of the worker nodes (node.kubernetes.io/instance-type).",
+    )
+    cpu: str = Field(default="44", description="CPU request and limit per worker pod (a quantity).")
+    memory: str = Field(default="176Gi", description="Memory request and limit per worker pod.")
+    shm_size: str = Field(default="64Gi", description="Size of the /dev/shm memory volume per worker.")
+    zone: str | None = Field(
+        default=None, description="Availability zone for all workers; default: the one preflight picks."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Extra node labels the workers require."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Worker tolerations (e.g. for a GPU taint)."
+    )
+    head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod.")
+    service_account_name: str | None = Field(
+        default=None, description="Service account for head and workers."
+    )
+    priority_class_name: str | None = Field(default=None, description="Priority class for head and workers.")
+    queue_name: str | None = Field(
+        default=None, description="Kueue LocalQueue: set as kueue.x-k8s.io/queue-name on the RayCluster."
+    )
+
+
+class PreflightPolicy(StrEnum):
+    WAIT = "Wait"
+    FAIL = "Fail"
+
+
+class PreflightSpec(ContractModel):
+    on_insufficient_capacity: PreflightPolicy = Field(
+        default=PreflightPolicy.WAIT,
+        description="Wait: keep the run Pending and re-check; Fail: fail the run at once.",
+    )
+    recheck_seconds: int = Field(default=60, ge=5, description="Seconds between capacity re-checks.")
+    scale_from_zero: bool = Field(
+        default=False,
+        description="GPU nodes are created on demand (Karpenter, cluster autoscaler): check the EC2 API "
+        "for the instance type's zones and EFA support instead of existing nodes.",
+    )
+
+
+class RecoverySpec(ContractModel):
+    max_restarts: int = Field(default=3, ge=0, description="Resubmissions after the job or cluster fails.")
+    backoff_seconds: int = Field(
+        default=30, ge=0, description="Base delay before a restart; doubles each time."
+    )
+    hang_timeout_seconds: int = Field(
+        default=1800, ge=60, description="No progress for this long counts as a failure."
+    )
+    in_job_max_failures: int = Field(
+        default=1, ge=0, description="Worker failures Ray Train retries inside one job before it fails."
+    )
+
+
+class RuntimeEnvSpec(ContractModel):
+    pip: list[str] = Field(default_factory=list, max_length=256, description="Extra pip requirements.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the job.")
+
+
+class CleanupPolicy(StrEnum):
+    DELETE_CLUSTER = "DeleteCluster"
+    KEEP_CLUSTER = "KeepCluster"
+
+
+class FSDPTrainingRunSpec(ContractModel):
+    model: ModelSpec = Field(description="The model to fine-tune.")
+    image: str | None = Field(
+        default=None,
+        max_length=512,
+        pattern=IMAGE_PATTERN,
+        description="Ray Train DLC image for head and workers, by tag or @sha256: digest; default from the "
+        "operator's settings. After the first pull the run pins the digest that ran.",
+    )
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Shape of the RayCluster.")
+    preflight: PreflightSpec = Field(
+        default_factory=PreflightSpec, description="Capacity check before creating."
+    )
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec, description="FSDP2 sharding and precision.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Optimisation hyperparameters.")
+    data: DataSpec = Field(default_factory=DataSpec, description="Training and evaluation data.")
+    checkpoint: CheckpointSpec = Field(description="Checkpoint storage, cadence and resume policy.")
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec, description="Restarts after failures.")
+    network: NetworkSpec = Field(default_factory=NetworkSpec, description="EFA policy and NCCL settings.")
+    runtime_env: RuntimeEnvSpec = Field(
+        default_factory=RuntimeEnvSpec, description="Extra pip packages and environment for the trainer job."
+    )
+    suspend: bool = Field(
+        default=False, description="Tear the cluster down and keep checkpoints; false again resumes."
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, description="Fail the run when it has been active for longer than this."
+    )
+    cleanup_policy: CleanupPolicy = Field(
+        default=CleanupPolicy.DELETE_CLUSTER,
+        description="After the run finishes: DeleteCluster frees the GPUs (the CR and run.json remain); "
+        "KeepCluster leaves the RayCluster for inspection.",
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Status
+
+
+class Condition(ContractModel):
+    type: str = Field(
+        description="Preflight, ClusterReady, JobRunning, Succeeded, Failed, TransportDegraded..."
+    )
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(description="CamelCase reason.")
+    message: str = ""
+    last_transition_time: dt.datetime
+    observed_generation: int | None = None
+
+
+class ImageStatus(ContractModel):
+    requested: str | None = Field(default=None, description="The image reference the spec asked for.")
+    digest: str | None = Field(default=None, description="repo@sha256 digest the pods actually ran.")
+    consistent: bool | None = Field(default=None, description="False when pods reported different digests.")
+
+
+class ProgressStatus(ContractModel):
+    step: int | None = None
+    max_steps: int | None = None
+    loss: float | None = None
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
+    tokens_per_second: float | None = None
+    mfu: float | None = None
+    updated_at: dt.datetime | None = None
+
+
+class CheckpointsStatus(ContractModel):
+    latest: CheckpointRef | None = Field(default=None, description="Latest complete checkpoint.")
+    recent: list[CheckpointRef] = Field(
+        default_factory=list, description="The last few complete checkpoints."
+    )
+
+
+class RestartsStatus(ContractModel):
+    count: int = 0
+    history: list[RestartEntry] = Field(default_factory=list)
+
+
+class RecordStatus(ContractModel):
+    uri: str | None = Field(default=None, description="Where run.json is written.")
+    package_sha256: str | None = Field(default=None, description="sha256 of the trainer package submitted.")
+    versions: Versions = Field(default_factory=Versions)
+    exported_model_uri: str | None = None
+
+
+class FSDPTrainingRunStatus(ContractModel):
+    observed_generation: int | None = None
+    phase: Phase | None = None
+    message: str | None = None
+    conditions: list[Condition] = Field(default_factory=list)
+    ray_cluster_name: str | None = None
+    zone: str | None = Field(default=None, description="Availability zone the workers were placed in.")
+    job_submission_id: str | None = None
+    attempt: int = Field(default=0, description="Job submissions so far, counting from 1.")
+    image: ImageStatus = Field(default_factory=ImageStatus)
+    progress: ProgressStatus = Field(default_factory=ProgressStatus)
+    checkpoints: CheckpointsStatus = Field(default_factory=CheckpointsStatus)
+    transport: TransportReport | None = None
+    restarts: RestartsStatus = Field(default_factory=RestartsStatus)
+    record: RecordStatus = Field(default_factory=RecordStatus)
+    start_time: dt.datetime | None = None
+    completion_time: dt.datetime | None = None
+    next_check_time: dt.datetime | None = Field(
+        default=None, description="When the operator next re-checks capacity or restarts."
+    )
+
+
+class FSDPTrainingRun(ContractModel):
+    api_version: Literal["fsdp.training.dev/v1alpha1"] = API_VERSION  # type: ignore[assignment]
+    kind: Literal["FSDPTrainingRun"] = KIND  # type: ignore[assignment]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    spec: FSDPTrainingRunSpec
+    status: FSDPTrainingRunStatus = Field(default_factory=FSDPTrainingRunStatus)

@@ -1,0 +1,188 @@
+"""Pure builders: an FSDPTrainingRun spec to the KubeRay RayCluster (ray.io/v1) that runs it."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_operator import api
+from fsdp_trainer.contract import EfaPolicy
+
+RAY_VERSION = "2.58.0"
+LABEL_RUN = f"{api.GROUP}/run"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGER = "fsdp-operator"
+LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
+LABEL_ZONE = "topology.kubernetes.io/zone"
+LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+GPU = "nvidia.com/gpu"
+EFA = "vpc.amazonaws.com/efa"
+WORKER_GROUP = "gpu-workers"
+# EC2 families whose EFA supports GPUDirect RDMA; elsewhere (g5, g6, ...) NCCL stages through host memory.
+GPUDIRECT_RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6")
+_MAX_NAME = 40  # KubeRay derives pod and service names from the cluster name; keep them within 63 chars
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """Identity of the FSDPTrainingRun a child object belongs to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def ray_cluster_name(run_name: str) -> str:
+    """Deterministic child name, so a replayed event or a restarted operator finds the same cluster."""
+    if len(run_name) <= _MAX_NAME:
+        return run_name
+    digest = hashlib.sha256(run_name.encode()).hexdigest()[:6]
+    return f"{run_name[: _MAX_NAME - 7].rstrip('-')}-{digest}"
+
+
+def run_labels(run: RunRef) -> dict[str, str]:
+    return {LABEL_RUN: run.name, LABEL_MANAGED_BY: MANAGER}
+
+
+def owner_reference(run: RunRef) -> dict[str, Any]:
+    return {
+        "apiVersion": api.API_VERSION,
+        "kind": api.KIND,
+        "name": run.name,
+        "uid": run.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def uses_efa(spec: api.FSDPTrainingRunSpec) -> bool:
+    return spec.cluster.efa_per_worker > 0 and spec.network.efa != EfaPolicy.DISABLED
+
+
+def efa_environment(spec: api.FSDPTrainingRunSpec) -> dict[str, str]:
+    """NCCL/libfabric settings for EFA, plus the NCCL logging the trainer turns into transport evidence."""
+    if not uses_efa(spec):
+        return {}
+    env = {
+        "FI_PROVIDER": "efa",
+        "NCCL_DEBUG": "INFO",
+        "NCCL_DEBUG_SUBSYS": "INIT,NET",
+    }
+    if spec.network.efa == EfaPolicy.REQUIRED:
+        env["NCCL_NET"] = "Libfabric"  # NCCL then fails instead of falling back to sockets
+    if spec.cluster.instance_type.split(".")[0] in GPUDIRECT_RDMA_FAMILIES:
+        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
+    env.update(spec.network.nccl_env)
+    return env
+
+
+def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+
+
+def _pod_common(spec: api.FSDPTrainingRunSpec, run: RunRef) -> dict[str, Any]:
+    common: dict[str, Any] = {}
+    if spec.cluster.service_account_name:
+        common["serviceAccountName"] = spec.cluster.service_account_name
+    if spec.cluster.priority_class_name:
+        common["priorityClassName"] = spec.cluster.priority_class_name
+    return common
+
+
+def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[str, Any]:
+    head = spec.cluster.head
+    resources = {"cpu": head.cpu, "memory": head.memory}
+    pod: dict[str, Any] = {
+        **_pod_common(spec, run),
+        "containers": [
+            {"name": "ray-head", "image": image, "resources": {"requests": resources, "limits": resources}}
+        ],
+    }
+    if head.node_selector:
+        pod["nodeSelector"] = dict(head.node_selector)
+    else:  # keep the head off the GPU nodes it would otherwise take a slot on
+        pod["affinity"] = {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {
+                                    "key": LABEL_INSTANCE_TYPE,
+                                    "operator": "NotIn",
+                                    "values": [spec.cluster.instance_type],
+                                }
+                            ]
+                        }
+                    ]
+                }
+            }
+        }
+    if head.tolerations:
+        pod["tolerations"] = _tolerations(head.tolerations)
+    return {
+        "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+        "template": {"metadata": {"labels": run_labels(run)}, "spec": pod},
+    }
+
+
+def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None) -> dict[str, Any]:
+    cluster = spec.cluster
+    resources = {"cpu": cluster.cpu, "memory": cluster.memory, GPU: str(cluster.gpus_per_worker)}
+    if uses_efa(spec):
+        resources[EFA] = str(cluster.efa_per_worker)
+    node_selector = {**cluster.node_selector, LABEL_INSTANCE_TYPE: cluster.instance_type}
+    placement_zone = cluster.zone or zone
+    if placement_zone:  # EFA traffic does not cross availability zones
+        node_selector[LABEL_ZONE] = placement_zone
+    container: dict[str, Any] = {
+        "name": "ray-worker",
+        "image": image,
+        "resources": {"requests": resources, "limits": resources},
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+    }
+    env = efa_environment(spec)
+    if env:
+        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+    pod: dict[str, Any] = {
+        **_pod_common(spec, run),
+        "nodeSelector": node_selector,
+        "containers": [container],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}}],
+    }
+    if cluster.tolerations:
+        pod["tolerations"] = _tolerations(cluster.tolerations)
+    return {
+        "groupName": WORKER_GROUP,
+        "replicas": cluster.workers,
+        "minReplicas": cluster.workers,
+        "maxReplicas": cluster.workers,
+        "rayStartParams": {},
+        "template": {"metadata": {"labels": run_labels(run)}, "spec": pod},
+    }
+
+
+def build_raycluster(
+    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None
+) -> dict[str, Any]:
+    """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone."""
+    labels = run_labels(run)
+    if spec.cluster.queue_name:
+        labels[LABEL_KUEUE_QUEUE] = spec.cluster.queue_name
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {
+            "name": ray_cluster_name(run.name),
+            "namespace": run.namespace,
+            "labels": labels,
+            "ownerReferences": [owner_reference(run)],
+        },
+        "spec": {
+            "rayVersion": RAY_VERSION,
+            "enableInTreeAutoscaling": False,
+            "headGroupSpec": _head_group(spec, run, image),
+            "workerGroupSpecs": [_worker_group(spec, run, image, zone)],
+        },
+    }

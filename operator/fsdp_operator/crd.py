@@ -1,0 +1,234 @@
+"""Generates the FSDPTrainingRun CRD from the pydantic API models.
+
+`python -m fsdp_operator.crd` rewrites crds/ and the Helm chart's copy; a unit test fails when either
+differs from what the models generate. Pydantic's JSON Schema is turned into a Kubernetes structural
+schema: $refs inlined, Optional as nullable, no additionalProperties: false, OpenAPI v3.0 exclusive bounds,
+`default: {}` on optional objects so the apiserver applies nested defaults.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fsdp_operator import api
+
+REPO = Path(__file__).resolve().parents[2]
+CRD_FILE = REPO / "crds" / f"{api.PLURAL}.{api.GROUP}.yaml"
+CHART_CRD_FILE = REPO / "charts" / "fsdp-operator" / "crds" / CRD_FILE.name
+
+_ACTIVE = "[" + ", ".join(f"'{p.value}'" for p in api.ACTIVE_PHASES) + "]"
+
+# Cross-field rules on spec: (CEL, message, field path). The message names the field it is about.
+SPEC_RULES: list[tuple[str, str, str]] = [
+    (
+        "self.cluster.workers == 1 || self.checkpoint.storagePath.startsWith('s3://')",
+        "spec.checkpoint.storagePath must be an s3:// URI when spec.cluster.workers > 1 "
+        "(every node must reach the same checkpoints)",
+        ".checkpoint.storagePath",
+    ),
+    (
+        "self.fsdp.sharding != 'HYBRID_SHARD' || self.cluster.workers >= 2",
+        "spec.fsdp.sharding HYBRID_SHARD needs spec.cluster.workers >= 2 (it replicates across nodes)",
+        ".fsdp.sharding",
+    ),
+    (
+        "has(self.model.source) != has(self.model.fromConfig)",
+        "spec.model needs exactly one of source and fromConfig",
+        ".model",
+    ),
+    (
+        "!has(self.model.fromConfig) || has(self.model.tokenizer)",
+        "spec.model.tokenizer is required with spec.model.fromConfig (there is no source to take it from)",
+        ".model.tokenizer",
+    ),
+    (
+        "self.network.efa != 'required' || self.cluster.efaPerWorker >= 1",
+        "spec.network.efa required needs spec.cluster.efaPerWorker >= 1",
+        ".network.efa",
+    ),
+    (
+        "self.cluster.efaPerWorker == 0 || self.network.efa != 'disabled'",
+        "spec.cluster.efaPerWorker must be 0 when spec.network.efa is disabled",
+        ".cluster.efaPerWorker",
+    ),
+    (
+        "self.data.evalEvery <= self.training.maxSteps",
+        "spec.data.evalEvery must not exceed spec.training.maxSteps",
+        ".data.evalEvery",
+    ),
+    (
+        "self.training.warmupSteps < self.training.maxSteps",
+        "spec.training.warmupSteps must be less than spec.training.maxSteps",
+        ".training.warmupSteps",
+    ),
+]
+
+# Fields that may not change while a run is active (a cluster exists or a job runs). Suspend first, or
+# create a new run. Rules sit at the root because they need status.phase.
+IMMUTABLE_WHILE_ACTIVE = ["model", "image", "cluster", "fsdp", "training", "data", "checkpoint", "network"]
+
+
+def _root_rules() -> list[dict[str, Any]]:
+    rules = []
+    for field in IMMUTABLE_WHILE_ACTIVE:
+        rules.append(
+            {
+                "rule": "!has(oldSelf.status) || !has(oldSelf.status.phase)"
+                f" || !(oldSelf.status.phase in {_ACTIVE})"
+                f" || (has(self.spec.{field}) == has(oldSelf.spec.{field})"
+                f" && (!has(self.spec.{field}) || self.spec.{field} == oldSelf.spec.{field}))",
+                "message": f"spec.{field} cannot change while the run is active (phase in {_ACTIVE}); "
+                "suspend the run first or create a new one",
+                "fieldPath": f".spec.{field}",
+                "reason": "FieldValueForbidden",
+            }
+        )
+    return rules
+
+
+def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    """Rewrites one pydantic JSON Schema node (and its children) as a structural schema node."""
+    node = copy.deepcopy(schema)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").split("/")[-1]]
+        node = {**_structural(target, defs), **{k: v for k, v in node.items()}}
+    if "anyOf" in node:
+        variants = [v for v in node.pop("anyOf") if v.get("type") != "null"]
+        if len(variants) != 1:
+            raise ValueError(f"unions other than Optional[X] have no structural schema: {schema}")
+        node = {**_structural(variants[0], defs), **node, "nullable": True}
+    if "allOf" in node and len(node["allOf"]) == 1:
+        node = {**_structural(node.pop("allOf")[0], defs), **node}
+    node.pop("title", None)
+    if "default" in node and node["default"] is None:
+        node.pop("default")
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+        if isinstance(node.get(bound), int | float) and not isinstance(node.get(bound), bool):
+            node[inclusive] = node[bound]
+            node[bound] = True
+    if node.get("additionalProperties") in (False, True):
+        node.pop("additionalProperties")
+    if node.get("format") == "date-time":
+        node["type"] = "string"
+    if isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = _structural(node["additionalProperties"], defs)
+    if "items" in node:
+        node["items"] = _structural(node["items"], defs)
+    if "properties" in node:
+        node["type"] = "object"
+        required = set(node.get("required", []))
+        props = {}
+        for name, prop in node["properties"].items():
+            child = _structural(prop, defs)
+            if child.get("type") == "object" and "properties" in child and name not in required:
+                child.setdefault("default", {})
+            props[name] = child
+        node["properties"] = props
+    if node.get("x-kubernetes-preserve-unknown-fields"):
+        node["type"] = "object"
+        node.pop("additionalProperties", None)
+    return node
+
+
+def _without_defaults(node: Any) -> Any:
+    if isinstance(node, dict):
+        return {k: _without_defaults(v) for k, v in node.items() if k != "default"}
+    if isinstance(node, list):
+        return [_without_defaults(v) for v in node]
+    return node
+
+
+def openapi_schema() -> dict[str, Any]:
+    def structural_of(model: type[api.ContractModel]) -> dict[str, Any]:
+        raw = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")
+        return _structural(raw, raw.get("$defs", {}))
+
+    spec = structural_of(api.FSDPTrainingRunSpec)
+    spec["x-kubernetes-validations"] = [
+        {"rule": rule, "message": message, "fieldPath": path} for rule, message, path in SPEC_RULES
+    ]
+    status = _without_defaults(structural_of(api.FSDPTrainingRunStatus))
+    for schema in (spec, status):
+        schema.pop("$defs", None)
+    status["description"] = "Observed state, written by the operator through the status subresource."
+    spec["description"] = "Desired state of the training run."
+    return {
+        "type": "object",
+        "description": "A fine-tuning run with FSDP2 on a KubeRay RayCluster, restarted from its last "
+        "complete checkpoint on failure.",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec,
+            "status": status,
+        },
+        "x-kubernetes-validations": _root_rules(),
+    }
+
+
+PRINTER_COLUMNS: list[dict[str, Any]] = [
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Loss", "type": "number", "jsonPath": ".status.progress.loss"},
+    {"name": "Last Checkpoint", "type": "integer", "jsonPath": ".status.checkpoints.latest.step"},
+    {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.count"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    {"name": "Image Digest", "type": "string", "jsonPath": ".status.image.digest", "priority": 1},
+    {"name": "Ray Cluster", "type": "string", "jsonPath": ".status.rayClusterName", "priority": 1},
+    {"name": "Transport", "type": "string", "jsonPath": ".status.transport.observed", "priority": 1},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.KIND,
+                "listKind": f"{api.KIND}List",
+                "plural": api.PLURAL,
+                "singular": api.SINGULAR,
+                "shortNames": api.SHORT_NAMES,
+                "categories": ["training"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
+        },
+    }
+
+
+def render() -> str:
+    header = "# Generated by `python -m fsdp_operator.crd` from fsdp_operator/api.py. Do not edit.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)
+
+
+def main() -> None:
+    text = render()
+    for path in (CRD_FILE, CHART_CRD_FILE):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Test tiers by directory (unit / cluster / e2e) and the session-wide local cluster."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.harness import REPO, LocalCluster, kubectl, wait_until
+
+TIERS = ("unit", "cluster", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/cluster or tests/e2e")
+        item.add_marker(getattr(pytest.mark, tier))
+
+
+def _cluster_running() -> bool:
+    return subprocess.run([REPO / "hack" / "cluster-status.sh"], capture_output=True).returncode == 0
+
+
+@pytest.fixture(scope="session")
+def local_cluster() -> Iterator[LocalCluster]:
+    """The local cluster: reused when already running, else started here and stopped (by pid) at the end."""
+    running = _cluster_running()
+    if not running:
+        subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
+    cluster = LocalCluster.from_env_file()
+    saved = dict(os.environ)
+    os.environ.update(cluster.env)
+    try:
+        yield cluster
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if not running:
+            subprocess.run([REPO / "hack" / "cluster-down.sh"], check=True)
+
+
+@pytest.fixture
+def namespace(local_cluster: LocalCluster) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards with everything in it."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        kubectl("delete", "namespace", name, "--wait=false")
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """An S3-compatible server on loopback: the local cluster's when it runs, else a moto server of our own.
+
+    Sets AWS_ENDPOINT_URL and dummy credentials in the environment for the session, so boto3, pyarrow and
+    Ray's storage layer all talk to it.
+    """
+    saved = dict(os.environ)
+    server: subprocess.Popen[bytes] | None = None
+    if _cluster_running():
+        endpoint = LocalCluster.from_env_file().s3_endpoint
+    else:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        moto = Path(sys.executable).with_name("moto_server")
+        server = subprocess.Popen(
+            [moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-west-2",
+    )
+    try:
+        wait_until(f"S3 server at {endpoint}", lambda: _answers(endpoint), timeout=30, interval=0.3)
+        yield endpoint
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+
+
+def _answers(endpoint: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
+            return True
+    except OSError:
+        return False

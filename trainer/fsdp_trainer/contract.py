@@ -1,0 +1,321 @@
+"""The contract between the operator and the trainer: pydantic only, no torch, no Ray.
+
+The operator embeds the config sections below in its CRD (they are the one source of the field docs), hands
+a `TrainerConfig` to the trainer as JSON, and reads back what the trainer writes next to its checkpoints:
+a `ProgressRecord` while training and a `CheckpointManifest` inside every checkpoint. The operator writes
+the `RunRecord` (run.json) in the same place, so the evidence of a run outlives its custom resource.
+
+Storage layout under `<checkpoint.storagePath>/<runName>/`:
+    progress.json                       latest ProgressRecord (rank 0, every logging interval)
+    run.json                            RunRecord (operator)
+    checkpoint_<...>/                   Ray Train checkpoint directories (DCP shards + .metadata)
+        fsdp_manifest.json              CheckpointManifest, written last: no manifest, no checkpoint
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+PROGRESS_FILE = "progress.json"
+RUN_RECORD_FILE = "run.json"
+MANIFEST_FILE = "fsdp_manifest.json"
+DCP_METADATA_FILE = ".metadata"
+SCHEMA_VERSION = 1
+
+
+class ContractModel(BaseModel):
+    """camelCase on the wire (Kubernetes style), snake_case in Python; unknown fields are errors."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", use_enum_values=True
+    )
+
+    def to_json(self) -> str:
+        return self.model_dump_json(by_alias=True, exclude_none=True)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Config sections (embedded in the FSDPTrainingRun spec)
+
+
+class ShardingStrategy(StrEnum):
+    FULL_SHARD = "FULL_SHARD"
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"
+    HYBRID_SHARD = "HYBRID_SHARD"
+    NO_SHARD = "NO_SHARD"
+
+
+class Precision(StrEnum):
+    BF16 = "bf16"
+    FP16 = "fp16"
+    FP32 = "fp32"
+
+
+class ActivationCheckpointing(StrEnum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+class Schedule(StrEnum):
+    COSINE = "cosine"
+    LINEAR = "linear"
+    CONSTANT = "constant"
+
+
+class EfaPolicy(StrEnum):
+    REQUIRED = "required"
+    PREFERRED = "preferred"
+    DISABLED = "disabled"
+
+
+class ModelSpec(ContractModel):
+    source: str | None = Field(
+        default=None,
+        description="Where the pretrained model comes from: a Hugging Face hub id (e.g. Qwen/Qwen2.5-1.5B), "
+        "an s3:// prefix holding config, weights and tokenizer (downloaded once per node), or a local path "
+        "inside the image. Exactly one of source and fromConfig is set.",
+    )
+    revision: str | None = Field(
+        default=None, description="Hub revision (branch, tag or commit) when source is a hub id."
+    )
+    from_config: dict[str, Any] | None = Field(
+        default=None,
+        description="A transformers model config (must contain model_type) to initialise randomly instead "
+        "of loading weights: the AWS sample's parity mode and the tiny CPU demo.",
+        json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
+    )
+    tokenizer: str | None = Field(
+        default=None,
+        description="Tokenizer source (hub id, s3:// prefix or local path); defaults to source. "
+        "'byte-level' is the built-in 256-symbol byte tokenizer, needing no download.",
+    )
+
+
+class FsdpSpec(ContractModel):
+    sharding: ShardingStrategy = Field(
+        default=ShardingStrategy.FULL_SHARD,
+        description="FULL_SHARD reshards parameters after forward; SHARD_GRAD_OP keeps them gathered "
+        "until backward; HYBRID_SHARD replicates across nodes and shards within a node (2-D mesh, needs "
+        "two or more workers); NO_SHARD replicates everything (DDP-like).",
+    )
+    mixed_precision: Precision = Field(
+        default=Precision.BF16, description="Parameter dtype for compute; gradients reduce in fp32."
+    )
+    activation_checkpointing: ActivationCheckpointing = Field(
+        default=ActivationCheckpointing.NONE,
+        description="Recompute activations in backward: none, full (every decoder layer) or selective "
+        "(every other layer).",
+    )
+    cpu_offload: bool = Field(default=False, description="Offload sharded parameters and optimizer to CPU.")
+    compile: bool = Field(default=False, description="torch.compile each decoder layer before sharding.")
+
+
+class TrainingSpec(ContractModel):
+    max_steps: int = Field(default=100, ge=1, description="Optimizer steps to train for.")
+    micro_batch_size: int = Field(default=1, ge=1, description="Sequences per device per micro-step.")
+    grad_accumulation: int = Field(default=1, ge=1, description="Micro-steps per optimizer step.")
+    sequence_length: int = Field(default=2048, ge=8, le=1_048_576, description="Tokens per sequence.")
+    learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak AdamW learning rate.")
+    min_learning_rate_ratio: float = Field(
+        default=0.1, ge=0, le=1, description="Final learning rate as a fraction of the peak."
+    )
+    schedule: Schedule = Field(default=Schedule.COSINE, description="Decay after warmup.")
+    warmup_steps: int = Field(default=0, ge=0, description="Linear warmup steps.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm; 0 disables it.")
+    seed: int = Field(default=0, ge=0, description="Seed for initialisation, data order and dropout.")
+    log_every: int = Field(default=1, ge=1, description="Steps between metric records.")
+
+
+class DataSpec(ContractModel):
+    source: str = Field(
+        default="synthetic",
+        description="'synthetic' for random tokens (the AWS sample), or a jsonl/parquet file or directory "
+        "(local path, s3:// or hf://datasets/... URI) with one text document per row.",
+    )
+    text_field: str = Field(default="text", description="Column or key holding the text.")
+    eval_source: str | None = Field(
+        default=None, description="Held-out evaluation data in the same formats; default: evalFraction."
+    )
+    eval_fraction: float = Field(
+        default=0.05, ge=0, lt=1, description="Share of source documents held out when evalSource is unset."
+    )
+    eval_every: int = Field(default=0, ge=0, description="Steps between evaluations; 0 evaluates at the end.")
+    eval_batches: int = Field(default=8, ge=1, description="Batches per evaluation.")
+
+
+class CheckpointSpec(ContractModel):
+    storage_path: str = Field(
+        description="Where checkpoints, the progress record and run.json go: an s3:// prefix (required "
+        "with more than one worker) or a local path for a single worker.",
+    )
+    every_steps: int = Field(default=50, ge=1, description="Steps between checkpoints.")
+    keep: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are deleted.")
+    resume: str = Field(
+        default="auto",
+        description="'auto' resumes from the latest complete checkpoint of this run, 'never' starts fresh, "
+        "anything else is the URI of a checkpoint to start from.",
+    )
+    export_model: bool = Field(
+        default=True, description="At the end, write a consolidated Hugging Face model (safetensors)."
+    )
+
+
+class NetworkSpec(ContractModel):
+    efa: EfaPolicy = Field(
+        default=EfaPolicy.PREFERRED,
+        description="required: NCCL must use Libfabric/EFA and a socket fallback stops the run; "
+        "preferred: use EFA, report a fallback as TransportDegraded; disabled: no EFA devices or settings.",
+    )
+    nccl_env: dict[str, str] = Field(
+        default_factory=dict, description="Extra NCCL_* / FI_* environment for the workers."
+    )
+    bandwidth_probe_mb: int = Field(
+        default=64, ge=0, description="All-reduce probe size in MiB before training; 0 skips the probe."
+    )
+
+
+class TrainerConfig(ContractModel):
+    """Everything the trainer needs; the operator builds it from the FSDPTrainingRun spec."""
+
+    run_name: str = Field(description="Name of the run; the directory under storagePath.")
+    workers: int = Field(default=1, ge=1, description="Ray Train workers (one per node).")
+    gpus_per_worker: int = Field(
+        default=0, ge=0, description="GPUs per worker; one training process per GPU. 0 trains on CPU (gloo)."
+    )
+    cpus_per_worker: float = Field(default=1, gt=0, description="CPUs per worker when training on CPU.")
+    max_failures: int = Field(
+        default=0, ge=0, description="In-job retries by Ray Train before the job fails."
+    )
+    model: ModelSpec
+    fsdp: FsdpSpec = Field(default_factory=FsdpSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    checkpoint: CheckpointSpec
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# What the trainer writes and the operator reads
+
+
+class Versions(ContractModel):
+    python: str | None = None
+    ray: str | None = None
+    torch: str | None = None
+    transformers: str | None = None
+    cuda: str | None = None
+    nccl: str | None = None
+
+
+class Transport(StrEnum):
+    EFA_GPUDIRECT = "efa-gpudirect"  # Libfabric/EFA with GPUDirect RDMA
+    EFA = "efa"  # Libfabric/EFA, staged through host memory
+    SOCKET = "socket"  # NCCL's TCP socket transport: the silent fallback
+    GLOO = "gloo"  # CPU training
+    SINGLE = "single-node"  # intra-node only (NVLink/PCIe/SHM); no network transport used
+    UNKNOWN = "unknown"
+
+
+class TransportReport(ContractModel):
+    observed: Transport = Field(description="The network transport NCCL (or gloo) actually used.")
+    evidence: list[str] = Field(default_factory=list, description="Log lines that show it.")
+    bus_bandwidth_gbps: float | None = Field(
+        default=None, description="All-reduce bus bandwidth from the probe, in GB/s."
+    )
+
+
+class ProgressRecord(ContractModel):
+    schema_version: int = SCHEMA_VERSION
+    run_name: str
+    phase: Literal["starting", "training", "finished", "failed"]
+    step: int = 0
+    max_steps: int
+    loss: float | None = None
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None
+    learning_rate: float | None = None
+    grad_norm: float | None = None
+    tokens_per_second: float | None = None
+    tokens_per_second_per_device: float | None = None
+    step_time_seconds: float | None = None
+    mfu: float | None = None
+    peak_memory_bytes: int | None = None
+    tokens_seen: int = 0
+    world_size: int = 1
+    resumed_from_step: int | None = None
+    transport: TransportReport | None = None
+    versions: Versions = Field(default_factory=Versions)
+    exported_model_uri: str | None = None
+    error: str | None = None
+    updated_at: dt.datetime
+
+
+class CheckpointManifest(ContractModel):
+    schema_version: int = SCHEMA_VERSION
+    run_name: str
+    step: int
+    loss: float | None = None
+    tokens_seen: int
+    world_size: int
+    created_at: dt.datetime
+    versions: Versions = Field(default_factory=Versions)
+    files: dict[str, int] = Field(description="Every file of the checkpoint with its size in bytes.")
+
+
+class CheckpointRef(ContractModel):
+    uri: str
+    step: int
+    time: dt.datetime
+
+
+class RestartEntry(ContractModel):
+    time: dt.datetime
+    reason: str
+    message: str = ""
+    resumed_from_step: int | None = None
+
+
+class RunRecord(ContractModel):
+    """run.json: what ran, written by the operator next to the checkpoints."""
+
+    schema_version: int = SCHEMA_VERSION
+    run_name: str
+    namespace: str
+    uid: str
+    image_requested: str
+    image_digest: str | None = None
+    trainer_package_sha256: str | None = None
+    versions: Versions = Field(default_factory=Versions)
+    config: TrainerConfig
+    phase: str
+    start_time: dt.datetime | None = None
+    completion_time: dt.datetime | None = None
+    checkpoints: list[CheckpointRef] = Field(default_factory=list)
+    restarts: list[RestartEntry] = Field(default_factory=list)
+    final_progress: ProgressRecord | None = None
+    transport: TransportReport | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Pure helpers both sides use
+
+
+def run_prefix(storage_path: str, run_name: str) -> str:
+    return f"{storage_path.rstrip('/')}/{run_name}"
+
+
+def checkpoint_is_complete(manifest: CheckpointManifest | None, listing: dict[str, int]) -> bool:
+    """A checkpoint counts only with its manifest, DCP metadata, and every listed file at its listed size.
+
+    `listing` maps file names relative to the checkpoint directory to their sizes, as found in storage.
+    """
+    if manifest is None or DCP_METADATA_FILE not in listing:
+        return False
+    return all(listing.get(name) == size for name, size in manifest.files.items())
