@@ -96,7 +96,7 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "containers": [
-            {"name": "ray-head", "image": image, "resources": {"requests": resources, "limits": resources}}
+            {"name": "ray-head", "image": image, "resources": {"requests": resources, "limits": dict(resources)}}
         ],
     }
     if head.node_selector:
@@ -139,7 +139,7 @@ def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: 
     container: dict[str, Any] = {
         "name": "ray-worker",
         "image": image,
-        "resources": {"requests": resources, "limits": resources},
+        "resources": {"requests": resources, "limits": dict(resources)},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
     env = efa_environment(spec)

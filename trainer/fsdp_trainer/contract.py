@@ -7,6 +7,8 @@ the `RunRecord` (run.json) in the same place, so the evidence of a run outlives 
 
 Storage layout under `<checkpoint.storagePath>/<runName>/`:
     progress.json                       latest ProgressRecord (rank 0, every logging interval)
+    metrics/<attempt>.jsonl             ProgressRecord history of one attempt (flushed at checkpoints, end)
+    model/                              consolidated Hugging Face model exported at the end (safetensors)
     run.json                            RunRecord (operator)
     checkpoint_<...>/                   Ray Train checkpoint directories (DCP shards + .metadata)
         fsdp_manifest.json              CheckpointManifest, written last: no manifest, no checkpoint
@@ -24,6 +26,8 @@ from pydantic.alias_generators import to_camel
 PROGRESS_FILE = "progress.json"
 RUN_RECORD_FILE = "run.json"
 MANIFEST_FILE = "fsdp_manifest.json"
+METRICS_DIR = "metrics"
+MODEL_DIR = "model"
 DCP_METADATA_FILE = ".metadata"
 SCHEMA_VERSION = 1
 
@@ -231,6 +235,20 @@ class TransportReport(ContractModel):
     )
 
 
+class ErrorKind(StrEnum):
+    """Why a run failed; every kind but RUNTIME is permanent: retrying the same input fails the same way."""
+
+    CONFIG = "config"  # invalid or inconsistent configuration, unusable resume URI
+    DATA = "data"  # data source missing, unreadable, without the text field, or too small
+    MODEL = "model"  # model or tokenizer could not be loaded or built
+    OOM = "oom"  # device out of memory
+    TRANSPORT = "transport"  # the network policy was violated (e.g. EFA required, socket used)
+    RUNTIME = "runtime"  # anything else (lost workers, storage hiccups, collective timeouts): retryable
+
+
+PERMANENT_ERROR_KINDS = frozenset(kind for kind in ErrorKind if kind is not ErrorKind.RUNTIME)
+
+
 class ProgressRecord(ContractModel):
     schema_version: int = SCHEMA_VERSION
     run_name: str
@@ -254,6 +272,7 @@ class ProgressRecord(ContractModel):
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None
     error: str | None = None
+    error_kind: ErrorKind | None = None
     updated_at: dt.datetime
 
 
@@ -267,6 +286,9 @@ class CheckpointManifest(ContractModel):
     created_at: dt.datetime
     versions: Versions = Field(default_factory=Versions)
     files: dict[str, int] = Field(description="Every file of the checkpoint with its size in bytes.")
+    submission_id: str | None = Field(
+        default=None, description="The trainer submission that wrote it (resume=never ignores others)."
+    )
 
 
 class CheckpointRef(ContractModel):

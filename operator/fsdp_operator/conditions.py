@@ -1,0 +1,54 @@
+"""Kubernetes-style conditions: one per type, lastTransitionTime kept while the status does not change."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from fsdp_operator.api import Condition
+
+PREFLIGHT = "Preflight"
+CLUSTER_READY = "ClusterReady"
+JOB_RUNNING = "JobRunning"
+SUCCEEDED = "Succeeded"
+FAILED = "Failed"
+SUSPENDED = "Suspended"
+TRANSPORT_DEGRADED = "TransportDegraded"
+IMAGE_CONSISTENT = "ImageConsistent"
+
+
+def set_condition(
+    conditions: list[Condition],
+    type_: str,
+    status: bool | Literal["Unknown"],
+    reason: str,
+    message: str,
+    now: dt.datetime,
+    generation: int | None,
+) -> list[Condition]:
+    """Returns the conditions with `type_` set; other types keep their order and values."""
+    value: Literal["True", "False", "Unknown"] = (
+        "Unknown" if status == "Unknown" else ("True" if status else "False")
+    )
+    previous = next((c for c in conditions if c.type == type_), None)
+    changed = previous is None or previous.status != value
+    updated = Condition(
+        type=type_,
+        status=value,
+        reason=reason,
+        message=message,
+        last_transition_time=now if changed or previous is None else previous.last_transition_time,
+        observed_generation=generation,
+    )
+    if previous is None:
+        return [*conditions, updated]
+    return [updated if c.type == type_ else c for c in conditions]
+
+
+def condition(conditions: list[Condition], type_: str) -> Condition | None:
+    return next((c for c in conditions if c.type == type_), None)
+
+
+def is_true(conditions: list[Condition], type_: str) -> bool:
+    found = condition(conditions, type_)
+    return found is not None and found.status == "True"

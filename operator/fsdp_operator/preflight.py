@@ -1,0 +1,215 @@
+"""Preflight: is there room for every worker of a run, with its GPUs and EFA, inside one availability zone?
+
+Two sources of truth, both reduced to data before a pure decision: the nodes that exist (allocatable minus
+what pods already request), or, where GPU nodes scale from zero, the EC2 API (is the instance type offered
+in the region's zones, does it support EFA, does it have enough GPUs).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_operator import api
+from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa
+
+
+@dataclass(frozen=True)
+class NodeFree:
+    """A schedulable node of the requested instance type and what is still free on it."""
+
+    name: str
+    zone: str
+    gpus: int
+    efa: int
+
+
+@dataclass(frozen=True)
+class InstanceTypeFacts:
+    """What the EC2 API says about an instance type in the region."""
+
+    instance_type: str
+    exists: bool
+    gpus: int = 0
+    efa_supported: bool = False
+    max_efa_interfaces: int = 0
+    zones: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreflightResult:
+    ok: bool
+    reason: str
+    message: str
+    zone: str | None = None
+    capacity_by_zone: dict[str, int] = field(default_factory=dict)
+
+
+def _quantity_int(value: str | int | None) -> int:
+    if value is None:
+        return 0
+    text = str(value)
+    return int(text[:-1]) // 1000 if text.endswith("m") else int(text)
+
+
+def _tolerated(taint: Mapping[str, Any], tolerations: list[api.Toleration]) -> bool:
+    if taint.get("effect") == "PreferNoSchedule":
+        return True
+    for t in tolerations:
+        if t.effect and t.effect != taint.get("effect"):
+            continue
+        if t.operator == "Exists" and (not t.key or t.key == taint.get("key")):
+            return True
+        if t.key == taint.get("key") and (t.value or "") == (taint.get("value") or ""):
+            return True
+    return False
+
+
+def free_worker_nodes(
+    spec: api.FSDPTrainingRunSpec, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> list[NodeFree]:
+    """Nodes a worker could land on (type, selector, Ready, schedulable, taints) with their free GPU/EFA."""
+    used: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for pod in pods:
+        node_name = pod.get("spec", {}).get("nodeName")
+        if not node_name or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
+            continue
+        for container in pod["spec"].get("containers", []):
+            requests = container.get("resources", {}).get("requests") or container.get("resources", {}).get(
+                "limits", {}
+            )
+            for resource in (GPU, EFA):
+                used[node_name][resource] += _quantity_int(requests.get(resource))
+    wanted = {**spec.cluster.node_selector, LABEL_INSTANCE_TYPE: spec.cluster.instance_type}
+    result = []
+    for node in nodes:
+        meta, node_spec, status = node["metadata"], node.get("spec", {}), node.get("status", {})
+        labels = meta.get("labels", {})
+        if any(labels.get(k) != v for k, v in wanted.items()) or node_spec.get("unschedulable"):
+            continue
+        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+        taints = [t for t in node_spec.get("taints", []) if t.get("effect") in ("NoSchedule", "NoExecute")]
+        if not ready or not all(_tolerated(t, spec.cluster.tolerations) for t in taints):
+            continue
+        allocatable = status.get("allocatable", {})
+        name = meta["name"]
+        result.append(
+            NodeFree(
+                name=name,
+                zone=labels.get(LABEL_ZONE, ""),
+                gpus=_quantity_int(allocatable.get(GPU)) - used[name][GPU],
+                efa=_quantity_int(allocatable.get(EFA)) - used[name][EFA],
+            )
+        )
+    return result
+
+
+def _workers_fitting(node: NodeFree, gpus: int, efa: int) -> int:
+    by_gpu = max(node.gpus, 0) // gpus
+    return min(by_gpu, max(node.efa, 0) // efa) if efa else by_gpu
+
+
+def check_nodes(spec: api.FSDPTrainingRunSpec, free: list[NodeFree]) -> PreflightResult:
+    """Decides whether the run's workers fit on existing nodes within a single zone."""
+    cluster = spec.cluster
+    efa = cluster.efa_per_worker if uses_efa(spec) else 0
+    wanted = f"{cluster.workers} x ({cluster.gpus_per_worker} GPU" + (f", {efa} EFA)" if efa else ")")
+    if not free:
+        return PreflightResult(
+            False,
+            "NoMatchingNodes",
+            f"no Ready, schedulable node of instance type {cluster.instance_type} matches the run's node "
+            "selector and tolerations",
+        )
+    capacity: dict[str, int] = defaultdict(int)
+    for node in free:
+        capacity[node.zone] += _workers_fitting(node, cluster.gpus_per_worker, efa)
+    zones = [cluster.zone] if cluster.zone else sorted(capacity, key=lambda z: (-capacity[z], z))
+    best = zones[0]
+    if capacity.get(best, 0) >= cluster.workers:
+        return PreflightResult(
+            True,
+            "CapacityAvailable",
+            f"{wanted} fits in zone {best} ({capacity[best]} worker slots free)",
+            zone=best,
+            capacity_by_zone=dict(capacity),
+        )
+    total = sum(capacity.values())
+    if total >= cluster.workers and not cluster.zone:
+        return PreflightResult(
+            False,
+            "WouldSpanZones",
+            f"{wanted} fits only across zones ({dict(sorted(capacity.items()))} worker slots free); "
+            "EFA traffic does not cross availability zones",
+            capacity_by_zone=dict(capacity),
+        )
+    where = f"zone {cluster.zone}" if cluster.zone else "any zone"
+    return PreflightResult(
+        False,
+        "InsufficientCapacity",
+        f"{wanted} of {cluster.instance_type} does not fit in {where}: "
+        f"{dict(sorted(capacity.items()))} worker slots free",
+        capacity_by_zone=dict(capacity),
+    )
+
+
+def check_instance_type(spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts) -> PreflightResult:
+    """Scale-from-zero: can the autoscaler create the workers' nodes at all, in one zone, with EFA?"""
+    cluster = spec.cluster
+    if not facts.exists:
+        return PreflightResult(
+            False, "UnknownInstanceType", f"EC2 does not know instance type {facts.instance_type}"
+        )
+    if facts.gpus < cluster.gpus_per_worker:
+        return PreflightResult(
+            False,
+            "NotEnoughGPUs",
+            f"{facts.instance_type} has {facts.gpus} GPUs; "
+            f"spec.cluster.gpusPerWorker asks for {cluster.gpus_per_worker}",
+        )
+    if uses_efa(spec) and (not facts.efa_supported or facts.max_efa_interfaces < cluster.efa_per_worker):
+        return PreflightResult(
+            False,
+            "EfaUnsupported",
+            f"{facts.instance_type} supports {facts.max_efa_interfaces if facts.efa_supported else 0} EFA "
+            f"interfaces; spec.cluster.efaPerWorker asks for {cluster.efa_per_worker}",
+        )
+    zones = [z for z in facts.zones if not cluster.zone or z == cluster.zone]
+    if not zones:
+        where = f"zone {cluster.zone}" if cluster.zone else "any zone of the region"
+        return PreflightResult(
+            False, "InstanceTypeNotOffered", f"{facts.instance_type} is not offered in {where}"
+        )
+    return PreflightResult(
+        True,
+        "InstanceTypeOffered",
+        f"{facts.instance_type} is offered in {', '.join(sorted(zones))}; workers go to {sorted(zones)[0]}",
+        zone=sorted(zones)[0],
+    )
+
+
+def ec2_instance_type_facts(ec2: Any, instance_type: str) -> InstanceTypeFacts:
+    """Reads an instance type's GPUs, EFA support and zone offerings with a boto3 EC2 client."""
+    try:
+        info = ec2.describe_instance_types(InstanceTypes=[instance_type])["InstanceTypes"]
+    except ec2.exceptions.ClientError as error:
+        if "InvalidInstanceType" in str(error):
+            return InstanceTypeFacts(instance_type, exists=False)
+        raise
+    if not info:
+        return InstanceTypeFacts(instance_type, exists=False)
+    network = info[0].get("NetworkInfo", {})
+    gpus = sum(g.get("Count", 0) for g in info[0].get("GpuInfo", {}).get("Gpus", []))
+    offerings = ec2.describe_instance_type_offerings(
+        LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
+    )["InstanceTypeOfferings"]
+    return InstanceTypeFacts(
+        instance_type,
+        exists=True,
+        gpus=gpus,
+        efa_supported=bool(network.get("EfaSupported")),
+        max_efa_interfaces=int(network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)),
+        zones=tuple(sorted(o["Location"] for o in offerings)),
+    )

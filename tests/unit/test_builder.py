@@ -1,0 +1,118 @@
+"""RayCluster builder: golden files for several specs, and the properties that matter stated outright."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from fsdp_operator import api, builder
+
+REPO = Path(__file__).resolve().parents[2]
+GOLDEN = Path(__file__).parent / "golden"
+RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
+IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
+
+
+def example_spec(name: str, **overrides: Any) -> api.FSDPTrainingRunSpec:
+    spec = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())["spec"]
+    for dotted, value in overrides.items():
+        target = spec
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[leaf] = value
+    return api.FSDPTrainingRunSpec.model_validate(spec)
+
+
+CASES = {
+    "aws-sample": example_spec("aws-sample"),
+    "real-data-finetune": example_spec("real-data-finetune", **{"cluster.queueName": "gpu-queue"}),
+    "cpu-demo": example_spec("cpu-demo"),
+    "no-efa-p5-selectors": example_spec(
+        "aws-sample",
+        **{
+            "cluster.efaPerWorker": 0,
+            "network.efa": "disabled",
+            "cluster.instanceType": "p5.48xlarge",
+            "cluster.gpusPerWorker": 8,
+            "cluster.head": {"nodeSelector": {"pool": "system"}},
+            "cluster.serviceAccountName": "trainer",
+            "cluster.priorityClassName": "high",
+        },
+    ),
+    "p5-efa-required": example_spec(
+        "real-data-finetune", **{"cluster.instanceType": "p5.48xlarge", "cluster.efaPerWorker": 32}
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_golden(case: str) -> None:
+    manifest = builder.build_raycluster(CASES[case], RUN, IMAGE, zone="us-west-2a")
+    path = GOLDEN / f"raycluster-{case}.yaml"
+    rendered = yaml.safe_dump(manifest, sort_keys=False)
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.write_text(rendered)
+    assert path.exists(), f"{path} missing: run with UPDATE_GOLDEN=1"
+    assert rendered == path.read_text(), f"{path.name} differs; review, then UPDATE_GOLDEN=1"
+
+
+def _groups(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return manifest["spec"]["headGroupSpec"], manifest["spec"]["workerGroupSpecs"][0]
+
+
+def test_aws_sample_shape() -> None:
+    manifest = builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, zone="us-west-2b")
+    head, workers = _groups(manifest)
+    head_pod, worker_pod = head["template"]["spec"], workers["template"]["spec"]
+    assert head_pod["containers"][0]["image"] == worker_pod["containers"][0]["image"] == IMAGE
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in head_pod["containers"][0]["resources"]["limits"]
+    assert workers["replicas"] == workers["minReplicas"] == workers["maxReplicas"] == 2
+    resources = worker_pod["containers"][0]["resources"]
+    for kind in ("requests", "limits"):
+        assert resources[kind]["nvidia.com/gpu"] == "4"
+        assert resources[kind]["vpc.amazonaws.com/efa"] == "1"
+    assert worker_pod["nodeSelector"] == {
+        "node.kubernetes.io/instance-type": "g6.12xlarge",
+        "topology.kubernetes.io/zone": "us-west-2b",
+    }
+    assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in worker_pod["volumes"]
+    env = {e["name"]: e["value"] for e in worker_pod["containers"][0]["env"]}
+    assert env["FI_PROVIDER"] == "efa" and env["NCCL_DEBUG"] == "INFO"
+    assert "NCCL_NET" not in env  # preferred: fall-back allowed, and reported
+    assert "FI_EFA_USE_DEVICE_RDMA" not in env  # g6 has no GPUDirect RDMA
+    owner = manifest["metadata"]["ownerReferences"][0]
+    assert owner["uid"] == RUN.uid and owner["controller"] is True and owner["kind"] == "FSDPTrainingRun"
+    assert manifest["metadata"]["labels"]["fsdp.training.dev/run"] == "run"
+
+
+def test_efa_required_pins_nccl_to_libfabric_and_p5_gets_gpudirect() -> None:
+    worker_pod = _groups(builder.build_raycluster(CASES["p5-efa-required"], RUN, IMAGE, None))[1]
+    env = {e["name"]: e["value"] for e in worker_pod["template"]["spec"]["containers"][0]["env"]}
+    assert env["NCCL_NET"] == "Libfabric" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
+
+
+def test_without_efa_there_is_no_efa_request_and_no_efa_environment() -> None:
+    worker_pod = _groups(builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None))[1]
+    container = worker_pod["template"]["spec"]["containers"][0]
+    assert "vpc.amazonaws.com/efa" not in container["resources"]["limits"]
+    assert "env" not in container
+
+
+def test_kueue_queue_label_only_when_set() -> None:
+    labelled = builder.build_raycluster(CASES["real-data-finetune"], RUN, IMAGE, None)
+    plain = builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, None)
+    assert labelled["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "gpu-queue"
+    assert "kueue.x-k8s.io/queue-name" not in plain["metadata"]["labels"]
+
+
+def test_cluster_name_is_deterministic_and_short_enough() -> None:
+    long_name = "a-very-long-training-run-name-that-goes-on-and-on-for-ever"
+    name = builder.ray_cluster_name(long_name)
+    assert name == builder.ray_cluster_name(long_name) and len(name) <= 40
+    assert name != builder.ray_cluster_name(long_name + "x")
+    assert builder.ray_cluster_name("short") == "short"

@@ -1,0 +1,73 @@
+"""The CRD is generated from the pydantic models and stays structural."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from fsdp_operator import api, crd
+
+
+def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    found = []
+    if isinstance(node, dict):
+        found.append((path, node))
+        for key, value in node.items():
+            found.extend(_walk(value, f"{path}.{key}"))
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            found.extend(_walk(value, f"{path}[{i}]"))
+    return found
+
+
+def test_committed_crd_and_chart_copy_match_the_models() -> None:
+    expected = crd.render()
+    for path in (crd.CRD_FILE, crd.CHART_CRD_FILE):
+        assert path.read_text() == expected, f"{path} is stale: run `python -m fsdp_operator.crd`"
+
+
+def test_schema_is_structural() -> None:
+    schema = crd.openapi_schema()
+    for path, node in _walk(schema):
+        assert "$ref" not in node and "anyOf" not in node and "allOf" not in node, path
+        assert node.get("additionalProperties") is not False, path
+        assert node.get("type") != "null", path
+        if "properties" in node:
+            assert node.get("type") == "object", path
+        if node.get("x-kubernetes-preserve-unknown-fields"):
+            assert node.get("type") == "object", path
+
+
+def test_every_field_has_a_description_for_kubectl_explain() -> None:
+    spec = crd.openapi_schema()["properties"]["spec"]
+    missing = [
+        f"{path}.{name}"
+        for path, node in _walk(spec)
+        for name, prop in node.get("properties", {}).items()
+        if not prop.get("description")
+    ]
+    assert missing == []
+
+
+def test_every_status_field_is_in_the_schema_so_nothing_is_pruned() -> None:
+    status_schema = crd.openapi_schema()["properties"]["status"]["properties"]
+    for field in api.FSDPTrainingRunStatus.model_fields.values():
+        assert field.alias in status_schema, field.alias
+
+
+def test_printer_columns_give_the_daily_view() -> None:
+    version = crd.crd_manifest()["spec"]["versions"][0]
+    normal = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
+    wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
+    assert normal == ["Phase", "Step", "Loss", "Last Checkpoint", "Restarts", "Age"]
+    assert wide == ["Image Digest", "Ray Cluster", "Transport"]
+    assert "trainingruns" in crd.crd_manifest()["spec"]["names"]["shortNames"]
+
+
+def test_trainer_config_sections_are_the_contract_models() -> None:
+    # One source of truth: the CRD's spec.training is the trainer's TrainingSpec, field for field.
+    from fsdp_trainer.contract import TrainingSpec
+
+    schema = yaml.safe_load(crd.render())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    training = schema["properties"]["spec"]["properties"]["training"]["properties"]
+    assert set(training) == {f.alias for f in TrainingSpec.model_fields.values()}

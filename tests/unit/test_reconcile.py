@@ -1,0 +1,121 @@
+"""State machine transitions of a run, without a cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fsdp_operator import api, conditions
+from fsdp_operator.preflight import PreflightResult
+from fsdp_operator.reconcile import (
+    ClusterObservation,
+    Observation,
+    needs_preflight,
+    observe_cluster,
+    reconcile,
+)
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
+OK = PreflightResult(True, "CapacityAvailable", "fits in us-west-2a", zone="us-west-2a")
+FULL = PreflightResult(False, "InsufficientCapacity", "no room")
+
+
+def spec(**extra: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, **extra}
+    )
+
+
+def obs(cluster: ClusterObservation | None = None, preflight: PreflightResult | None = None) -> Observation:
+    return Observation(now=NOW, generation=3, cluster=cluster, preflight=preflight)
+
+
+def test_new_run_with_capacity_creates_the_cluster() -> None:
+    decision = reconcile(spec(), api.FSDPTrainingRunStatus(), obs(preflight=OK))
+    status = decision.status
+    assert decision.create_cluster and status.phase == api.Phase.PROVISIONING and status.zone == "us-west-2a"
+    assert status.observed_generation == 3
+    pre = conditions.condition(status.conditions, conditions.PREFLIGHT)
+    assert pre is not None and pre.status == "True" and pre.observed_generation == 3
+    assert [e.reason for e in decision.events] == ["PreflightPassed", "ClusterCreated"]
+
+
+def test_no_capacity_waits_and_rechecks_without_a_cluster() -> None:
+    decision = reconcile(spec(), api.FSDPTrainingRunStatus(), obs(preflight=FULL))
+    assert not decision.create_cluster and decision.status.phase == api.Phase.PENDING
+    assert decision.requeue_after == 60
+    assert decision.status.next_check_time == NOW + dt.timedelta(seconds=60)
+    pre = conditions.condition(decision.status.conditions, conditions.PREFLIGHT)
+    assert pre is not None and (pre.status, pre.reason) == ("False", "InsufficientCapacity")
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "InsufficientCapacity")]
+    # The same failure again is not a new Warning, and lastTransitionTime stays.
+    later = Observation(now=NOW + dt.timedelta(seconds=60), generation=3, cluster=None, preflight=FULL)
+    again = reconcile(spec(), decision.status, later)
+    assert again.events == []
+    pre2 = conditions.condition(again.status.conditions, conditions.PREFLIGHT)
+    assert pre2 is not None and pre2.last_transition_time == NOW
+
+
+def test_no_capacity_with_fail_policy_fails() -> None:
+    decision = reconcile(
+        spec(preflight={"onInsufficientCapacity": "Fail"}), api.FSDPTrainingRunStatus(), obs(preflight=FULL)
+    )
+    assert decision.status.phase == api.Phase.FAILED and not decision.create_cluster
+    assert conditions.is_true(decision.status.conditions, conditions.FAILED)
+
+
+def test_preflight_is_only_due_when_waiting_without_a_cluster() -> None:
+    waiting = api.FSDPTrainingRunStatus(
+        phase=api.Phase.PENDING, next_check_time=NOW + dt.timedelta(seconds=5)
+    )
+    assert not needs_preflight(waiting, cluster_exists=False, now=NOW)
+    assert needs_preflight(waiting, cluster_exists=False, now=NOW + dt.timedelta(seconds=5))
+    assert not needs_preflight(api.FSDPTrainingRunStatus(), cluster_exists=True, now=NOW)
+    provisioning = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING)
+    assert not needs_preflight(provisioning, cluster_exists=False, now=NOW)
+
+
+def test_cluster_ready_moves_to_cluster_ready_once() -> None:
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING)
+    decision = reconcile(spec(), status, obs(cluster=ClusterObservation(ready=True, message="")))
+    assert decision.status.phase == api.Phase.CLUSTER_READY
+    assert conditions.is_true(decision.status.conditions, conditions.CLUSTER_READY)
+    assert [e.reason for e in decision.events] == ["ClusterReady"]
+    again = reconcile(spec(), decision.status, obs(cluster=ClusterObservation(ready=True, message="")))
+    assert again.events == [] and not again.create_cluster
+
+
+def test_existing_cluster_after_lost_status_write_is_adopted_not_duplicated() -> None:
+    decision = reconcile(
+        spec(), api.FSDPTrainingRunStatus(), obs(cluster=ClusterObservation(False, "starting"))
+    )
+    assert not decision.create_cluster and decision.status.phase == api.Phase.PROVISIONING
+
+
+def test_vanished_cluster_of_an_active_run_is_recreated() -> None:
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.CLUSTER_READY, zone="us-west-2b")
+    decision = reconcile(spec(), status, obs(cluster=None))
+    assert decision.create_cluster and decision.status.zone == "us-west-2b"
+    assert decision.events[0].type == "Warning"
+
+
+def test_suspend_deletes_the_cluster() -> None:
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.CLUSTER_READY)
+    decision = reconcile(spec(suspend=True), status, obs(cluster=ClusterObservation(True, "")))
+    assert decision.delete_cluster and decision.status.phase == api.Phase.SUSPENDED
+
+
+def test_observe_cluster_reads_kuberay_conditions() -> None:
+    ready = {
+        "status": {
+            "conditions": [
+                {"type": "RayClusterProvisioned", "status": "True"},
+                {"type": "HeadPodReady", "status": "True"},
+            ]
+        }
+    }
+    assert observe_cluster(ready).ready
+    assert not observe_cluster(
+        {"status": {"conditions": [{"type": "HeadPodReady", "status": "False"}]}}
+    ).ready
+    assert not observe_cluster({}).ready

@@ -1,0 +1,50 @@
+"""Failure classes that carry a contract.ErrorKind, and the classification of any exception.
+
+The operator retries only RUNTIME failures, so a failure is marked permanent only when retrying the same
+input cannot succeed.
+"""
+
+from __future__ import annotations
+
+from fsdp_trainer.contract import ErrorKind
+
+
+class TrainerError(Exception):
+    kind: ErrorKind = ErrorKind.RUNTIME
+
+
+class ConfigError(TrainerError):
+    kind = ErrorKind.CONFIG
+
+
+class DataError(TrainerError):
+    kind = ErrorKind.DATA
+
+
+class ModelError(TrainerError):
+    kind = ErrorKind.MODEL
+
+
+class TransportError(TrainerError):
+    kind = ErrorKind.TRANSPORT
+
+
+def classify(error: BaseException) -> ErrorKind:
+    """The kind of the first classified exception in the chain (Ray wraps worker errors around their cause).
+
+    Out-of-memory is recognised by class name so that this module needs no torch import
+    (torch.OutOfMemoryError, formerly torch.cuda.OutOfMemoryError).
+    """
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, TrainerError):
+            return current.kind
+        if any(cls.__name__ == "OutOfMemoryError" for cls in type(current).__mro__):
+            return ErrorKind.OOM
+        if type(current).__name__ == "ValidationError":  # pydantic: the config did not parse
+            return ErrorKind.CONFIG
+        cause = getattr(current, "cause", None)  # ray.exceptions.RayTaskError keeps the worker's error here
+        current = cause if isinstance(cause, BaseException) else current.__cause__
+    return ErrorKind.RUNTIME

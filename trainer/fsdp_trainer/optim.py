@@ -1,0 +1,45 @@
+"""AdamW (built after sharding, so its state is sharded too) and the warmup + decay schedule."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from fsdp_trainer.contract import Schedule, TrainingSpec
+
+ADAM_BETAS = (0.9, 0.95)  # the usual choice for LLM training (GPT-3, Llama, Qwen)
+
+
+def lr_factor(steps_taken: int, spec: TrainingSpec) -> float:
+    """Multiplier of the peak learning rate for the optimizer step that follows `steps_taken` steps.
+
+    Linear warmup reaches the peak on step `warmup_steps`; the decay then reaches
+    `min_learning_rate_ratio` on the last step (`max_steps`).
+    """
+    if steps_taken < spec.warmup_steps:
+        return (steps_taken + 1) / spec.warmup_steps
+    if spec.schedule == Schedule.CONSTANT:
+        return 1.0
+    decay_steps = max(1, spec.max_steps - spec.warmup_steps - 1)
+    progress = min(1.0, (steps_taken - spec.warmup_steps) / decay_steps)
+    floor = spec.min_learning_rate_ratio
+    if spec.schedule == Schedule.LINEAR:
+        return 1.0 - (1.0 - floor) * progress
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
+    """Weight decay on matrices only: biases and norm weights are not decayed."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [
+        {"params": decay, "weight_decay": spec.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, spec: TrainingSpec) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, spec=spec))

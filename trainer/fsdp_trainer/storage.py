@@ -1,0 +1,99 @@
+"""Storage access for s3:// URIs and local paths through pyarrow.fs, the filesystem layer Ray Train uses.
+
+One code path for S3 and local disk; S3 honours AWS_ENDPOINT_URL and the usual AWS credential chain.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pyarrow.fs as pafs
+
+
+@dataclass(frozen=True)
+class Location:
+    """A place in storage: the filesystem, the path inside it, and the URI it was given as."""
+
+    fs: pafs.FileSystem
+    path: str
+    uri: str
+
+    @classmethod
+    def parse(cls, uri: str) -> Location:
+        uri = uri.rstrip("/")
+        if uri.startswith("hf://"):
+            return cls(*_hub_filesystem(uri), uri)
+        fs, path = pafs.FileSystem.from_uri(uri if "://" in uri else os.path.abspath(uri))
+        return cls(fs, path, uri)
+
+    def child(self, *names: str) -> Location:
+        suffix = "/".join(name.strip("/") for name in names)
+        return Location(self.fs, f"{self.path}/{suffix}", f"{self.uri}/{suffix}")
+
+    @property
+    def name(self) -> str:
+        return self.path.rsplit("/", 1)[-1]
+
+    def exists(self) -> bool:
+        return bool(self.fs.get_file_info(self.path).type != pafs.FileType.NotFound)
+
+    def read_bytes(self) -> bytes:
+        with self.fs.open_input_stream(self.path) as stream:
+            return bytes(stream.read())
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        parent = self.path.rsplit("/", 1)[0]
+        self.fs.create_dir(parent, recursive=True)
+        with self.fs.open_output_stream(self.path) as stream:
+            stream.write(data)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def list_files(self) -> dict[str, int]:
+        """Every file below this location (relative path -> size); empty when nothing is there."""
+        selector = pafs.FileSelector(self.path, recursive=True, allow_not_found=True)
+        prefix = self.path.rstrip("/") + "/"
+        return {
+            info.path.removeprefix(prefix): int(info.size)
+            for info in self.fs.get_file_info(selector)
+            if info.type == pafs.FileType.File
+        }
+
+    def list_dirs(self) -> list[Location]:
+        """The directories directly below this location."""
+        selector = pafs.FileSelector(self.path, recursive=False, allow_not_found=True)
+        return [
+            self.child(info.path.rsplit("/", 1)[-1])
+            for info in self.fs.get_file_info(selector)
+            if info.type == pafs.FileType.Directory
+        ]
+
+    def download_to(self, local_dir: str) -> None:
+        pafs.copy_files(self.path, local_dir, source_filesystem=self.fs, destination_filesystem=_LOCAL)
+
+    def upload_from(self, local_dir: str) -> None:
+        pafs.copy_files(local_dir, self.path, source_filesystem=_LOCAL, destination_filesystem=self.fs)
+
+    def delete_dir(self) -> None:
+        if self.exists():
+            self.fs.delete_dir(self.path)
+
+
+_LOCAL = pafs.LocalFileSystem()
+
+
+def _hub_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """hf://datasets/<org>/<name>/<path> through huggingface_hub's fsspec filesystem (needs the hub)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(uri)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
+
+
+def is_remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
