@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, LocalCluster, kubectl, wait_until
+from tests.harness import REPO, LocalCluster, OperatorProcess, apply_crd, kubectl, wait_until
 
 TIERS = ("unit", "cluster", "e2e")
 
@@ -102,3 +102,19 @@ def _answers(endpoint: str) -> bool:
             return True
     except OSError:
         return False
+
+
+@pytest.fixture(scope="session")
+def crd_installed(local_cluster: LocalCluster) -> None:
+    apply_crd()
+
+
+@pytest.fixture
+def operator(namespace: str, crd_installed: None, tmp_path: Path) -> Iterator[OperatorProcess]:
+    """The operator watching the test's namespace; its log is printed when the test fails."""
+    proc = OperatorProcess(namespace=namespace, env={}, log=tmp_path / "operator.log").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-6000:]}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,3 +66,51 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float, interva
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}; last seen: {last!r}")
         time.sleep(interval)
+
+
+def apply_crd() -> None:
+    """Installs the generated FSDPTrainingRun CRD and waits until the apiserver serves it."""
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
+    kubectl(
+        "wait", "--for", "condition=established", "--timeout", "60s", "crd/fsdptrainingruns.fsdp.training.dev"
+    )
+
+
+@dataclass
+class OperatorProcess:
+    """The operator running as `python -m fsdp_operator` against the local cluster, stopped by pid."""
+
+    namespace: str
+    env: dict[str, str]
+    log: Path
+    process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> OperatorProcess:
+        env = {
+            **os.environ,
+            **self.env,
+            "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
+            "FSDP_OPERATOR_WATCH_NAMESPACES": self.namespace,
+            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": self.env.get(
+                "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS", "2"
+            ),
+        }
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "fsdp_operator"], env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: the operator gets no chance to finish what it was doing."""
+        if self.process and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()

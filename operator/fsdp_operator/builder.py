@@ -96,7 +96,11 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "containers": [
-            {"name": "ray-head", "image": image, "resources": {"requests": resources, "limits": dict(resources)}}
+            {
+                "name": "ray-head",
+                "image": image,
+                "resources": {"requests": resources, "limits": dict(resources)},
+            }
         ],
     }
     if head.node_selector:

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from fsdp_operator import api
+from fsdp_trainer.contract import ContractModel
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{api.PLURAL}.{api.GROUP}.yaml"
@@ -145,7 +146,7 @@ def _without_defaults(node: Any) -> Any:
 
 
 def openapi_schema() -> dict[str, Any]:
-    def structural_of(model: type[api.ContractModel]) -> dict[str, Any]:
+    def structural_of(model: type[ContractModel]) -> dict[str, Any]:
         raw = model.model_json_schema(by_alias=True, ref_template="#/$defs/{model}")
         return _structural(raw, raw.get("$defs", {}))
 

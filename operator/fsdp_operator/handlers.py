@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from typing import Any
+from typing import Any, cast
 
 import kopf
 from kubernetes import client, config
@@ -27,6 +27,7 @@ from fsdp_operator.reconcile import (
 )
 from fsdp_operator.settings import Settings
 
+Logger = logging.Logger | logging.LoggerAdapter[Any]
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 
 
@@ -43,10 +44,10 @@ class Kube:
 
     def get_raycluster(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
-            found: dict[str, Any] = self.custom.get_namespaced_custom_object(
+            found = self.custom.get_namespaced_custom_object(
                 RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name
             )
-            return found
+            return cast(dict[str, Any], found)
         except ApiException as error:
             if error.status == 404:
                 return None
@@ -117,7 +118,7 @@ def _status_patch(old: dict[str, Any], new: api.FSDPTrainingRunStatus) -> dict[s
 
 
 def reconcile_run(
-    kube: Kube, settings: Settings, body: kopf.Body, patch: kopf.Patch, logger: logging.Logger
+    kube: Kube, settings: Settings, body: kopf.Body, patch: kopf.Patch, logger: Logger
 ) -> Decision | None:
     meta = body["metadata"]
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
@@ -172,9 +173,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    def on_change(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    def on_change(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
         reconcile_run(kube, settings, body, patch, logger)
 
     @kopf.timer(*resource, interval=settings.observe_interval_seconds, registry=registry)
-    def on_timer(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
         reconcile_run(kube, settings, body, patch, logger)

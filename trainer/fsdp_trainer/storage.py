@@ -5,7 +5,9 @@ One code path for S3 and local disk; S3 honours AWS_ENDPOINT_URL and the usual A
 
 from __future__ import annotations
 
+import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow.fs as pafs
@@ -85,6 +87,21 @@ class Location:
 
 
 _LOCAL = pafs.LocalFileSystem()
+NODE_CACHE = os.environ.get("FSDP_TRAINER_CACHE", "/tmp/fsdp-trainer-cache")
+
+
+def node_local_copy(uri: str, local_rank: int, barrier: Callable[[], None]) -> str:
+    """A node-local directory holding `uri`: local rank 0 downloads it once, the other local ranks wait.
+
+    Kept between restarts on the same node; a crash mid-download leaves only a staging directory.
+    """
+    target = os.path.join(NODE_CACHE, hashlib.sha256(uri.encode()).hexdigest()[:16])
+    if local_rank == 0 and not os.path.isdir(target):
+        staging = f"{target}.partial-{os.getpid()}"
+        Location.parse(uri).download_to(staging)
+        os.replace(staging, target)
+    barrier()
+    return target
 
 
 def _hub_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:

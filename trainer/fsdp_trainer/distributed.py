@@ -1,0 +1,114 @@
+"""Where the per-worker loop runs: a Ray Train worker (Ray has set up the process group), a torchrun
+process (torch.distributed env vars), or a lone `python` process (a one-process group of its own)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+Launcher = Literal["ray", "torchrun", "single"]
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclass(frozen=True)
+class Runtime:
+    launcher: Launcher
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def backend(self) -> str:
+        return str(dist.get_backend())
+
+
+def ray_train_context() -> Any | None:
+    """The Ray Train context when running inside a Ray Train worker (Ray may not even be installed)."""
+    try:
+        import ray.train
+    except ImportError:
+        return None
+    try:
+        return ray.train.get_context()
+    except RuntimeError:  # not a Ray Train worker
+        return None
+
+
+def start(use_gpu: bool) -> Runtime:
+    context = ray_train_context()
+    if context is not None:
+        from ray.train.torch import get_device
+
+        device = get_device()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return Runtime(
+            "ray",
+            context.get_world_rank(),
+            context.get_world_size(),
+            context.get_local_rank(),
+            context.get_local_world_size(),
+            device,
+        )
+    gpu = use_gpu and torch.cuda.is_available()
+    backend = "nccl" if gpu else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
+        launcher: Launcher = "torchrun"
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+    else:
+        launcher, local_rank, local_world_size = "single", 0, 1
+        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
+        if gpu:
+            torch.cuda.set_device(device)
+        # A one-process group needs no rendezvous: an in-memory store will do.
+        dist.init_process_group(
+            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+        )
+    return Runtime(launcher, dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
+
+
+def stop(runtime: Runtime) -> None:
+    """Ray Train tears its process group down itself; other launchers' groups are ours to destroy."""
+    if runtime.launcher != "ray" and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_gather(value: Any) -> list[Any]:
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def broadcast(value: Any) -> Any:
+    """Rank 0's value on every rank."""
+    holder = [value]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def mean(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)  # gloo has no AVG
+    return float(tensor.item()) / dist.get_world_size()
+
+
+def maximum(value: float, device: torch.device) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor.item())

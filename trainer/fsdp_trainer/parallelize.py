@@ -1,0 +1,100 @@
+"""FSDP2 (fully_shard) in torchtitan's order: activation checkpointing, torch.compile, then one FSDP group
+per decoder layer, then the root (which keeps the embeddings, the final norm and the output projection,
+so a tied embedding stays in one group)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from fsdp_trainer.contract import ActivationCheckpointing, FsdpSpec, Precision, ShardingStrategy
+from fsdp_trainer.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16, Precision.FP32: torch.float32}
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """(replicate, shard) sizes; replicate 1 is plain FSDP."""
+
+    replicate: int
+    shard: int
+
+
+def mesh_shape(sharding: ShardingStrategy, world_size: int, local_world_size: int) -> MeshShape:
+    if sharding == ShardingStrategy.NO_SHARD:
+        return MeshShape(replicate=world_size, shard=1)
+    if sharding == ShardingStrategy.HYBRID_SHARD:
+        if world_size % local_world_size:
+            raise ConfigError(
+                f"HYBRID_SHARD needs the same number of processes on every node "
+                f"({world_size} processes, {local_world_size} on this node)"
+            )
+        return MeshShape(replicate=world_size // local_world_size, shard=local_world_size)
+    return MeshShape(replicate=1, shard=world_size)
+
+
+def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
+    if shape.replicate == 1:
+        return init_device_mesh(device_type, (shape.shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (shape.replicate, shape.shard), mesh_dim_names=("replicate", "shard"))
+
+
+def compute_dtype(requested: Precision, device_type: str) -> torch.dtype:
+    """The parameter dtype for compute. On CPU, gloo cannot reduce bf16/fp16 and CPU matmuls gain nothing,
+    so CPU runs train in fp32 (and say so)."""
+    if device_type == "cpu" and requested != Precision.FP32:
+        log.warning("mixed precision %s is not used on CPU: training in fp32", requested)
+        return torch.float32
+    return _DTYPES[Precision(requested)]
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The ModuleList of transformer blocks, found by the class names transformers marks as unsplittable."""
+    block_names = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if (
+            isinstance(module, torch.nn.ModuleList)
+            and len(module) > 0
+            and all(type(child).__name__ in block_names for child in module)
+        ):
+            return module
+    raise ConfigError(f"cannot find the decoder layers of {type(model).__name__} (looked for {block_names})")
+
+
+def checkpointed_layer_indices(mode: ActivationCheckpointing, count: int) -> list[int]:
+    if mode == ActivationCheckpointing.FULL:
+        return list(range(count))
+    if mode == ActivationCheckpointing.SELECTIVE:
+        return list(range(0, count, 2))
+    return []
+
+
+def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype: torch.dtype) -> None:
+    """Shards `model` in place. Gradients always reduce in fp32."""
+    layers = decoder_layers(model)
+    for index in checkpointed_layer_indices(ActivationCheckpointing(spec.activation_checkpointing), len(layers)):
+        layers[index] = checkpoint_wrapper(layers[index])
+    if spec.compile:
+        for layer in layers:
+            layer.compile()
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    offload: OffloadPolicy = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
+    reshard = ShardingStrategy(spec.sharding) in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+    for index, layer in enumerate(layers):
+        # The last layer's parameters are needed again at once by backward: keeping them saves a gather.
+        fully_shard(
+            layer,
+            mesh=mesh,
+            reshard_after_forward=reshard and index < len(layers) - 1,
+            mp_policy=mp_policy,
+            offload_policy=offload,
+        )
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
