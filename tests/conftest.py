@@ -56,7 +56,12 @@ def namespace(local_cluster: LocalCluster) -> Iterator[str]:
     try:
         yield name
     finally:
-        kubectl("delete", "namespace", name, "--wait=false")
+        # The operator is stopped by now: release its finalizers, then wait, so that the next test finds
+        # the fake GPUs free again.
+        runs = kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split()
+        for run in runs:
+            kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+        kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s")
 
 
 @pytest.fixture(scope="session")

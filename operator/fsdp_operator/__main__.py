@@ -20,6 +20,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValidationError as error:
         sys.exit(f"fsdp-operator: invalid settings:\n{error}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kopf.objects").setLevel(logging.WARNING)  # per-handler success lines every interval
     registry = kopf.OperatorRegistry()
     register(registry, settings)
     asyncio.run(

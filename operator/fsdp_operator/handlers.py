@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import threading
+from collections import defaultdict
 from typing import Any, cast
 
 import kopf
@@ -27,7 +29,7 @@ from fsdp_operator.reconcile import (
 )
 from fsdp_operator.settings import Settings
 
-Logger = logging.Logger | logging.LoggerAdapter[Any]
+log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 
 
@@ -71,6 +73,22 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def get_run(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name
+            )
+            return cast(dict[str, Any], found)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def patch_run_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(
+            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status}
+        )
 
     def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         api_client = self.core.api_client
@@ -117,14 +135,26 @@ def _status_patch(old: dict[str, Any], new: api.FSDPTrainingRunStatus) -> dict[s
     return patch
 
 
-def reconcile_run(
-    kube: Kube, settings: Settings, body: kopf.Body, patch: kopf.Patch, logger: Logger
-) -> Decision | None:
+_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+
+
+def reconcile_run(kube: Kube, settings: Settings, body: kopf.Body) -> Decision | None:
+    """One pass per run at a time, on the run as stored now (not the event's snapshot); the status is
+    written inside the same lock, so the next pass always starts from this one's result."""
     meta = body["metadata"]
+    with _locks[meta["uid"]]:
+        fresh = kube.get_run(meta["namespace"], meta["name"])
+        if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
+            return None  # deleted (or re-created under the same name: that object gets its own passes)
+        return _reconcile_locked(kube, settings, body, fresh)
+
+
+def _reconcile_locked(kube: Kube, settings: Settings, body: kopf.Body, fresh: dict[str, Any]) -> Decision:
+    meta = fresh["metadata"]
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    old_status = dict(body.get("status") or {})
+    old_status = dict(fresh.get("status") or {})
     try:
-        spec = api.FSDPTrainingRunSpec.model_validate(dict(body["spec"]))
+        spec = api.FSDPTrainingRunSpec.model_validate(fresh["spec"])
         status = api.FSDPTrainingRunStatus.model_validate(old_status)
     except ValidationError as error:
         # The CRD schema should make this unreachable; if not, say which field and stop.
@@ -149,10 +179,12 @@ def reconcile_run(
         decision.status.image.requested = image
     if decision.delete_cluster:
         kube.delete_raycluster(run.namespace, cluster_name)
+    status_patch = _status_patch(old_status, decision.status)
+    if status_patch:
+        kube.patch_run_status(run.namespace, run.name, status_patch)
     for event in decision.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-        logger.info("%s: %s", event.reason, event.message)
-    patch.status.update(_status_patch(old_status, decision.status))
+        log.info("%s/%s %s: %s", run.namespace, run.name, event.reason, event.message)
     return decision
 
 
@@ -161,6 +193,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     kube = Kube()
     resource = (api.GROUP, api.VERSION, api.PLURAL)
 
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        # Same credentials as the kubernetes client: in-cluster service account, else KUBECONFIG.
+        return kopf.login_via_client(**kwargs)
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Keep kopf's bookkeeping in annotations, out of the status schema we own.
@@ -168,14 +205,15 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
             prefix=api.GROUP, key="last-handled-configuration"
         )
+        settings.persistence.finalizer = f"{api.GROUP}/finalizer"
         settings.posting.level = logging.WARNING
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    def on_change(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
-        reconcile_run(kube, settings, body, patch, logger)
+    def on_change(body: kopf.Body, **_: Any) -> None:
+        reconcile_run(kube, settings, body)
 
     @kopf.timer(*resource, interval=settings.observe_interval_seconds, registry=registry)
-    def on_timer(body: kopf.Body, patch: kopf.Patch, logger: Logger, **_: Any) -> None:
-        reconcile_run(kube, settings, body, patch, logger)
+    def on_timer(body: kopf.Body, **_: Any) -> None:
+        reconcile_run(kube, settings, body)

@@ -1,0 +1,172 @@
+"""The operator on the local cluster: preflight, a RayCluster on fake GPU nodes, ClusterReady, idempotency."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import yaml
+
+from tests.harness import REPO, OperatorProcess, kubectl, kubectl_json, wait_until
+
+
+def example(name: str, **spec_changes: Any) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    for dotted, value in spec_changes.items():
+        target = manifest["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[leaf] = value
+    return manifest
+
+
+def apply(namespace: str, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+def run_of(namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace)
+    return found
+
+
+def conditions_of(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in run.get("status", {}).get("conditions", [])}
+
+
+def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        run = run_of(namespace, name)
+        return run if run.get("status", {}).get("phase") == phase else None
+
+    return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
+
+
+def rayclusters(namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
+    return items
+
+
+def test_example_run_reaches_cluster_ready_on_gpu_nodes_in_one_zone(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    apply(namespace, example("aws-sample"))
+    run = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+
+    conditions = conditions_of(run)
+    assert (
+        conditions["Preflight"]["status"] == "True"
+        and conditions["Preflight"]["reason"] == "CapacityAvailable"
+    )
+    assert conditions["ClusterReady"]["status"] == "True"
+    assert all(c["observedGeneration"] == run["metadata"]["generation"] for c in conditions.values())
+    assert run["status"]["observedGeneration"] == run["metadata"]["generation"]
+
+    [cluster] = rayclusters(namespace)
+    assert run["status"]["rayClusterName"] == cluster["metadata"]["name"]
+    worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"][
+        "limits"
+    ]
+    assert worker["nvidia.com/gpu"] == "4" and worker["vpc.amazonaws.com/efa"] == "1"
+
+    pods = kubectl_json("get", "pods", "-n", namespace, "-l", "ray.io/node-type=worker")["items"]
+    nodes = {p["spec"]["nodeName"]: kubectl_json("get", "node", p["spec"]["nodeName"]) for p in pods}
+    zones = {n["metadata"]["labels"]["topology.kubernetes.io/zone"] for n in nodes.values()}
+    assert len(pods) == 2 and len(zones) == 1 and zones == {run["status"]["zone"]}
+    assert all(
+        n["metadata"]["labels"]["node.kubernetes.io/instance-type"] == "g6.12xlarge" for n in nodes.values()
+    )
+
+    events = kubectl_json(
+        "get", "events", "-n", namespace, "--field-selector", "involvedObject.name=qwen25-sample"
+    )
+    reasons = [e["reason"] for e in events["items"] if e["involvedObject"]["kind"] == "FSDPTrainingRun"]
+    assert {"PreflightPassed", "ClusterCreated", "ClusterReady"} <= set(reasons)
+    assert len(reasons) == len(set(reasons)), f"a transition was announced twice: {reasons}"
+
+
+def test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    apply(namespace, example("aws-sample", **{"cluster.workers": 5, "preflight.recheckSeconds": 5}))
+
+    def preflight_false() -> dict[str, Any] | None:
+        found = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
+        return found if found and found["status"] == "False" else None
+
+    condition = wait_until("Preflight=False", preflight_false, timeout=60)
+    assert condition["reason"] == "InsufficientCapacity"
+    assert "5 x (4 GPU, 1 EFA)" in condition["message"]
+    run = run_of(namespace, "qwen25-sample")
+    assert run["status"]["phase"] == "Pending" and rayclusters(namespace) == []
+
+
+def test_three_workers_fit_only_across_zones_and_fail_by_policy(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    apply(
+        namespace, example("aws-sample", **{"cluster.workers": 3, "preflight.onInsufficientCapacity": "Fail"})
+    )
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed")
+    assert conditions_of(run)["Preflight"]["reason"] == "WouldSpanZones"
+    assert rayclusters(namespace) == []
+
+
+def test_deleting_the_run_deletes_its_raycluster(namespace: str, operator: OperatorProcess) -> None:
+    apply(namespace, example("aws-sample"))
+    wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    kubectl("delete", "fsdptrainingrun", "qwen25-sample", "-n", namespace, "--wait=true", "--timeout=60s")
+    wait_until("the RayCluster to be garbage-collected", lambda: rayclusters(namespace) == [], timeout=60)
+
+
+def test_operator_killed_mid_reconcile_creates_no_duplicate(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    apply(namespace, example("aws-sample"))
+    # Kill -9 as soon as the RayCluster exists: the status write may or may not have happened.
+    wait_until("the RayCluster to be created", lambda: rayclusters(namespace), timeout=60, interval=0.05)
+    operator.kill()
+    [first] = rayclusters(namespace)
+    for _ in range(2):  # two restarts replay every event
+        operator.start()
+        run = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+        operator.kill()
+    clusters = rayclusters(namespace)
+    assert [c["metadata"]["uid"] for c in clusters] == [first["metadata"]["uid"]]
+    assert run["status"]["rayClusterName"] == first["metadata"]["name"]
+
+
+def test_operator_never_writes_spec(namespace: str, crd_installed: None, tmp_path: Any) -> None:
+    apply(namespace, example("aws-sample"))
+    before = run_of(namespace, "qwen25-sample")
+    proc = OperatorProcess(namespace=namespace, env={}, log=tmp_path / "operator.log").start()
+    try:
+        after = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    finally:
+        proc.stop()
+    assert after["spec"] == before["spec"]
+    assert after["metadata"]["generation"] == before["metadata"]["generation"]
+    managed = kubectl_json(
+        "get", "fsdptrainingrun", "qwen25-sample", "-n", namespace, "--show-managed-fields"
+    )
+    spec_writers = {
+        m["manager"]
+        for m in managed["metadata"]["managedFields"]
+        if m.get("subresource") != "status" and "f:spec" in m.get("fieldsV1", {})
+    }
+    assert spec_writers == {"kubectl-client-side-apply"}
+
+
+def test_kubectl_get_trainingruns_shows_the_daily_view(namespace: str, operator: OperatorProcess) -> None:
+    apply(namespace, example("aws-sample"))
+    wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    table = kubectl("get", "trainingruns", "-n", namespace).stdout.splitlines()
+    assert table[0].split() == ["NAME", "PHASE", "STEP", "LOSS", "LAST", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert table[1].split()[:2] == ["qwen25-sample", "ClusterReady"]
+    wide = kubectl("get", "ftr", "-n", namespace, "-o", "wide").stdout.splitlines()
+    assert (
+        wide[0].split()[-7:] == ["AGE", "IMAGE", "DIGEST", "RAY", "CLUSTER", "TRANSPORT"][-7:]
+        or "RAY CLUSTER" in wide[0]
+    )
+    assert "IMAGE DIGEST" in wide[0] and "RAY CLUSTER" in wide[0] and "TRANSPORT" in wide[0]
+    assert "qwen25-sample" in wide[1].split()
