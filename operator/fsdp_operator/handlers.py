@@ -11,6 +11,7 @@ import datetime as dt
 import logging
 import threading
 from collections import defaultdict
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import kopf
@@ -18,16 +19,21 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, preflight
+from fsdp_operator import api, builder, conditions, preflight, submission
+from fsdp_operator.jobs import Jobs, dashboard_url
 from fsdp_operator.reconcile import (
     ClusterObservation,
     Decision,
+    Event,
     Observation,
+    job_to_observe,
     needs_preflight,
     observe_cluster,
     reconcile,
 )
+from fsdp_operator.records import RunStorage
 from fsdp_operator.settings import Settings
+from fsdp_trainer.contract import CheckpointRef, RunRecord
 
 log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
@@ -90,6 +96,16 @@ class Kube:
             api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status}
         )
 
+    def pod_image_ids(self, namespace: str, cluster_name: str) -> tuple[str, ...]:
+        """imageID of every running Ray container of the cluster: the digest that actually ran."""
+        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={cluster_name}").items
+        return tuple(
+            status.image_id
+            for pod in pods
+            for status in ((pod.status and pod.status.container_statuses) or [])
+            if status.image_id and status.name in ("ray-head", "ray-worker")
+        )
+
     def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         api_client = self.core.api_client
         nodes = api_client.sanitize_for_serialization(self.core.list_node().items)
@@ -135,62 +151,205 @@ def _status_patch(old: dict[str, Any], new: api.FSDPTrainingRunStatus) -> dict[s
     return patch
 
 
-_locks: dict[str, threading.Lock] = defaultdict(threading.Lock)
+@dataclass
+class Context:
+    """Clients shared by every pass of the operator."""
+
+    settings: Settings
+    kube: Kube
+    s3: Any
+    package_sha256: str = field(default_factory=submission.package_sha256)
+    locks: dict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
+
+    def jobs(self, namespace: str, cluster_name: str) -> Jobs:
+        configuration = self.kube.core.api_client.configuration
+        token = (configuration.api_key or {}).get("authorization")
+        address = dashboard_url(self.settings, namespace, cluster_name, configuration.host)
+        return Jobs(address, headers={"Authorization": token} if token else None)
+
+    def storage(self, spec: api.FSDPTrainingRunSpec, run_name: str) -> RunStorage | None:
+        if not spec.checkpoint.storage_path.startswith("s3://"):
+            return None  # a local path lives on the single worker; the operator cannot read it
+        return RunStorage(self.s3, spec.checkpoint.storage_path, run_name)
 
 
-def reconcile_run(kube: Kube, settings: Settings, body: kopf.Body) -> Decision | None:
+def reconcile_run(ctx: Context, body: kopf.Body) -> Decision | None:
     """One pass per run at a time, on the run as stored now (not the event's snapshot); the status is
     written inside the same lock, so the next pass always starts from this one's result."""
     meta = body["metadata"]
-    with _locks[meta["uid"]]:
-        fresh = kube.get_run(meta["namespace"], meta["name"])
-        if fresh is None or fresh["metadata"]["uid"] != meta["uid"]:
+    with ctx.locks[meta["uid"]]:
+        fresh = ctx.kube.get_run(meta["namespace"], meta["name"])
+        if (
+            fresh is None
+            or fresh["metadata"]["uid"] != meta["uid"]
+            or fresh["metadata"].get("deletionTimestamp")
+        ):
             return None  # deleted (or re-created under the same name: that object gets its own passes)
-        return _reconcile_locked(kube, settings, body, fresh)
+        return _reconcile_locked(ctx, body, fresh)
 
 
-def _reconcile_locked(kube: Kube, settings: Settings, body: kopf.Body, fresh: dict[str, Any]) -> Decision:
-    meta = fresh["metadata"]
-    run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    old_status = dict(fresh.get("status") or {})
+def _parse(
+    body: kopf.Body, fresh: dict[str, Any]
+) -> tuple[api.FSDPTrainingRunSpec, api.FSDPTrainingRunStatus]:
     try:
-        spec = api.FSDPTrainingRunSpec.model_validate(fresh["spec"])
-        status = api.FSDPTrainingRunStatus.model_validate(old_status)
+        return (
+            api.FSDPTrainingRunSpec.model_validate(fresh["spec"]),
+            api.FSDPTrainingRunStatus.model_validate(fresh.get("status") or {}),
+        )
     except ValidationError as error:
         # The CRD schema should make this unreachable; if not, say which field and stop.
         kopf.event(body, type="Warning", reason="InvalidSpec", message=str(error)[:1000])
         raise kopf.PermanentError(f"invalid FSDPTrainingRun: {error}") from error
 
+
+def _observe(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
+) -> Observation:
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     cluster_name = builder.ray_cluster_name(run.name)
-    cluster = _cluster_observation(kube.get_raycluster(run.namespace, cluster_name), run.uid)
-    result = (
-        _run_preflight(kube, settings, spec) if needs_preflight(status, cluster is not None, now) else None
+    cluster = _cluster_observation(ctx.kube.get_raycluster(run.namespace, cluster_name), run.uid)
+    preflight_result = (
+        _run_preflight(ctx.kube, ctx.settings, spec)
+        if needs_preflight(status, cluster is not None, now)
+        else None
     )
-    decision = reconcile(
-        spec, status, Observation(now=now, generation=meta["generation"], cluster=cluster, preflight=result)
+    job, dashboard_error = None, None
+    watched = job_to_observe(status)
+    if watched:
+        try:
+            job = ctx.jobs(run.namespace, cluster_name).observe(watched)
+        except Exception as error:  # the head may be down or restarting; the state machine decides
+            dashboard_error = f"{type(error).__name__}: {error}"
+    progress, checkpoints = None, tuple[CheckpointRef, ...]()
+    storage = ctx.storage(spec, run.name)
+    if storage is not None and status.phase is not None:
+        try:
+            progress, checkpoints = storage.progress(), tuple(storage.complete_checkpoints())
+        except Exception as error:  # storage trouble must not stop the state machine; say so
+            log.warning("%s/%s: cannot read %s: %s", run.namespace, run.name, storage.uri, error)
+    return Observation(
+        now=now,
+        generation=0,
+        cluster=cluster,
+        preflight=preflight_result,
+        job=job,
+        dashboard_error=dashboard_error,
+        progress=progress,
+        checkpoints=checkpoints,
+        pod_image_ids=ctx.kube.pod_image_ids(run.namespace, cluster_name) if cluster is not None else (),
     )
 
-    image = spec.image or settings.default_image
-    if decision.create_cluster:
-        kube.create_raycluster(builder.build_raycluster(spec, run, image, decision.status.zone))
-    if cluster is not None or decision.create_cluster:
-        decision.status.ray_cluster_name = cluster_name
-        decision.status.image.requested = image
+
+def _reconcile_locked(ctx: Context, body: kopf.Body, fresh: dict[str, Any]) -> Decision:
+    meta = fresh["metadata"]
+    run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    spec, status = _parse(body, fresh)
+    obs = replace(_observe(ctx, run, spec, status), generation=meta["generation"])
+    decision = reconcile(spec, status, obs)
+    new = decision.status
+
+    cluster_name = builder.ray_cluster_name(run.name)
+    requested = spec.image or ctx.settings.default_image
+    if decision.stop_job:
+        ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)
     if decision.delete_cluster:
-        kube.delete_raycluster(run.namespace, cluster_name)
-    status_patch = _status_patch(old_status, decision.status)
-    if status_patch:
-        kube.patch_run_status(run.namespace, run.name, status_patch)
+        ctx.kube.delete_raycluster(run.namespace, cluster_name)
+    if decision.create_cluster:
+        # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
+        image = new.image.digest or requested
+        ctx.kube.create_raycluster(builder.build_raycluster(spec, run, image, new.zone))
+    if obs.cluster is not None or decision.create_cluster:
+        new.ray_cluster_name = cluster_name
+        new.image.requested = requested
+    if decision.submit_attempt is not None:
+        submission_id = submission.submission_id(run, decision.submit_attempt)
+        config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+        try:
+            ctx.jobs(run.namespace, cluster_name).submit(
+                submission_id,
+                submission.entrypoint(config, submission_id),
+                submission.runtime_env(spec),
+                metadata={
+                    "run": run.name,
+                    "namespace": run.namespace,
+                    "attempt": str(decision.submit_attempt),
+                },
+            )
+        except Exception as error:  # dashboard not reachable yet: stay before submission, say why, retry
+            assert decision.status_if_submit_fails is not None
+            new = decision.status = decision.status_if_submit_fails
+            decision.events = decision.events_if_submit_fails
+            reason, message = "SubmissionFailed", f"{type(error).__name__}: {error}"[:500]
+            previous = conditions.condition(new.conditions, conditions.JOB_RUNNING)
+            if previous is None or previous.reason != reason:
+                decision.events.append(Event("Warning", reason, message))
+            new.conditions = conditions.set_condition(
+                new.conditions, conditions.JOB_RUNNING, False, reason, message, obs.now, obs.generation
+            )
+        else:
+            new.job_submission_id = submission_id
+            new.record.package_sha256 = ctx.package_sha256
+
+    old_status = dict(fresh.get("status") or {})
+    if _status_patch(old_status, new):
+        _write_run_record(ctx, run, spec, new)  # sets status.record.uri, so the patch is computed after it
+        ctx.kube.patch_run_status(run.namespace, run.name, _status_patch(old_status, new))
     for event in decision.events:
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
         log.info("%s/%s %s: %s", run.namespace, run.name, event.reason, event.message)
     return decision
 
 
+def _write_run_record(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
+) -> None:
+    """run.json next to the checkpoints: the evidence outlives the custom resource."""
+    storage = ctx.storage(spec, run.name)
+    if storage is None or status.phase in (None, api.Phase.PENDING):
+        return
+    record = RunRecord(
+        run_name=run.name,
+        namespace=run.namespace,
+        uid=run.uid,
+        image_requested=status.image.requested or spec.image or ctx.settings.default_image,
+        image_digest=status.image.digest,
+        trainer_package_sha256=status.record.package_sha256,
+        versions=status.record.versions,
+        config=submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu"),
+        phase=str(status.phase),
+        start_time=status.start_time,
+        completion_time=status.completion_time,
+        checkpoints=list(reversed(status.checkpoints.recent)),
+        restarts=status.restarts.history,
+        transport=status.transport,
+    )
+    try:
+        status.record.uri = storage.write_run_record(record)
+    except Exception as error:  # the bucket may not exist yet; the next pass tries again
+        log.warning("%s/%s: cannot write run.json to %s: %s", run.namespace, run.name, storage.uri, error)
+
+
+def on_delete(ctx: Context, body: kopf.Body) -> None:
+    """Stops the job and deletes the cluster; checkpoints and run.json stay in S3."""
+    meta, status = body["metadata"], body.get("status") or {}
+    cluster_name = builder.ray_cluster_name(meta["name"])
+    if status.get("phase") == api.Phase.RUNNING and status.get("jobSubmissionId"):
+        try:
+            ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
+        except Exception as error:  # a dead head has no job to stop; the cluster goes either way
+            log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
+    ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     """Registers the handlers on `registry`; `settings` fixes the observation interval."""
-    kube = Kube()
+    import boto3
+
+    ctx = Context(
+        settings=settings,
+        kube=Kube(),
+        s3=boto3.client("s3", region_name=settings.aws_region, endpoint_url=settings.aws_endpoint_url),
+    )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
 
     @kopf.on.login(registry=registry)
@@ -212,8 +371,12 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
     def on_change(body: kopf.Body, **_: Any) -> None:
-        reconcile_run(kube, settings, body)
+        reconcile_run(ctx, body)
 
     @kopf.timer(*resource, interval=settings.observe_interval_seconds, registry=registry)
     def on_timer(body: kopf.Body, **_: Any) -> None:
-        reconcile_run(kube, settings, body)
+        reconcile_run(ctx, body)
+
+    @kopf.on.delete(*resource, registry=registry)
+    def deleted(body: kopf.Body, **_: Any) -> None:
+        on_delete(ctx, body)

@@ -2,6 +2,12 @@
 
 Kopf handlers only gather observations, call `reconcile`, and carry out the returned actions. Everything
 here is deterministic in its inputs, so every transition is unit-tested without a cluster.
+
+    Pending --preflight ok--> Provisioning --KubeRay ready--> ClusterReady --submit--> Running --> Succeeded
+       |                            ^                                                    |
+       +--preflight Fail policy--> Failed <--permanent failure / restarts exhausted-----+
+                                    Restarting <--retryable failure (job failed, lost, hung, cluster lost)
+                                        +--backoff elapsed, cluster ready--> Running (attempt + 1, resumes)
 """
 
 from __future__ import annotations
@@ -12,7 +18,13 @@ from typing import Any, Literal
 
 from fsdp_operator import api, conditions
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
+from fsdp_operator.builder import uses_efa
+from fsdp_operator.jobs import JobObservation
 from fsdp_operator.preflight import PreflightResult
+from fsdp_operator.recovery import Failure, backoff_seconds, classify
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, Transport
+
+RECENT_CHECKPOINTS = 5
 
 
 @dataclass(frozen=True)
@@ -27,6 +39,11 @@ class Observation:
     generation: int
     cluster: ClusterObservation | None  # None: no RayCluster of this run exists
     preflight: PreflightResult | None = None  # computed only when `needs_preflight` says so
+    job: JobObservation | None = None  # the current attempt's job, when one was submitted and Ray answered
+    dashboard_error: str | None = None  # why Ray could not be asked about the job
+    progress: ProgressRecord | None = None
+    checkpoints: tuple[CheckpointRef, ...] = ()
+    pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
 
 
 @dataclass(frozen=True)
@@ -41,6 +58,11 @@ class Decision:
     status: FSDPTrainingRunStatus
     create_cluster: bool = False
     delete_cluster: bool = False
+    submit_attempt: int | None = None  # submit this attempt's job (status.attempt is already set to it)
+    # The status and events as they stood before the submission, for when it cannot be made.
+    status_if_submit_fails: FSDPTrainingRunStatus | None = None
+    events_if_submit_fails: list[Event] = field(default_factory=list)
+    stop_job: str | None = None  # submission id to stop
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -65,89 +87,305 @@ def needs_preflight(status: FSDPTrainingRunStatus, cluster_exists: bool, now: dt
     return waiting and not cluster_exists and due
 
 
-def reconcile(spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> Decision:
-    new = status.model_copy(deep=True)
-    new.observed_generation = obs.generation
-    decision = Decision(status=new)
+def job_to_observe(status: FSDPTrainingRunStatus) -> str | None:
+    """The submission whose state the next pass needs, if any."""
+    return status.job_submission_id if status.phase == Phase.RUNNING else None
 
-    def condition(type_: str, ok: bool, reason: str, message: str) -> None:
-        new.conditions = conditions.set_condition(
-            new.conditions, type_, ok, reason, message, obs.now, obs.generation
+
+class _Pass:
+    """One reconcile pass: the new status under construction and the actions decided so far."""
+
+    def __init__(self, spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> None:
+        self.spec, self.obs = spec, obs
+        self.new = status.model_copy(deep=True)
+        self.new.observed_generation = obs.generation
+        self.decision = Decision(status=self.new)
+
+    def event(self, warning: bool, reason: str, message: str) -> None:
+        self.decision.events.append(Event("Warning" if warning else "Normal", reason, message))
+
+    def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
+        self.new.conditions = conditions.set_condition(
+            self.new.conditions, type_, ok, reason, message, self.obs.now, self.obs.generation
         )
 
-    def transition(phase: Phase, reason: str, message: str, warning: bool = False) -> None:
-        if new.phase != phase:
-            decision.events.append(Event("Warning" if warning else "Normal", reason, message))
-        new.phase = phase
-        new.message = message
+    def transition(self, phase: Phase, reason: str, message: str, warning: bool = False) -> None:
+        if self.new.phase != phase:
+            self.event(warning, reason, message)
+        self.new.phase = phase
+        self.new.message = message
 
-    if new.phase in api.FINISHED_PHASES:
-        return decision
+    # -- observations that hold in every phase ------------------------------------------------------------
 
-    if spec.suspend:
-        if obs.cluster is not None:
-            decision.delete_cluster = True
-        condition(conditions.SUSPENDED, True, "SuspendedBySpec", "spec.suspend is true; checkpoints are kept")
-        condition(conditions.CLUSTER_READY, False, "Suspended", "the RayCluster is deleted while suspended")
-        transition(Phase.SUSPENDED, "Suspended", "suspended: cluster deleted, checkpoints kept")
+    def absorb(self) -> None:
+        obs, new = self.obs, self.new
+        progress = obs.progress
+        if progress is not None:
+            new.progress = api.ProgressStatus(
+                step=progress.step,
+                max_steps=progress.max_steps,
+                loss=progress.loss,
+                eval_loss=progress.eval_loss,
+                eval_perplexity=progress.eval_perplexity,
+                tokens_per_second=progress.tokens_per_second,
+                mfu=progress.mfu,
+                updated_at=progress.updated_at,
+            )
+            new.record.versions = progress.versions
+            new.record.exported_model_uri = progress.exported_model_uri or new.record.exported_model_uri
+            if progress.transport is not None:
+                self.absorb_transport(progress)
+        if obs.checkpoints:
+            new.checkpoints.latest = obs.checkpoints[-1]
+            new.checkpoints.recent = list(reversed(obs.checkpoints[-RECENT_CHECKPOINTS:]))
+        if obs.pod_image_ids:
+            self.absorb_image(set(obs.pod_image_ids))
+
+    def absorb_transport(self, progress: ProgressRecord) -> None:
+        assert progress.transport is not None
+        self.new.transport = progress.transport
+        fell_back = uses_efa(self.spec) and progress.transport.observed == Transport.SOCKET
+        was_degraded = conditions.is_true(self.new.conditions, conditions.TRANSPORT_DEGRADED)
+        if fell_back:
+            message = "NCCL used TCP sockets although the workers have EFA: " + "; ".join(
+                progress.transport.evidence[:2]
+            )
+            if not was_degraded:
+                self.event(True, "TransportDegraded", message)
+            self.condition(conditions.TRANSPORT_DEGRADED, True, "SocketFallback", message)
+        else:
+            observed = Transport(progress.transport.observed).value
+            self.condition(conditions.TRANSPORT_DEGRADED, False, "AsExpected", f"NCCL transport: {observed}")
+
+    def absorb_image(self, image_ids: set[str]) -> None:
+        image = self.new.image
+        if len(image_ids) > 1:
+            message = "pods ran different images: " + ", ".join(sorted(image_ids))
+            if image.consistent is not False:
+                self.event(True, "ImageMismatch", message)
+            image.consistent = False
+            self.condition(conditions.IMAGE_CONSISTENT, False, "PodsDisagree", message)
+            return
+        (image_id,) = image_ids
+        if image.digest is None:
+            self.event(False, "ImagePinned", f"pods run {image_id}; every later attempt uses this digest")
+        elif image.digest != image_id:
+            self.event(True, "ImageChanged", f"pods run {image_id}, not the pinned {image.digest}")
+        image.digest = image.digest or image_id
+        image.consistent = image.digest == image_id
+        self.condition(
+            conditions.IMAGE_CONSISTENT,
+            image.consistent,
+            "PodsAgree" if image.consistent else "DigestChanged",
+            f"head and workers run {image_id}",
+        )
+
+    # -- actions --------------------------------------------------------------------------------------------
+
+    def submit(self) -> None:
+        new = self.new
+        self.decision.status_if_submit_fails = new.model_copy(deep=True)
+        self.decision.events_if_submit_fails = list(self.decision.events)
+        new.attempt += 1
         new.next_check_time = None
-        return decision
-    if new.phase == Phase.SUSPENDED:
-        condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
+        new.start_time = new.start_time or self.obs.now
+        self.decision.submit_attempt = new.attempt
+        resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
+        message = f"attempt {new.attempt} submitted" + (f", resuming from step {resumed}" if resumed else "")
+        self.condition(conditions.JOB_RUNNING, True, "Submitted", message)
+        self.transition(Phase.RUNNING, "JobSubmitted", message)
 
-    if obs.cluster is None:
+    def finish(self, phase: Phase, reason: str, message: str) -> None:
+        succeeded = phase == Phase.SUCCEEDED
+        self.condition(conditions.JOB_RUNNING, False, reason, message)
+        self.condition(conditions.SUCCEEDED if succeeded else conditions.FAILED, True, reason, message)
+        self.transition(phase, reason, message, warning=not succeeded)
+        self.new.completion_time = self.obs.now
+        self.new.next_check_time = None
+        if self.spec.cleanup_policy == api.CleanupPolicy.DELETE_CLUSTER and self.obs.cluster is not None:
+            self.decision.delete_cluster = True
+
+    def fail_attempt(self, failure: Failure) -> None:
+        """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff."""
+        new, recovery = self.new, self.spec.recovery
+        if failure.permanent:
+            self.finish(Phase.FAILED, failure.reason, f"{failure.reason}: {failure.message}")
+            return
+        if new.restarts.count >= recovery.max_restarts:
+            self.finish(
+                Phase.FAILED,
+                "RestartsExhausted",
+                f"{failure.reason} after {new.restarts.count} restarts "
+                f"(maxRestarts {recovery.max_restarts}): {failure.message}",
+            )
+            return
+        delay = backoff_seconds(recovery.backoff_seconds, new.restarts.count)
+        resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
+        new.restarts.count += 1
+        new.restarts.history.append(
+            RestartEntry(
+                time=self.obs.now, reason=failure.reason, message=failure.message, resumed_from_step=resumed
+            )
+        )
+        new.next_check_time = self.obs.now + dt.timedelta(seconds=delay)
+        self.decision.requeue_after = delay
+        message = (
+            f"restart {new.restarts.count}/{recovery.max_restarts} in {delay}s after {failure.reason}: "
+            f"{failure.message}; resuming from " + (f"step {resumed}" if resumed is not None else "the start")
+        )
+        self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
+        self.transition(Phase.RESTARTING, "Restarting", message, warning=True)
+
+    # -- the phases ---------------------------------------------------------------------------------------
+
+    def run(self) -> Decision:
+        new, obs, spec = self.new, self.obs, self.spec
+        self.absorb()
+        if new.phase in api.FINISHED_PHASES:
+            return self.decision
+        if spec.suspend:
+            return self.suspend()
+        if new.phase == Phase.SUSPENDED:
+            self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
+        if self.deadline_passed():
+            return self.decision
+        if obs.cluster is None:
+            return self.without_cluster()
+        if new.phase in (None, Phase.PENDING, Phase.SUSPENDED):
+            # Created by an earlier pass whose status write was lost (e.g. the operator restarted in between).
+            new.phase = Phase.PROVISIONING
+        if not obs.cluster.ready:
+            self.condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", obs.cluster.message)
+            if new.phase == Phase.CLUSTER_READY:
+                self.transition(
+                    Phase.PROVISIONING,
+                    "ClusterNotReady",
+                    f"RayCluster not ready: {obs.cluster.message}",
+                    True,
+                )
+            if new.phase == Phase.RUNNING:
+                self.running()  # the job may still be fine (a worker pod restarting) or already lost
+            return self.decision
+        self.condition(
+            conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready"
+        )
+        if new.phase == Phase.PROVISIONING:
+            self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
+        if new.phase == Phase.CLUSTER_READY:
+            self.submit()
+        elif new.phase == Phase.RESTARTING:
+            if new.next_check_time is None or new.next_check_time <= obs.now:
+                self.submit()
+            else:
+                self.decision.requeue_after = (new.next_check_time - obs.now).total_seconds()
+        elif new.phase == Phase.RUNNING:
+            self.running()
+        return self.decision
+
+    def suspend(self) -> Decision:
+        new = self.new
+        if new.phase == Phase.RUNNING and new.job_submission_id:
+            self.decision.stop_job = new.job_submission_id
+        if self.obs.cluster is not None:
+            self.decision.delete_cluster = True
+        self.condition(
+            conditions.SUSPENDED, True, "SuspendedBySpec", "spec.suspend is true; checkpoints are kept"
+        )
+        self.condition(
+            conditions.CLUSTER_READY, False, "Suspended", "the RayCluster is deleted while suspended"
+        )
+        self.condition(conditions.JOB_RUNNING, False, "Suspended", "the job is stopped while suspended")
+        self.transition(
+            Phase.SUSPENDED, "Suspended", "suspended: job stopped, cluster deleted, checkpoints kept"
+        )
+        new.next_check_time = None
+        return self.decision
+
+    def deadline_passed(self) -> bool:
+        deadline, started = self.spec.active_deadline_seconds, self.new.start_time
+        if deadline is None or started is None or (self.obs.now - started).total_seconds() <= deadline:
+            return False
+        if self.new.phase == Phase.RUNNING and self.new.job_submission_id:
+            self.decision.stop_job = self.new.job_submission_id
+        self.finish(
+            Phase.FAILED, "DeadlineExceeded", f"active for longer than activeDeadlineSeconds ({deadline}s)"
+        )
+        return True
+
+    def without_cluster(self) -> Decision:
+        new, obs = self.new, self.obs
         if new.phase in api.ACTIVE_PHASES:
             # The cluster vanished under a live run: recreate it where it was (same zone, same name).
-            decision.create_cluster = True
-            condition(
+            self.decision.create_cluster = True
+            self.condition(
                 conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared; recreating it"
             )
-            transition(
-                Phase.PROVISIONING, "ClusterRecreated", "RayCluster recreated after it disappeared", True
-            )
-            return decision
+            if new.phase == Phase.RUNNING:
+                self.fail_attempt(
+                    Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran")
+                )
+                self.decision.create_cluster = self.decision.status.phase == Phase.RESTARTING
+            else:
+                self.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")
+            return self.decision
         result = obs.preflight
         if result is None:  # not due for a re-check yet
-            decision.requeue_after = _seconds_until(new.next_check_time, obs.now)
-            return decision
+            if new.next_check_time is not None:
+                self.decision.requeue_after = max((new.next_check_time - obs.now).total_seconds(), 1.0)
+            return self.decision
         if result.ok:
-            condition(conditions.PREFLIGHT, True, result.reason, result.message)
+            self.condition(conditions.PREFLIGHT, True, result.reason, result.message)
             new.zone = result.zone
             new.next_check_time = None
-            decision.create_cluster = True
-            decision.events.append(Event("Normal", "PreflightPassed", result.message))
-            transition(Phase.PROVISIONING, "ClusterCreated", "RayCluster created; waiting for KubeRay")
-            return decision
+            self.decision.create_cluster = True
+            self.event(False, "PreflightPassed", result.message)
+            self.transition(Phase.PROVISIONING, "ClusterCreated", "RayCluster created; waiting for KubeRay")
+            return self.decision
         previous = conditions.condition(new.conditions, conditions.PREFLIGHT)
         if previous is None or previous.reason != result.reason or previous.status != "False":
-            decision.events.append(Event("Warning", result.reason, result.message))
-        condition(conditions.PREFLIGHT, False, result.reason, result.message)
-        if spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
-            condition(conditions.FAILED, True, result.reason, result.message)
-            transition(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}", True)
-            new.completion_time = obs.now
-            return decision
-        new.next_check_time = obs.now + dt.timedelta(seconds=spec.preflight.recheck_seconds)
+            self.event(True, result.reason, result.message)
+        self.condition(conditions.PREFLIGHT, False, result.reason, result.message)
+        if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
+            self.finish(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}")
+            return self.decision
+        new.next_check_time = obs.now + dt.timedelta(seconds=self.spec.preflight.recheck_seconds)
         new.phase = Phase.PENDING
         new.message = f"waiting for capacity: {result.message}"
-        decision.requeue_after = spec.preflight.recheck_seconds
-        return decision
+        self.decision.requeue_after = self.spec.preflight.recheck_seconds
+        return self.decision
 
-    if new.phase in (None, Phase.PENDING, Phase.SUSPENDED):
-        # Created by an earlier pass whose status write was lost (e.g. the operator restarted in between).
-        new.phase = Phase.PROVISIONING
-    if obs.cluster.ready:
-        condition(conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready")
-        if new.phase == Phase.PROVISIONING:
-            transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
-    else:
-        condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", obs.cluster.message)
-        if new.phase == Phase.CLUSTER_READY:
-            transition(
-                Phase.PROVISIONING, "ClusterNotReady", f"RayCluster not ready: {obs.cluster.message}", True
+    def running(self) -> None:
+        new, obs, job = self.new, self.obs, self.obs.job
+        if job is None:  # Ray did not answer: the head may be restarting; only the hang timeout decides
+            self.check_hang()
+            return
+        if job.status is None:
+            self.fail_attempt(
+                Failure(False, "JobLost", f"Ray no longer knows job {job.submission_id} (head restarted?)")
             )
-    return decision
+        elif job.status in ("PENDING", "RUNNING"):
+            self.check_hang()
+        elif job.status == "SUCCEEDED":
+            step = new.progress.step if new.progress else None
+            self.finish(Phase.SUCCEEDED, "Completed", f"training finished at step {step}")
+        else:
+            self.fail_attempt(classify(job.message, job.logs_tail, obs.progress, job.start_time))
+
+    def check_hang(self) -> None:
+        new, obs = self.new, self.obs
+        job_start = obs.job.start_time if obs.job else None
+        submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
+        progressed = new.progress.updated_at if obs.progress else None
+        marks = [t for t in (progressed, job_start, submitted and submitted.last_transition_time) if t]
+        last_sign_of_life = max(marks) if marks else None
+        timeout = self.spec.recovery.hang_timeout_seconds
+        if last_sign_of_life is not None and (obs.now - last_sign_of_life).total_seconds() > timeout:
+            if new.job_submission_id:
+                self.decision.stop_job = new.job_submission_id
+            self.fail_attempt(
+                Failure(False, "Hang", f"no progress for more than hangTimeoutSeconds ({timeout}s)")
+            )
 
 
-def _seconds_until(when: dt.datetime | None, now: dt.datetime) -> float | None:
-    return None if when is None else max((when - now).total_seconds(), 1.0)
+def reconcile(spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> Decision:
+    return _Pass(spec, status, obs).run()

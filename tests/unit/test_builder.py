@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from fsdp_operator import api, builder
 
 REPO = Path(__file__).resolve().parents[2]

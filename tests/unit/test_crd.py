@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
+
 from fsdp_operator import api, crd
 
 

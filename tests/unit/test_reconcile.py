@@ -26,8 +26,13 @@ def spec(**extra: Any) -> api.FSDPTrainingRunSpec:
     )
 
 
-def obs(cluster: ClusterObservation | None = None, preflight: PreflightResult | None = None) -> Observation:
-    return Observation(now=NOW, generation=3, cluster=cluster, preflight=preflight)
+READY = ClusterObservation(ready=True, message="")
+
+
+def obs(
+    cluster: ClusterObservation | None = None, preflight: PreflightResult | None = None, **more: Any
+) -> Observation:
+    return Observation(now=NOW, generation=3, cluster=cluster, preflight=preflight, **more)
 
 
 def test_new_run_with_capacity_creates_the_cluster() -> None:
@@ -75,14 +80,18 @@ def test_preflight_is_only_due_when_waiting_without_a_cluster() -> None:
     assert not needs_preflight(provisioning, cluster_exists=False, now=NOW)
 
 
-def test_cluster_ready_moves_to_cluster_ready_once() -> None:
+def test_ready_cluster_gets_the_first_attempt_submitted() -> None:
     status = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING)
-    decision = reconcile(spec(), status, obs(cluster=ClusterObservation(ready=True, message="")))
-    assert decision.status.phase == api.Phase.CLUSTER_READY
+    decision = reconcile(spec(), status, obs(cluster=READY))
+    assert decision.submit_attempt == 1 and decision.status.attempt == 1
+    assert decision.status.phase == api.Phase.RUNNING and decision.status.start_time == NOW
     assert conditions.is_true(decision.status.conditions, conditions.CLUSTER_READY)
-    assert [e.reason for e in decision.events] == ["ClusterReady"]
-    again = reconcile(spec(), decision.status, obs(cluster=ClusterObservation(ready=True, message="")))
-    assert again.events == [] and not again.create_cluster
+    assert conditions.is_true(decision.status.conditions, conditions.JOB_RUNNING)
+    assert [e.reason for e in decision.events] == ["ClusterReady", "JobSubmitted"]
+    # If Ray cannot take the job, the run stays ClusterReady (the glue falls back to this status).
+    fallback = decision.status_if_submit_fails
+    assert fallback is not None and fallback.phase == api.Phase.CLUSTER_READY and fallback.attempt == 0
+    assert [e.reason for e in decision.events_if_submit_fails] == ["ClusterReady"]
 
 
 def test_existing_cluster_after_lost_status_write_is_adopted_not_duplicated() -> None:
@@ -101,7 +110,7 @@ def test_vanished_cluster_of_an_active_run_is_recreated() -> None:
 
 def test_suspend_deletes_the_cluster() -> None:
     status = api.FSDPTrainingRunStatus(phase=api.Phase.CLUSTER_READY)
-    decision = reconcile(spec(suspend=True), status, obs(cluster=ClusterObservation(True, "")))
+    decision = reconcile(spec(suspend=True), status, obs(cluster=READY))
     assert decision.delete_cluster and decision.status.phase == api.Phase.SUSPENDED
 
 

@@ -1,0 +1,67 @@
+"""What the operator submits to Ray: the trainer config, the entrypoint and the runtime env (pure).
+
+The trainer package travels in the runtime env (`py_modules`), zipped from the operator's own copy of
+`fsdp_trainer`, so the DLC image is used as it is and every attempt runs the same trainer bytes, whose
+sha256 is recorded in the status.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shlex
+from pathlib import Path
+from typing import Any
+
+import fsdp_trainer
+from fsdp_operator import api
+from fsdp_operator.builder import RunRef
+from fsdp_trainer.contract import TrainerConfig
+
+TRAINER_PACKAGE = Path(fsdp_trainer.__file__).resolve().parent
+
+
+def submission_id(run: RunRef, attempt: int) -> str:
+    """Deterministic per attempt: a replayed event or a restarted operator finds the job it submitted."""
+    return f"{run.name}-{run.uid[:8]}-{attempt}"
+
+
+def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -> TrainerConfig:
+    """The run's spec as the trainer reads it. The run name is stable across attempts, so every attempt
+    writes under the same storage prefix and resumes from the same checkpoints."""
+    return TrainerConfig(
+        run_name=run.name,
+        workers=spec.cluster.workers,
+        gpus_per_worker=0 if cpu_only else spec.cluster.gpus_per_worker,
+        max_failures=spec.recovery.in_job_max_failures,
+        model=spec.model,
+        fsdp=spec.fsdp,
+        training=spec.training,
+        data=spec.data,
+        checkpoint=spec.checkpoint,
+        network=spec.network,
+    )
+
+
+def entrypoint(config: TrainerConfig, submission: str) -> str:
+    return (
+        f"python -m fsdp_trainer --config {shlex.quote(config.to_json())} "
+        f"--submission-id {shlex.quote(submission)}"
+    )
+
+
+def runtime_env(spec: api.FSDPTrainingRunSpec, package: Path = TRAINER_PACKAGE) -> dict[str, Any]:
+    env: dict[str, Any] = {"py_modules": [str(package)]}
+    if spec.runtime_env.pip:
+        env["pip"] = list(spec.runtime_env.pip)
+    if spec.runtime_env.env:
+        env["env_vars"] = dict(spec.runtime_env.env)
+    return env
+
+
+def package_sha256(package: Path = TRAINER_PACKAGE) -> str:
+    """sha256 over the package's source files (relative path and bytes, in path order)."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in package.rglob("*") if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()

@@ -1,0 +1,212 @@
+"""Job lifecycle transitions: success, failures, restarts, hangs, deadlines, suspend, image pinning."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, TransportReport
+
+from fsdp_operator import api, conditions
+from fsdp_operator.jobs import JobObservation
+from fsdp_operator.recovery import backoff_seconds, classify
+from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+
+NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
+READY = ClusterObservation(ready=True, message="")
+CKPT = (
+    CheckpointRef(uri="s3://b/p/run/checkpoint_1", step=10, time=NOW - dt.timedelta(minutes=2)),
+    CheckpointRef(uri="s3://b/p/run/checkpoint_2", step=20, time=NOW - dt.timedelta(minutes=1)),
+)
+
+
+def spec(**extra: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, **extra}
+    )
+
+
+def running(**extra: Any) -> api.FSDPTrainingRunStatus:
+    fields: dict[str, Any] = {
+        "phase": api.Phase.RUNNING,
+        "attempt": 1,
+        "job_submission_id": "run-0f1e2d3c-1",
+        "start_time": NOW - dt.timedelta(minutes=10),
+        **extra,
+    }
+    return api.FSDPTrainingRunStatus(**fields)
+
+
+def job(status: str | None, message: str = "", logs: str = "") -> JobObservation:
+    return JobObservation("run-0f1e2d3c-1", status, message, logs, NOW - dt.timedelta(minutes=5))
+
+
+def progress(step: int = 20, **extra: Any) -> ProgressRecord:
+    fields: dict[str, Any] = {
+        "run_name": "run",
+        "phase": "training",
+        "step": step,
+        "max_steps": 100,
+        "loss": 2.5,
+        "updated_at": NOW - dt.timedelta(seconds=30),
+        **extra,
+    }
+    return ProgressRecord(**fields)
+
+
+def observe(**fields: Any) -> Observation:
+    return Observation(now=NOW, generation=1, **{"cluster": READY, **fields})
+
+
+def test_running_job_reports_progress_checkpoints_and_pins_the_image() -> None:
+    obs = observe(
+        job=job("RUNNING"),
+        progress=progress(),
+        checkpoints=CKPT,
+        pod_image_ids=("repo/ray@sha256:" + "a" * 64,) * 3,
+    )
+    decision = reconcile(spec(), running(), obs)
+    status = decision.status
+    assert status.phase == api.Phase.RUNNING and status.progress.step == 20 and status.progress.loss == 2.5
+    assert status.checkpoints.latest is not None and status.checkpoints.latest.step == 20
+    assert [c.step for c in status.checkpoints.recent] == [20, 10]
+    assert status.image.digest == "repo/ray@sha256:" + "a" * 64 and status.image.consistent is True
+    assert [e.reason for e in decision.events] == ["ImagePinned"]
+
+
+def test_pods_running_different_digests_are_flagged() -> None:
+    obs = observe(job=job("RUNNING"), pod_image_ids=("r@sha256:" + "a" * 64, "r@sha256:" + "b" * 64))
+    decision = reconcile(spec(), running(), obs)
+    assert decision.status.image.consistent is False
+    cond = conditions.condition(decision.status.conditions, conditions.IMAGE_CONSISTENT)
+    assert cond is not None and cond.status == "False" and cond.reason == "PodsDisagree"
+
+
+def test_success_finishes_and_deletes_the_cluster_by_default() -> None:
+    decision = reconcile(
+        spec(), running(), observe(job=job("SUCCEEDED"), progress=progress(100, phase="finished"))
+    )
+    assert decision.status.phase == api.Phase.SUCCEEDED and decision.delete_cluster
+    assert decision.status.completion_time == NOW
+    assert conditions.is_true(decision.status.conditions, conditions.SUCCEEDED)
+    kept = reconcile(spec(cleanupPolicy="KeepCluster"), running(), observe(job=job("SUCCEEDED")))
+    assert not kept.delete_cluster
+
+
+def test_retryable_failure_restarts_from_the_latest_checkpoint_after_backoff() -> None:
+    decision = reconcile(spec(), running(), observe(job=job("FAILED", "worker died"), checkpoints=CKPT))
+    status = decision.status
+    assert status.phase == api.Phase.RESTARTING and status.restarts.count == 1
+    entry = status.restarts.history[0]
+    assert (entry.reason, entry.resumed_from_step, entry.time) == ("JobFailed", 20, NOW)
+    assert status.next_check_time == NOW + dt.timedelta(seconds=30) and decision.requeue_after == 30
+    assert decision.events[-1].type == "Warning" and decision.events[-1].reason == "Restarting"
+    # Before the backoff has passed nothing is submitted; after it, attempt 2 goes in.
+    early = reconcile(
+        spec(), status, Observation(now=NOW + dt.timedelta(seconds=10), generation=1, cluster=READY)
+    )
+    assert early.submit_attempt is None
+    due = reconcile(
+        spec(), status, Observation(now=NOW + dt.timedelta(seconds=31), generation=1, cluster=READY)
+    )
+    assert due.submit_attempt == 2 and due.status.phase == api.Phase.RUNNING
+
+
+def test_permanent_failure_fails_without_using_restarts() -> None:
+    failed = progress(
+        0,
+        phase="failed",
+        error="ConfigError: unknown dataset column",
+        error_kind="config",
+        updated_at=NOW - dt.timedelta(seconds=5),
+    )
+    decision = reconcile(spec(), running(), observe(job=job("FAILED"), progress=failed))
+    assert decision.status.phase == api.Phase.FAILED and decision.status.restarts.count == 0
+    failed_cond = conditions.condition(decision.status.conditions, conditions.FAILED)
+    assert failed_cond is not None and failed_cond.reason == "InvalidConfig"
+
+
+def test_restarts_run_out() -> None:
+    status = running(restarts={"count": 3, "history": []})
+    decision = reconcile(spec(), status, observe(job=job("FAILED", "boom")))
+    assert decision.status.phase == api.Phase.FAILED
+    assert conditions.condition(decision.status.conditions, conditions.FAILED).reason == "RestartsExhausted"  # type: ignore[union-attr]
+
+
+def test_job_unknown_to_ray_is_a_lost_job_and_restarts() -> None:
+    decision = reconcile(spec(), running(), observe(job=job(None)))
+    assert decision.status.phase == api.Phase.RESTARTING
+    assert decision.status.restarts.history[0].reason == "JobLost"
+
+
+def test_hang_stops_the_job_and_restarts() -> None:
+    stale = progress(updated_at=NOW - dt.timedelta(hours=1))
+    old_job = JobObservation("run-0f1e2d3c-1", "RUNNING", start_time=NOW - dt.timedelta(hours=2))
+    decision = reconcile(
+        spec(recovery={"hangTimeoutSeconds": 600}), running(), observe(job=old_job, progress=stale)
+    )
+    assert decision.stop_job == "run-0f1e2d3c-1" and decision.status.restarts.history[0].reason == "Hang"
+    fresh = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress()))
+    assert fresh.stop_job is None and fresh.status.phase == api.Phase.RUNNING
+
+
+def test_deadline_fails_the_run_and_stops_the_job() -> None:
+    decision = reconcile(spec(activeDeadlineSeconds=60), running(), observe(job=job("RUNNING")))
+    assert decision.status.phase == api.Phase.FAILED and decision.stop_job == "run-0f1e2d3c-1"
+    assert conditions.condition(decision.status.conditions, conditions.FAILED).reason == "DeadlineExceeded"  # type: ignore[union-attr]
+
+
+def test_suspend_stops_the_job_and_unsuspend_goes_back_through_preflight() -> None:
+    decision = reconcile(spec(suspend=True), running(), observe(job=job("RUNNING")))
+    assert decision.stop_job == "run-0f1e2d3c-1" and decision.delete_cluster
+    assert decision.status.phase == api.Phase.SUSPENDED
+    from fsdp_operator.preflight import PreflightResult
+
+    ok = PreflightResult(True, "CapacityAvailable", "fits", zone="us-west-2a")
+    resumed = reconcile(
+        spec(), decision.status, Observation(now=NOW, generation=2, cluster=None, preflight=ok)
+    )
+    assert resumed.create_cluster and resumed.status.phase == api.Phase.PROVISIONING
+    again = reconcile(spec(), resumed.status, observe(checkpoints=CKPT))
+    assert again.submit_attempt == 2 and "resuming from step 20" in (again.status.message or "")
+
+
+def test_cluster_deleted_under_a_running_job_is_recreated_and_counted_as_a_restart() -> None:
+    decision = reconcile(spec(), running(zone="us-west-2b"), observe(cluster=None))
+    assert decision.create_cluster and decision.status.phase == api.Phase.RESTARTING
+    assert decision.status.restarts.history[0].reason == "ClusterLost"
+
+
+def test_socket_fallback_with_efa_is_transport_degraded() -> None:
+    socket = TransportReport(observed="socket", evidence=["NCCL INFO Using network Socket"])
+    decision = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress(transport=socket)))
+    assert conditions.is_true(decision.status.conditions, conditions.TRANSPORT_DEGRADED)
+    assert [e.reason for e in decision.events] == ["TransportDegraded"]
+    efa = TransportReport(observed="efa", evidence=["NET/OFI Selected Provider is efa"])
+    fine = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress(transport=efa)))
+    assert not conditions.is_true(fine.status.conditions, conditions.TRANSPORT_DEGRADED)
+
+
+def test_classification_reads_trainer_verdict_then_driver_logs() -> None:
+    started = NOW - dt.timedelta(minutes=1)
+    oom0 = progress(0, phase="failed", error_kind="oom", error="OutOfMemoryError", updated_at=NOW)
+    assert classify("", "", oom0, started).permanent
+    oom_late = progress(50, phase="failed", error_kind="oom", error="OutOfMemoryError", updated_at=NOW)
+    assert not classify("", "", oom_late, started).permanent
+    stale = progress(0, phase="failed", error_kind="config", updated_at=started - dt.timedelta(hours=1))
+    assert not classify("exit 1", "", stale, started).permanent  # a verdict from an earlier attempt
+    imports = classify(
+        "", "Traceback...\nModuleNotFoundError: No module named 'fsdp_trainer'\n", None, started
+    )
+    assert imports.permanent and imports.reason == "ImportError"
+    assert (
+        classify(
+            "Job entrypoint command failed with exit code 1", "RuntimeError: NCCL timeout", None, started
+        ).reason
+        == "JobFailed"
+    )
+
+
+def test_backoff_doubles_and_is_capped() -> None:
+    assert [backoff_seconds(30, n) for n in range(4)] == [30, 60, 120, 240]
+    assert backoff_seconds(30, 20) == 3600
