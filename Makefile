@@ -40,5 +40,5 @@ test-unit: venv ## the fast tests only (no servers)
 	$(PY) -m pytest -m unit $(PYTEST_ARGS)
 
 .PHONY: demo
-demo: cluster-up ## the main job end to end on the local cluster
+demo: venv tools ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
 	@hack/demo.sh

@@ -18,13 +18,15 @@ start=$(date +%s)
 "$root/hack/build-tools.sh"
 mkdir -p "$STATE/logs" "$STATE/pids"
 
-# Start the Ray head first: it is the slowest part and needs nothing from Kubernetes.
+write_env_file
+# Start the Ray head first: it is the slowest part and needs nothing from Kubernetes. Jobs inherit its
+# environment: the local S3 endpoint and credentials (as a node role would give them), and no hub access.
 log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
 mkdir -p "$RAY_TMP"
-RAY_USAGE_STATS_ENABLED=0 start_daemon ray "$VENV/bin/ray" start --head --block \
+(source "$STATE/env" && HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 start_daemon ray "$VENV/bin/ray" start --head --block \
   --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" \
   --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
-  --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats
+  --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 
 log "starting S3/EC2 server (moto) on 127.0.0.1:$S3_PORT"
 start_daemon moto "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
@@ -48,14 +50,13 @@ log "adding fake nodes and the KubeRay CRDs"
 kuberay_dir=$(cd "$root/hack/go/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)
 # Server-side apply: these CRDs exceed the client-side last-applied annotation limit.
 kubectl apply --server-side -f "$kuberay_dir/config/crd/bases/" >/dev/null
-kubectl wait --for condition=established --timeout 60s crd/rayclusters.ray.io crd/rayjobs.ray.io >/dev/null
+wait_for "KubeRay CRDs established" 60 kubectl wait --for condition=established --timeout 5s crd/rayclusters.ray.io crd/rayjobs.ray.io
 
 log "starting the KubeRay operator out of cluster"
 start_daemon kuberay "$root/bin/ray-operator" --kubeconfig "$KUBECONFIG" \
   --enable-leader-election=false --metrics-addr "127.0.0.1:$KUBERAY_METRICS_PORT" \
   --health-probe-bind-address "127.0.0.1:$KUBERAY_HEALTH_PORT"
 
-write_env_file
 wait_for "S3 server" 30 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
 wait_for "KubeRay operator" 60 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
 wait_for "Ray dashboard" 120 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
