@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 STATE = Path(os.environ.get("FSDP_STATE_DIR", REPO / ".local-cluster"))
 T = TypeVar("T")
@@ -114,3 +116,40 @@ class OperatorProcess:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def example(name: str, **spec_changes: Any) -> dict[str, Any]:
+    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    for dotted, value in spec_changes.items():
+        target = manifest["spec"]
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[leaf] = value
+    return manifest
+
+
+def apply(namespace: str, manifest: dict[str, Any]) -> None:
+    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
+
+
+def run_of(namespace: str, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace)
+    return found
+
+
+def conditions_of(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["type"]: c for c in run.get("status", {}).get("conditions", [])}
+
+
+def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        run = run_of(namespace, name)
+        return run if run.get("status", {}).get("phase") == phase else None
+
+    return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
+
+
+def rayclusters(namespace: str) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
+    return items

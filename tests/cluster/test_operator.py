@@ -2,49 +2,20 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-import yaml
-
-from tests.harness import REPO, OperatorProcess, kubectl, kubectl_json, wait_until
-
-
-def example(name: str, **spec_changes: Any) -> dict[str, Any]:
-    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
-    for dotted, value in spec_changes.items():
-        target = manifest["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            target = target.setdefault(key, {})
-        target[leaf] = value
-    return manifest
-
-
-def apply(namespace: str, manifest: dict[str, Any]) -> None:
-    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
-
-
-def run_of(namespace: str, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace)
-    return found
-
-
-def conditions_of(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {c["type"]: c for c in run.get("status", {}).get("conditions", [])}
-
-
-def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
-    def reached() -> dict[str, Any] | None:
-        run = run_of(namespace, name)
-        return run if run.get("status", {}).get("phase") == phase else None
-
-    return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
-
-
-def rayclusters(namespace: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
-    return items
+from tests.harness import (
+    OperatorProcess,
+    apply,
+    conditions_of,
+    example,
+    kubectl,
+    kubectl_json,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
 
 
 def test_example_run_reaches_cluster_ready_on_gpu_nodes_in_one_zone(

@@ -141,11 +141,13 @@ class Storage:
         return boto3.client("s3")
 
     def keys(self, prefix: str) -> dict[str, int]:
+        """Object keys and sizes under runs/<prefix>, without the empty "dir/" markers pyarrow leaves."""
         paginator = self.client().get_paginator("list_objects_v2")
         return {
             obj["Key"]: obj["Size"]
             for page in paginator.paginate(Bucket=self.bucket, Prefix=f"runs/{prefix}")
             for obj in page.get("Contents", [])
+            if not obj["Key"].endswith("/")
         }
 
     def read(self, key: str) -> str:
@@ -168,7 +170,7 @@ class Storage:
     def checkpoints(self, run: str) -> dict[str, CheckpointManifest | None]:
         """Checkpoint directory -> its manifest (None when it has none)."""
         keys = self.keys(f"{run}/checkpoint_")
-        directories = sorted({key.split("/")[2] for key in keys})
+        directories = sorted({key.split("/")[2] for key in keys if key.count("/") == 3})
         return {
             directory: (
                 CheckpointManifest.model_validate_json(self.read(manifest_key))

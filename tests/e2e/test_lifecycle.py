@@ -1,0 +1,228 @@
+"""The whole product on the local cluster: operator + KubeRay + local Ray head + local S3 + the trainer.
+
+Each run is the CPU demo (tiny Qwen2, byte tokenizer, real text): 40 steps, a checkpoint every 10.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from fsdp_trainer.contract import RunRecord
+from ray.job_submission import JobSubmissionClient
+
+from tests.harness import (
+    REPO,
+    LocalCluster,
+    OperatorProcess,
+    apply,
+    conditions_of,
+    example,
+    kubectl,
+    kubectl_json,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
+
+BUCKET = "fsdp-e2e"
+CORPUS = "data/stdlib-docstrings.jsonl"
+RUN_TIMEOUT = 300
+
+
+@pytest.fixture(scope="module")
+def s3(local_cluster: LocalCluster) -> Any:
+    client = boto3.client("s3", endpoint_url=local_cluster.s3_endpoint)
+    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    client.upload_file(str(REPO / "examples" / "data" / "stdlib-docstrings.jsonl"), BUCKET, CORPUS)
+    return client
+
+
+@pytest.fixture
+def lifecycle_operator(
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """The operator as the demo runs it: jobs to the local Ray head, on CPU, observed every 2 s."""
+    proc = OperatorProcess(
+        namespace=namespace,
+        env={
+            "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
+            "FSDP_OPERATOR_DASHBOARD_URL": local_cluster.ray_dashboard_url,
+            "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
+            "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
+        },
+        log=tmp_path / "operator.log",
+    ).start()
+    try:
+        yield proc
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        proc.stop()
+        print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
+
+
+def demo_run(namespace: str, **changes: Any) -> str:
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    manifest = example(
+        "cpu-demo",
+        **{
+            "data.source": f"s3://{BUCKET}/{CORPUS}",
+            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
+            "recovery.backoffSeconds": 1,
+            **changes,
+        },
+    )
+    manifest["metadata"]["name"] = name
+    apply(namespace, manifest)
+    return name
+
+
+def keys_under(s3: Any, prefix: str) -> set[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
+
+
+def checkpoint_steps_in_s3(s3: Any, name: str) -> set[int]:
+    manifests = [k for k in keys_under(s3, f"runs/{name}/") if k.endswith("/fsdp_manifest.json")]
+    return {json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read())["step"] for k in manifests}
+
+
+def run_record(s3: Any, name: str) -> RunRecord:
+    body = s3.get_object(Bucket=BUCKET, Key=f"runs/{name}/run.json")["Body"].read()
+    return RunRecord.model_validate_json(body)
+
+
+def wait_for_step(namespace: str, name: str, at_least: int) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        run = run_of(namespace, name)
+        latest = run.get("status", {}).get("checkpoints", {}).get("latest") or {}
+        return run if latest.get("step", 0) >= at_least else None
+
+    return wait_until(f"run {name} to have a checkpoint at step >= {at_least}", reached, timeout=RUN_TIMEOUT)
+
+
+def test_run_goes_from_preflight_to_succeeded_with_its_record(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+) -> None:
+    name = demo_run(namespace, cleanupPolicy="KeepCluster")
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
+    status = run["status"]
+    conditions = conditions_of(run)
+    for passed in ("Preflight", "ClusterReady", "Succeeded"):
+        assert conditions[passed]["status"] == "True", conditions[passed]
+    assert conditions["JobRunning"]["status"] == "False" and conditions["JobRunning"]["reason"] == "Completed"
+    assert status["progress"]["step"] == 40 and status["progress"]["loss"] < 5.5  # ln(260) = 5.56 at random
+    assert status["progress"]["evalLoss"] is not None
+    assert status["transport"]["observed"] == "gloo"
+    assert status["attempt"] == 1 and status["restarts"]["count"] == 0
+
+    # Every checkpoint the status lists exists, complete, in S3.
+    listed = {c["step"] for c in status["checkpoints"]["recent"]}
+    assert status["checkpoints"]["latest"]["step"] == 40 and listed <= checkpoint_steps_in_s3(s3, name)
+
+    # The digest is what the pods ran (KWOK records imageID as a kubelet would).
+    pods = kubectl_json("get", "pods", "-n", namespace, "-l", f"ray.io/cluster={status['rayClusterName']}")
+    image_ids = {cs["imageID"] for p in pods["items"] for cs in p["status"]["containerStatuses"]}
+    assert image_ids == {status["image"]["digest"]} and status["image"]["consistent"] is True
+
+    record = run_record(s3, name)
+    assert record.phase == "Succeeded" and record.image_digest == status["image"]["digest"]
+    assert record.trainer_package_sha256 == status["record"]["packageSha256"]
+    assert record.versions.torch and record.versions.torch.startswith("2.13")
+    assert [c.step for c in record.checkpoints][-1] == 40
+    assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{name}/model"
+
+
+def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
+) -> None:
+    # Rank 1 dies at step 15, once; with no in-job retries the whole job fails.
+    fault = f"rank=1,step=15,marker={tmp_path / 'killed'}"
+    name = demo_run(
+        namespace, **{"recovery.inJobMaxFailures": 0, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}}
+    )
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+    status = run["status"]
+    assert (tmp_path / "killed").exists(), "the fault was never injected"
+    assert status["restarts"]["count"] == 1 and status["attempt"] == 2
+    [restart] = status["restarts"]["history"]
+    assert restart["reason"] in ("JobFailed", "TrainerFailed") and restart["resumedFromStep"] == 10
+    assert status["progress"]["step"] == 40
+    # Nothing was lost: the checkpoint resumed from is still there with the later ones (keep: 3).
+    assert {20, 30, 40} <= checkpoint_steps_in_s3(s3, name)
+    events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+    assert "Restarting" in {e["reason"] for e in events["items"]}
+    assert run_record(s3, name).restarts[0].resumed_from_step == 10
+
+
+def test_operator_restarted_mid_run_submits_no_second_job(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster
+) -> None:
+    name = demo_run(namespace)
+    wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)
+    lifecycle_operator.kill()
+    lifecycle_operator.start()
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert run["status"]["attempt"] == 1 and run["status"]["restarts"]["count"] == 0
+    jobs = JobSubmissionClient(local_cluster.ray_dashboard_url).list_jobs()
+    ours = [j.submission_id for j in jobs if (j.metadata or {}).get("run") == name]
+    assert ours == [run["status"]["jobSubmissionId"]]
+
+
+def test_permanent_error_fails_without_using_up_restarts(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+) -> None:
+    name = demo_run(namespace, **{"data.source": f"s3://{BUCKET}/data/no-such-file.jsonl"})
+    run = wait_for_phase(namespace, name, "Failed", timeout=RUN_TIMEOUT)
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == "DataError", failed
+    assert "no-such-file.jsonl" in failed["message"]
+    assert run["status"]["restarts"]["count"] == 0 and run["spec"]["recovery"]["maxRestarts"] == 3
+
+
+def test_suspend_then_unsuspend_continues_from_the_checkpoint(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+) -> None:
+    name = demo_run(namespace, **{"training.maxSteps": 80})
+    wait_for_step(namespace, name, 10)
+    kubectl(
+        "patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
+    )
+    suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
+    wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
+    saved = checkpoint_steps_in_s3(s3, name)
+    assert saved, "suspending must keep the checkpoints"
+
+    kubectl(
+        "patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
+    )
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
+    assert run["status"]["attempt"] == 2 and run["status"]["progress"]["step"] == 80
+    latest_before = suspended["status"]["checkpoints"]["latest"]["step"]
+    progress = json.loads(s3.get_object(Bucket=BUCKET, Key=f"runs/{name}/progress.json")["Body"].read())
+    assert progress["resumedFromStep"] >= latest_before
+
+
+def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster
+) -> None:
+    name = demo_run(namespace, **{"training.maxSteps": 200})
+    run = wait_for_step(namespace, name, 10)
+    submission = run["status"]["jobSubmissionId"]
+    kubectl("delete", "fsdptrainingrun", name, "-n", namespace, "--timeout=60s")
+    wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
+    client = JobSubmissionClient(local_cluster.ray_dashboard_url)
+    wait_until(
+        "the Ray job to be stopped",
+        lambda: str(client.get_job_status(submission)) in ("STOPPED", "JobStatus.STOPPED"),
+        timeout=60,
+    )
+    assert checkpoint_steps_in_s3(s3, name), "deleting the run must leave its checkpoints"
+    assert run_record(s3, name).run_name == name
