@@ -56,12 +56,17 @@ def namespace(local_cluster: LocalCluster) -> Iterator[str]:
     try:
         yield name
     finally:
-        # The operator is stopped by now: release its finalizers, then wait, so that the next test finds
-        # the fake GPUs free again.
+        # The operator is stopped by now: release its finalizers. Wait for the pods only, so that the next
+        # test finds the fake GPUs free again; the namespace itself may finish deleting later.
         runs = kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split()
         for run in runs:
             kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
-        kubectl("delete", "namespace", name, "--wait=true", "--timeout=90s")
+        kubectl("delete", "namespace", name, "--wait=false")
+        wait_until(
+            f"the pods of namespace {name} to be gone",
+            lambda: not kubectl("get", "pods", "-n", name, "-o", "name", check=False).stdout.strip(),
+            timeout=90,
+        )
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -118,14 +119,28 @@ class OperatorProcess:
                 self.kill()
 
 
-def example(name: str, **spec_changes: Any) -> dict[str, Any]:
-    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
-    for dotted, value in spec_changes.items():
-        target = manifest["spec"]
+DELETE = object()  # as a value in `with_changes`: remove the field
+
+
+def with_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """A copy of `spec` with dotted-path changes ({"cluster.workers": 3}) applied."""
+    changed = copy.deepcopy(spec)
+    for dotted, value in changes.items():
+        target = changed
         *parents, leaf = dotted.split(".")
         for key in parents:
             target = target.setdefault(key, {})
-        target[leaf] = value
+        if value is DELETE:
+            target.pop(leaf)
+        else:
+            target[leaf] = value
+    return changed
+
+
+def example(name: str, **spec_changes: Any) -> dict[str, Any]:
+    """A manifest from examples/, with changes to its spec."""
+    manifest: dict[str, Any] = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())
+    manifest["spec"] = with_changes(manifest["spec"], spec_changes)
     return manifest
 
 

@@ -121,14 +121,14 @@ class _Pass:
         obs, new = self.obs, self.new
         progress = obs.progress
         if progress is not None:
-            new.progress = api.ProgressStatus(
+            new.progress = api.ProgressStatus(  # rounded: `kubectl get` prints numbers in full
                 step=progress.step,
                 max_steps=progress.max_steps,
-                loss=progress.loss,
-                eval_loss=progress.eval_loss,
-                eval_perplexity=progress.eval_perplexity,
-                tokens_per_second=progress.tokens_per_second,
-                mfu=progress.mfu,
+                loss=_round(progress.loss, 4),
+                eval_loss=_round(progress.eval_loss, 4),
+                eval_perplexity=_round(progress.eval_perplexity, 2),
+                tokens_per_second=_round(progress.tokens_per_second, 1),
+                mfu=_round(progress.mfu, 4),
                 updated_at=progress.updated_at,
             )
             new.record.versions = progress.versions
@@ -385,6 +385,10 @@ class _Pass:
             self.fail_attempt(
                 Failure(False, "Hang", f"no progress for more than hangTimeoutSeconds ({timeout}s)")
             )
+
+
+def _round(value: float | None, digits: int) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def reconcile(spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> Decision:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO, kubectl, kubectl_json
+from tests.harness import DELETE, REPO, kubectl, kubectl_json
+from tests.harness import with_changes as harness_with_changes
 
 BASE: dict[str, Any] = {
     "apiVersion": "fsdp.training.dev/v1alpha1",
@@ -21,20 +21,29 @@ BASE: dict[str, Any] = {
 
 
 def with_changes(**changes: Any) -> dict[str, Any]:
-    manifest = copy.deepcopy(BASE)
-    for dotted, value in changes.items():
-        target = manifest["spec"]
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            target = target.setdefault(key, {})
-        if value is DELETE:
-            target.pop(leaf)
-        else:
-            target[leaf] = value
-    return manifest
+    return {**BASE, "spec": harness_with_changes(BASE["spec"], changes)}
 
 
-DELETE = object()
+def set_phase(namespace: str, phase: str) -> None:
+    """Plays the operator: writes a phase through the status subresource."""
+    patch = json.dumps({"status": {"phase": phase}})
+    kubectl(
+        "patch",
+        "fsdptrainingrun",
+        "candidate",
+        "-n",
+        namespace,
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        patch,
+    )
+
+
+def apply_json(namespace: str, manifest: dict[str, Any], check: bool = True) -> Any:
+    return kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest), check=check)
+
+
 DIGEST = "0" * 64
 
 # (name, changes to the valid base, text the rejection must contain)
@@ -131,50 +140,15 @@ def test_valid_runs_are_accepted_with_server_side_defaults(namespace: str, crd_i
 def test_training_inputs_are_immutable_while_active_but_suspend_is_not(
     namespace: str, crd_installed: None
 ) -> None:
-    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(BASE))
-    kubectl(
-        "patch",
-        "fsdptrainingrun",
-        "candidate",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": {"phase": "Running"}}),
-    )
-    changed = kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        check=False,
-        input=json.dumps(with_changes(**{"training.maxSteps": 7})),
-    )
+    apply_json(namespace, BASE)
+    set_phase(namespace, "Running")
+    changed = apply_json(namespace, with_changes(**{"training.maxSteps": 7}), check=False)
     assert changed.returncode != 0
     assert "spec.training cannot change while the run is active" in changed.stderr, changed.stderr
-    kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(with_changes(suspend=True)))
-    kubectl(
-        "patch",
-        "fsdptrainingrun",
-        "candidate",
-        "-n",
-        namespace,
-        "--subresource=status",
-        "--type=merge",
-        "-p",
-        json.dumps({"status": {"phase": "Suspended"}}),
-    )
+    apply_json(namespace, with_changes(suspend=True))
+    set_phase(namespace, "Suspended")
     # Suspended: the cluster is gone, so its shape may change (checkpoints reshard on load).
-    kubectl(
-        "apply",
-        "-n",
-        namespace,
-        "-f",
-        "-",
-        input=json.dumps(with_changes(suspend=True, **{"cluster.workers": 4})),
-    )
+    apply_json(namespace, with_changes(suspend=True, **{"cluster.workers": 4}))
     assert (
         kubectl_json("get", "fsdptrainingrun", "candidate", "-n", namespace)["spec"]["cluster"]["workers"]
         == 4

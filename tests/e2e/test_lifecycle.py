@@ -13,9 +13,9 @@ from typing import Any
 
 import boto3
 import pytest
-from fsdp_trainer.contract import RunRecord
 from ray.job_submission import JobSubmissionClient
 
+from fsdp_trainer.contract import RunRecord
 from tests.harness import (
     REPO,
     LocalCluster,

@@ -197,7 +197,9 @@ class Submission:
     seconds: float
 
 
-def submit(ray_address: str, config: dict[str, Any], fault: str | None = None) -> Submission:
+def submit(
+    ray_address: str, config: dict[str, Any], fault: str | None = None, *extra_args: str
+) -> Submission:
     """Runs the trainer exactly as the operator's Ray job does: `python -m fsdp_trainer --config <json>`."""
     env = {
         **os.environ,
@@ -211,7 +213,7 @@ def submit(ray_address: str, config: dict[str, Any], fault: str | None = None) -
     start = time.monotonic()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "fsdp_trainer", "--config", json.dumps(config)],
+            [sys.executable, "-m", "fsdp_trainer", "--config", json.dumps(config), *extra_args],
             env=env,
             capture_output=True,
             text=True,
@@ -267,7 +269,8 @@ def test_loss_falls_on_real_text_and_eval_is_reported(reference: ReferenceRun, s
     assert sorted(reference.losses) == list(range(1, MAX_STEPS + 1))
     first, last = reference.losses[1], reference.losses[MAX_STEPS]
     print(
-        f"loss {first:.3f} -> {last:.3f}, eval loss {progress.eval_loss:.3f}, perplexity {progress.eval_perplexity:.1f}"
+        f"loss {first:.3f} -> {last:.3f}, "
+        f"eval loss {progress.eval_loss:.3f}, perplexity {progress.eval_perplexity:.1f}"
     )
     assert first > math.log(256) - 0.5, f"an untrained byte model starts near ln(256); got {first}"
     assert last < first - 1.0, f"loss should fall by more than 1 nat in {MAX_STEPS} steps: {first} -> {last}"
@@ -319,6 +322,21 @@ def test_exported_model_is_a_loadable_hugging_face_model(
     batch = tokenizer(json.loads(text)["text"][:64], return_tensors="pt")
     loss = float(model(**batch, labels=batch["input_ids"]).loss)
     assert loss < math.log(256), f"the exported weights are the trained ones (loss {loss})"
+
+
+def test_fine_tuning_starts_from_a_model_in_s3_without_ray(
+    ray_address: str, reference: ReferenceRun, storage: Storage
+) -> None:
+    """The exported model as the source of a new run (config, weights and tokenizer copied from S3 to the
+    node), trained by the per-worker loop in a plain process: the path torchrun and the GPU bench use."""
+    config = trainer_config("fine-tune", storage.uri, workers=1, training={"maxSteps": 4})
+    config["model"] = {"source": reference.progress.exported_model_uri}
+    submission = submit(ray_address, config, None, "--launcher", "direct")
+    assert submission.returncode == 0, submission.output[-6000:]
+    progress = storage.progress("fine-tune")
+    assert progress.phase == "finished" and progress.step == 4 and progress.world_size == 1
+    first = losses(storage.history("fine-tune")[-1])[1]
+    assert first < reference.losses[1] - 1.0, f"starts from the trained weights, not at random ({first})"
 
 
 # ----------------------------------------------------------------------------------------------------------

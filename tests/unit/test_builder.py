@@ -10,22 +10,15 @@ import pytest
 import yaml
 
 from fsdp_operator import api, builder
+from tests.harness import example
 
-REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
 IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
 
 
-def example_spec(name: str, **overrides: Any) -> api.FSDPTrainingRunSpec:
-    spec = yaml.safe_load((REPO / "examples" / f"{name}.yaml").read_text())["spec"]
-    for dotted, value in overrides.items():
-        target = spec
-        *parents, leaf = dotted.split(".")
-        for key in parents:
-            target = target.setdefault(key, {})
-        target[leaf] = value
-    return api.FSDPTrainingRunSpec.model_validate(spec)
+def example_spec(name: str, **changes: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate(example(name, **changes)["spec"])
 
 
 CASES = {

@@ -5,12 +5,11 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, TransportReport
-
 from fsdp_operator import api, conditions
 from fsdp_operator.jobs import JobObservation
-from fsdp_operator.recovery import backoff_seconds, classify
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_operator.recovery import backoff_seconds, classify
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, TransportReport
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 READY = ClusterObservation(ready=True, message="")

@@ -27,7 +27,8 @@ llama-3-8b-node-0-0:194:724 [0] NCCL INFO comm 0x8b6b550 rank 0 nranks 16 cudaDe
 llama-3-8b-node-0-0:194:712 [0] NCCL INFO Channel 00/0 : 3[0] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA
 llama-3-8b-node-0-0:194:712 [0] NCCL INFO Channel 01/0 : 3[0] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA
 llama-3-8b-node-0-0:194:712 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[0] [send] via NET/Libfabric/0/GDRDMA
-llama-3-8b-node-0-0:194:712 [0] NCCL INFO Channel 01/1 : 1[1] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA/Shared
+llama-3-8b-node-0-0:194:712 [0] NCCL INFO Channel 01/1 : 1[1] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA
+node-0-0:194:712 [0] NCCL INFO Channel 01/1 : 1[1] -> 0[0] [receive] via NET/Libfabric/0/GDRDMA/Shared
 llama-3-8b-node-0-0:194:713 [0] NCCL INFO Connected all rings
 """
 
@@ -51,7 +52,7 @@ OLD_PLUGIN_LOG = """\
 # The silent fallback: no plugin, TCP sockets.
 SOCKET_LOG = """\
 ip-10-0-1-6:91:91 [0] NCCL INFO NCCL version 2.26.2+cuda12.8
-ip-10-0-1-6:91:130 [0] NCCL INFO NET/Plugin : Plugin load (libnccl-net.so) returned 2 : libnccl-net.so: cannot open shared object file: No such file or directory
+ip-10-0-1-6:91:130 [0] NCCL INFO NET/Plugin : Plugin load (libnccl-net.so) returned 2 : libnccl-net.so
 ip-10-0-1-6:91:130 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.1.6<0>
 ip-10-0-1-6:91:130 [0] NCCL INFO Using network Socket
 ip-10-0-1-6:91:131 [0] NCCL INFO Channel 00/0 : 1[0] -> 0[0] [receive] via NET/Socket/0
@@ -153,6 +154,10 @@ def test_bus_bandwidth_follows_nccl_tests_definition() -> None:
 def test_worker_env_turns_on_nccl_logging_and_lets_the_user_override() -> None:
     env = worker_env(NetworkSpec(nccl_env={"FI_PROVIDER": "tcp", "NCCL_SOCKET_IFNAME": "eth0"}), "run-1")
     assert env["NCCL_DEBUG"] == "INFO" and env["NCCL_DEBUG_SUBSYS"] == "INIT,NET"
-    assert "%h" in env["NCCL_DEBUG_FILE"] and "%p" in env["NCCL_DEBUG_FILE"] and "run-1" in env["NCCL_DEBUG_FILE"]
+    assert (
+        "%h" in env["NCCL_DEBUG_FILE"]
+        and "%p" in env["NCCL_DEBUG_FILE"]
+        and "run-1" in env["NCCL_DEBUG_FILE"]
+    )
     assert env["FI_PROVIDER"] == "tcp" and env["NCCL_SOCKET_IFNAME"] == "eth0"
     assert "FI_PROVIDER" not in worker_env(NetworkSpec(efa=EfaPolicy.DISABLED), "run-1")

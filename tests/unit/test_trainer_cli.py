@@ -1,0 +1,99 @@
+"""The command line: generated from the contract, so --help documents every option the operator can set."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+from fsdp_trainer.cli import build_parser, resolve_config
+from fsdp_trainer.contract import TrainerConfig
+from fsdp_trainer.errors import ConfigError
+
+BASE: dict[str, Any] = {
+    "runName": "demo",
+    "model": {"fromConfig": {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}},
+    "checkpoint": {"storagePath": "s3://bucket/runs"},
+}
+
+
+def leaf_options(model: type[BaseModel], prefix: str = "") -> list[str]:
+    options = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name.replace('_', '-')}"
+        nested = field.annotation
+        if isinstance(nested, type) and issubclass(nested, BaseModel):
+            options.extend(leaf_options(nested, f"{dotted}."))
+        else:
+            options.append(f"--{dotted}")
+    return options
+
+
+def test_help_documents_every_config_field_with_its_description() -> None:
+    text = build_parser().format_help()
+    options = leaf_options(TrainerConfig)
+    assert len(options) > 35
+    for option in options:
+        assert option in text, f"{option} missing from --help"
+    assert "Gradient clipping norm; 0 disables it." in text
+    assert "{required,preferred,disabled}" in text
+
+
+def resolve(*argv: str) -> TrainerConfig:
+    return resolve_config(build_parser().parse_args(list(argv)))
+
+
+def test_camel_case_config_with_dotted_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**BASE, "training": {"maxSteps": 50, "learningRate": 1e-4}}))
+    config = resolve("--config", str(path), "--training.max-steps", "10", "--workers", "4",
+                     "--fsdp.sharding", "HYBRID_SHARD", "--no-checkpoint.export-model",
+                     "--network.nccl-env", '{"NCCL_SOCKET_IFNAME": "eth0"}')  # fmt: skip
+    assert config.training.max_steps == 10 and config.training.learning_rate == 1e-4
+    assert config.workers == 4 and config.fsdp.sharding == "HYBRID_SHARD"
+    assert config.checkpoint.export_model is False
+    assert config.network.nccl_env == {"NCCL_SOCKET_IFNAME": "eth0"}
+
+
+def test_inline_json_keeps_model_config_keys_as_given() -> None:
+    config = resolve("--config", json.dumps(BASE))
+    assert config.model.from_config == {"model_type": "qwen2", "hidden_size": 64, "num_hidden_layers": 2}
+
+
+def test_everything_can_come_from_options_alone() -> None:
+    config = resolve(
+        "--run-name", "x", "--model.source", "Qwen/Qwen2.5-1.5B", "--checkpoint.storage-path", "s3://b/p"
+    )
+    assert config.model.source == "Qwen/Qwen2.5-1.5B", "a hub id is not a local path"
+
+
+def test_relative_local_paths_become_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text("")
+    config = resolve(
+        "--config", json.dumps(BASE), "--data.source", "data.jsonl", "--checkpoint.storage-path", "out"
+    )
+    assert config.data.source == str(tmp_path / "data.jsonl")
+    assert config.checkpoint.storage_path == os.path.join(tmp_path, "out")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model.source", "Qwen/Qwen2.5-1.5B"], "exactly one of model.source"),
+        (["--network.efa", "required"], "needs GPU workers"),
+        (["--training.warmup-steps", "100", "--training.max-steps", "100"], "warmupSteps"),
+    ],
+)
+def test_inconsistent_configs_are_config_errors(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        resolve("--config", json.dumps(BASE), *argv)
+
+
+def test_unknown_fields_are_rejected() -> None:
+    with pytest.raises(ValidationError):
+        resolve("--config", json.dumps({**BASE, "trainig": {}}))

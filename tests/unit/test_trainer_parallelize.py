@@ -1,0 +1,62 @@
+"""FSDP layout choices that need no process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fsdp_trainer.contract import ActivationCheckpointing, Precision, ShardingStrategy
+from fsdp_trainer.errors import ConfigError
+from fsdp_trainer.model import model_shape
+from fsdp_trainer.parallelize import (
+    MeshShape,
+    checkpointed_layer_indices,
+    compute_dtype,
+    decoder_layers,
+    mesh_shape,
+)
+
+
+@pytest.mark.parametrize(
+    ("sharding", "shape"),
+    [
+        (ShardingStrategy.FULL_SHARD, MeshShape(replicate=1, shard=8)),
+        (ShardingStrategy.SHARD_GRAD_OP, MeshShape(replicate=1, shard=8)),
+        (ShardingStrategy.HYBRID_SHARD, MeshShape(replicate=2, shard=4)),
+        (ShardingStrategy.NO_SHARD, MeshShape(replicate=8, shard=1)),
+    ],
+)
+def test_mesh_shape_for_two_nodes_of_four_gpus(sharding: ShardingStrategy, shape: MeshShape) -> None:
+    assert mesh_shape(sharding, world_size=8, local_world_size=4) == shape
+
+
+def test_hybrid_shard_needs_equal_nodes() -> None:
+    with pytest.raises(ConfigError):
+        mesh_shape(ShardingStrategy.HYBRID_SHARD, world_size=6, local_world_size=4)
+
+
+def test_activation_checkpointing_layers() -> None:
+    assert checkpointed_layer_indices(ActivationCheckpointing.NONE, 4) == []
+    assert checkpointed_layer_indices(ActivationCheckpointing.FULL, 4) == [0, 1, 2, 3]
+    assert checkpointed_layer_indices(ActivationCheckpointing.SELECTIVE, 5) == [0, 2, 4]
+
+
+def test_cpu_trains_in_fp32_and_gpus_in_the_requested_dtype() -> None:
+    assert compute_dtype(Precision.BF16, "cpu") == torch.float32
+    assert compute_dtype(Precision.BF16, "cuda") == torch.bfloat16
+    assert compute_dtype(Precision.FP16, "cuda") == torch.float16
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decoder_layers_and_the_flops_parameter_count(tied: bool) -> None:
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    assert len(decoder_layers(model)) == 3
+    shape = model_shape(model)
+    total = sum(p.numel() for p in model.parameters())
+    assert (shape.layers, shape.hidden) == (3, 32)
+    assert shape.params == (total if tied else total - 300 * 32), "an untied input embedding does no matmul"
