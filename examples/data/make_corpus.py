@@ -17,7 +17,16 @@ from pathlib import Path
 
 MIN_CHARS = 300
 MAX_BYTES = 1_500_000
-SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "ensurepip", "turtledemo"}
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "ensurepip",
+    "turtledemo",
+}
 OUTPUT = Path(__file__).with_name("stdlib-docstrings.jsonl")
 
 
@@ -35,6 +44,7 @@ def main() -> None:
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     seen: set[str] = set()
     size = 0
+    python = sys.version.split()[0]
     with OUTPUT.open("w", encoding="utf-8") as out:
         for path in sorted(stdlib.rglob("*.py")):
             relative = path.relative_to(stdlib)
@@ -45,12 +55,12 @@ def main() -> None:
                     continue
                 line = json.dumps({"text": text, "source": f"cpython/Lib/{relative.as_posix()}"}) + "\n"
                 if size + len(line.encode()) > MAX_BYTES:
-                    print(f"{OUTPUT.name}: {len(seen)} documents, {size} bytes (Python {sys.version.split()[0]})")
+                    print(f"{OUTPUT.name}: {len(seen)} documents, {size} bytes (Python {python})")
                     return
                 seen.add(text)
                 size += len(line.encode())
                 out.write(line)
-    print(f"{OUTPUT.name}: {len(seen)} documents, {size} bytes (Python {sys.version.split()[0]})")
+    print(f"{OUTPUT.name}: {len(seen)} documents, {size} bytes (Python {python})")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 from pydantic import ValidationError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, Versions, checkpoint_is_complete
@@ -141,19 +142,21 @@ def inspect(location: Location) -> Candidate:
     return Candidate(location, manifest, listing)
 
 
-def newest_complete(candidates: list[Candidate], submission_id: str | None = None) -> Candidate | None:
-    """The complete checkpoint with the highest step (then the latest time), optionally only those written
-    by one submission."""
+def complete_oldest_first(candidates: list[Candidate], submission_id: str | None = None) -> list[Candidate]:
+    """The complete checkpoints by step (then time), optionally only those written by one submission."""
     usable = [
-        (candidate.manifest, candidate)
-        for candidate in candidates
+        (candidate.manifest.step, candidate.manifest.created_at, index, candidate)
+        for index, candidate in enumerate(candidates)
         if candidate.manifest is not None
         and candidate.complete
         and (submission_id is None or candidate.manifest.submission_id == submission_id)
     ]
-    if not usable:
-        return None
-    return max(usable, key=lambda pair: (pair[0].step, pair[0].created_at))[1]
+    return [candidate for *_, candidate in sorted(usable)]
+
+
+def newest_complete(candidates: list[Candidate], submission_id: str | None = None) -> Candidate | None:
+    complete = complete_oldest_first(candidates, submission_id)
+    return complete[-1] if complete else None
 
 
 def run_checkpoints(run: Location) -> list[Candidate]:
@@ -171,14 +174,35 @@ def find_resume_point(
         latest = inspect(latest_reported)
         if newest_complete([latest], own_only) is not None:
             return latest
-        log.warning("latest reported checkpoint %s is incomplete: scanning for an older one", latest.location.uri)
+        log.warning(
+            "latest reported checkpoint %s is incomplete: scanning for an older one", latest.location.uri
+        )
     found = newest_complete(run_checkpoints(run), own_only)
     if found is not None or resume in (RESUME_AUTO, RESUME_NEVER):
         return found
     explicit = inspect(Location.parse(resume))
     if not explicit.complete:
-        raise ConfigError(f"checkpoint.resume {resume} is not a complete checkpoint (no manifest or missing files)")
+        raise ConfigError(
+            f"checkpoint.resume {resume} is not a complete checkpoint (no manifest or missing files)"
+        )
     return explicit
+
+
+def prune(run: Location, keep: int) -> list[str]:
+    """Keeps the newest `keep` complete checkpoints and deletes the rest, plus incomplete leftovers older
+    than the newest complete one; for launches without Ray, whose CheckpointConfig does this otherwise."""
+    candidates = run_checkpoints(run)
+    complete = complete_oldest_first(candidates)
+    if not complete:
+        return []
+    kept = {c.location.uri for c in complete[-keep:]}
+    newest = complete[-1].location.name
+    doomed = [
+        c for c in candidates if c.location.uri not in kept and (c.complete or c.location.name < newest)
+    ]
+    for candidate in doomed:
+        candidate.location.delete_dir()
+    return [c.location.uri for c in doomed]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,7 +219,9 @@ def ray_persist(local_dir: str, name: str, metrics: dict[str, Any]) -> None:
     """Ray Train uploads each rank's directory into the same checkpoint and tracks it (keep K, resume)."""
     import ray.train
 
-    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(local_dir), checkpoint_dir_name=name)
+    ray.train.report(
+        metrics, checkpoint=ray.train.Checkpoint.from_directory(local_dir), checkpoint_dir_name=name
+    )
 
 
 def direct_persist(run: Location) -> Persist:
@@ -229,7 +255,7 @@ def save(
     """Saves a checkpoint on every rank; rank 0 returns the manifest it wrote."""
     local_dir = tempfile.mkdtemp(prefix="fsdp-checkpoint-")
     try:
-        dcp.save({"app": app_state}, checkpoint_id=local_dir)
+        dcp_save({"app": app_state}, checkpoint_id=local_dir)
         save_rng(local_dir, context.rank)
         local_files = {entry.name: entry.stat().st_size for entry in os.scandir(local_dir) if entry.is_file()}
         all_files = {name: size for files in context.gather(local_files) for name, size in files.items()}
@@ -257,17 +283,24 @@ def save(
         submission_id=context.submission_id,
     )
     location.child(MANIFEST_FILE).write_text(manifest.to_json())
-    log.info("checkpoint step %d complete at %s (%d bytes)", train.step, location.uri, sum(all_files.values()))
+    log.info(
+        "checkpoint step %d complete at %s (%d bytes)", train.step, location.uri, sum(all_files.values())
+    )
     return manifest
 
 
 def load(
-    checkpoint: Location, app_state: AppState, rank: int, local_rank: int, reseed: int, barrier: Callable[[], None]
+    checkpoint: Location,
+    app_state: AppState,
+    rank: int,
+    local_rank: int,
+    reseed: int,
+    barrier: Callable[[], None],
 ) -> bool:
     """Loads a complete checkpoint, resharding onto this world size; returns whether this rank's RNG state
     was in it. The checkpoint is copied to each node once and removed after loading."""
     local_dir = node_local_copy(checkpoint.uri, local_rank, barrier)
-    dcp.load({"app": app_state}, checkpoint_id=local_dir)
+    dcp_load({"app": app_state}, checkpoint_id=local_dir)
     restored = load_rng(local_dir, rank, reseed)
     barrier()
     if local_rank == 0:

@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 import torch
 
 from fsdp_trainer.contract import DataSpec
-from fsdp_trainer.errors import DataError
+from fsdp_trainer.errors import ConfigError, DataError
 from fsdp_trainer.storage import Location
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,7 @@ def read_documents(uri: str, text_field: str) -> list[str]:
     """All documents of a jsonl/parquet file, or of every such file below a directory, in name order."""
     try:
         location = Location.parse(uri)
-        files = location.list_files()
+        files = {} if location.is_file() else location.list_files()
     except (OSError, ValueError, ImportError) as error:
         raise DataError(f"cannot open data source {uri}: {error}") from error
     if files:
@@ -107,9 +107,7 @@ def pack(token_lists: list[list[int]], eos_token_id: int | None, sequence_length
     """Concatenates documents (each followed by EOS when the tokenizer has one) and cuts the stream into
     rows of sequence_length tokens; the incomplete tail is dropped."""
     separator = [] if eos_token_id is None else [eos_token_id]
-    stream = np.fromiter(
-        (token for tokens in token_lists for token in (*tokens, *separator)), dtype=np.int64
-    )
+    stream = np.fromiter((token for tokens in token_lists for token in (*tokens, *separator)), dtype=np.int64)
     rows = len(stream) // sequence_length
     return stream[: rows * sequence_length].reshape(rows, sequence_length)
 
@@ -206,12 +204,14 @@ class Datasets:
 
 
 def build_datasets(
-    spec: DataSpec, tokenizer: Tokenizer, vocab_size: int, sequence_length: int, seed: int
+    spec: DataSpec, tokenizer: Tokenizer | None, vocab_size: int, sequence_length: int, seed: int
 ) -> Datasets:
     if spec.source == SYNTHETIC:
         train = SyntheticSamples(vocab_size, sequence_length, seed)
         held_out = SyntheticSamples(vocab_size, sequence_length, seed + 1, size=1 << 20)
         return Datasets(train, held_out if spec.eval_fraction > 0 else None, "synthetic random tokens")
+    if tokenizer is None:
+        raise ConfigError("real data needs a tokenizer: set model.tokenizer or model.source")
     documents = read_documents(spec.source, spec.text_field)
     if spec.eval_source:
         train_docs, eval_docs = documents, read_documents(spec.eval_source, spec.text_field)

@@ -76,9 +76,9 @@ def start(use_gpu: bool) -> Runtime:
         device = torch.device("cuda", 0) if gpu else torch.device("cpu")
         if gpu:
             torch.cuda.set_device(device)
-        # A one-process group needs no rendezvous: an in-memory store will do.
+        # A one-process group: its own rendezvous on any free loopback port.
         dist.init_process_group(
-            backend, store=dist.HashStore(), rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
         )
     return Runtime(launcher, dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
 

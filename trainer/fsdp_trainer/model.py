@@ -8,16 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-)
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from fsdp_trainer.contract import ModelSpec
 from fsdp_trainer.errors import ConfigError, ModelError
@@ -25,6 +18,12 @@ from fsdp_trainer.metrics import ModelShape
 from fsdp_trainer.storage import node_local_copy
 
 log = logging.getLogger(__name__)
+
+# transformers' auto classes and fast tokenizer have untyped constructors; mypy sees them as Any here.
+AutoConfig: Any = transformers.AutoConfig
+AutoModelForCausalLM: Any = transformers.AutoModelForCausalLM
+AutoTokenizer: Any = transformers.AutoTokenizer
+PreTrainedTokenizerFast: Any = transformers.PreTrainedTokenizerFast
 
 BYTE_LEVEL = "byte-level"
 END_OF_TEXT = "<|endoftext|>"
@@ -42,14 +41,17 @@ def _bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def byte_level_tokenizer() -> PreTrainedTokenizerFast:
+def byte_level_tokenizer() -> PreTrainedTokenizerBase:
     """256 byte tokens (id == byte value) and <|endoftext|> (id 256); no merges, nothing to download."""
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     vocab[END_OF_TEXT] = 256
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=END_OF_TEXT)
+    wrapped: PreTrainedTokenizerBase = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=END_OF_TEXT
+    )
+    return wrapped
 
 
 def resolve(source: str, local_rank: int, barrier: Callable[[], None]) -> str:
@@ -124,9 +126,9 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     """Parameter count for the FLOPs estimate: a tied embedding counts once (as the output projection);
     an untied input embedding is a lookup and does no matmul work."""
     params = sum(p.numel() for p in model.parameters())
-    embeddings = model.get_input_embeddings()
-    tied = embeddings.weight is model.get_output_embeddings().weight
-    if not tied:
-        params -= embeddings.weight.numel()
+    lm: Any = model
+    embedding: torch.Tensor = lm.get_input_embeddings().weight
+    if embedding is not lm.get_output_embeddings().weight:
+        params -= embedding.numel()
     config: Any = model.config
     return ModelShape(params=params, layers=config.num_hidden_layers, hidden=config.hidden_size)

@@ -41,5 +41,7 @@ def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.A
     return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, spec: TrainingSpec) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, spec: TrainingSpec
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, spec=spec))

@@ -10,7 +10,13 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from fsdp_trainer.contract import ActivationCheckpointing, FsdpSpec, Precision, ShardingStrategy
 from fsdp_trainer.errors import ConfigError
@@ -44,7 +50,9 @@ def mesh_shape(sharding: ShardingStrategy, world_size: int, local_world_size: in
 def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     if shape.replicate == 1:
         return init_device_mesh(device_type, (shape.shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (shape.replicate, shape.shard), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(
+        device_type, (shape.replicate, shape.shard), mesh_dim_names=("replicate", "shard")
+    )
 
 
 def compute_dtype(requested: Precision, device_type: str) -> torch.dtype:
@@ -77,10 +85,12 @@ def checkpointed_layer_indices(mode: ActivationCheckpointing, count: int) -> lis
     return []
 
 
-def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype: torch.dtype) -> None:
-    """Shards `model` in place. Gradients always reduce in fp32."""
+def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype: torch.dtype) -> FSDPModule:
+    """Shards `model` in place and returns it as the FSDP root. Gradients always reduce in fp32."""
     layers = decoder_layers(model)
-    for index in checkpointed_layer_indices(ActivationCheckpointing(spec.activation_checkpointing), len(layers)):
+    for index in checkpointed_layer_indices(
+        ActivationCheckpointing(spec.activation_checkpointing), len(layers)
+    ):
         layers[index] = checkpoint_wrapper(layers[index])
     if spec.compile:
         for layer in layers:
@@ -97,4 +107,6 @@ def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype:
             mp_policy=mp_policy,
             offload_policy=offload,
         )
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload)
+    return fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from fsdp_trainer.contract import METRICS_DIR, PROGRESS_FILE, ProgressRecord, Versions
@@ -31,7 +32,8 @@ def versions() -> Versions:
 
         found["cuda"] = torch.version.cuda
         if torch.cuda.is_available():
-            found["nccl"] = ".".join(str(part) for part in torch.cuda.nccl.version())
+            nccl_version: Callable[[], tuple[int, ...]] = torch.cuda.nccl.version
+            found["nccl"] = ".".join(str(part) for part in nccl_version())
     except ImportError:
         pass
     return Versions(**found)
@@ -50,10 +52,6 @@ class ProgressWriter:
         self._history_file = run.child(METRICS_DIR, f"{attempt_id}.jsonl")
         self._fields: dict[str, Any] = fields
         self._history: list[str] = []
-
-    @property
-    def current(self) -> dict[str, Any]:
-        return dict(self._fields)
 
     def write(self, **fields: Any) -> ProgressRecord:
         self._fields.update(fields, updated_at=utc_now())

@@ -40,6 +40,9 @@ class Location:
     def exists(self) -> bool:
         return bool(self.fs.get_file_info(self.path).type != pafs.FileType.NotFound)
 
+    def is_file(self) -> bool:
+        return bool(self.fs.get_file_info(self.path).type == pafs.FileType.File)
+
     def read_bytes(self) -> bytes:
         with self.fs.open_input_stream(self.path) as stream:
             return bytes(stream.read())
@@ -48,8 +51,7 @@ class Location:
         return self.read_bytes().decode()
 
     def write_bytes(self, data: bytes) -> None:
-        parent = self.path.rsplit("/", 1)[0]
-        self.fs.create_dir(parent, recursive=True)
+        self._make_dir(self.path.rsplit("/", 1)[0])
         with self.fs.open_output_stream(self.path) as stream:
             stream.write(data)
 
@@ -76,10 +78,18 @@ class Location:
         ]
 
     def download_to(self, local_dir: str) -> None:
+        os.makedirs(local_dir, exist_ok=True)
         pafs.copy_files(self.path, local_dir, source_filesystem=self.fs, destination_filesystem=_LOCAL)
 
     def upload_from(self, local_dir: str) -> None:
+        self._make_dir(self.path)
         pafs.copy_files(local_dir, self.path, source_filesystem=_LOCAL, destination_filesystem=self.fs)
+
+    def _make_dir(self, path: str) -> None:
+        """Local directories must exist before writing; object stores have none (creating one would leave
+        an empty "dir/" marker object for every reader to skip)."""
+        if isinstance(self.fs, pafs.LocalFileSystem):
+            self.fs.create_dir(path, recursive=True)
 
     def delete_dir(self) -> None:
         if self.exists():
@@ -110,7 +120,3 @@ def _hub_filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
 
     fs, path = fsspec.core.url_to_fs(uri)
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path
-
-
-def is_remote(uri: str) -> bool:
-    return "://" in uri and not uri.startswith("file://")

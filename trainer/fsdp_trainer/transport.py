@@ -34,6 +34,7 @@ _EVIDENCE = re.compile(
     r"GPU Direct RDMA|via NET/",
     re.IGNORECASE,
 )
+_NETWORK_CHOICE = re.compile(r"via NET/|Using network|Selected provider|NET/Socket : Using", re.IGNORECASE)
 _LIBFABRIC_NAMES = ("Libfabric", "AWS Libfabric", "OFI")
 # Ranking used to combine ranks: the weakest network any rank used is what the job got.
 _STRENGTH = {Transport.SOCKET: 0, Transport.UNKNOWN: 1, Transport.EFA: 2, Transport.EFA_GPUDIRECT: 3}
@@ -115,13 +116,15 @@ def combine(ranks: list[RankTransport], nodes: int) -> TransportReport:
 
 def enforce(policy: EfaPolicy, report: TransportReport) -> None:
     """With EFA required, anything but EFA stops the run (before any training time is spent)."""
-    if policy is not EfaPolicy.REQUIRED or report.observed in (Transport.EFA, Transport.EFA_GPUDIRECT):
+    # Contract models store enum values as plain strings, hence == rather than `is`.
+    if policy != EfaPolicy.REQUIRED or report.observed in (Transport.EFA, Transport.EFA_GPUDIRECT):
         return
-    if report.observed is Transport.SINGLE:
+    if report.observed == Transport.SINGLE:
         return  # nothing crossed a node boundary, so no network was used or needed
+    telling = [line for line in report.evidence if _NETWORK_CHOICE.search(line)]
     raise TransportError(
-        f"network.efa is required but the collectives used {report.observed.value}; "
-        f"evidence: {report.evidence[:4]}. Check that the pods request vpc.amazonaws.com/efa, that the "
+        f"network.efa is required but the collectives used {report.observed}; "
+        f"evidence: {telling[:4]}. Check that the pods request vpc.amazonaws.com/efa, that the "
         "aws-ofi-nccl plugin is on LD_LIBRARY_PATH and FI_PROVIDER=efa."
     )
 
@@ -150,7 +153,7 @@ def worker_env(network: NetworkSpec, run_name: str) -> dict[str, str]:
         "NCCL_DEBUG_SUBSYS": "INIT,NET",
         "NCCL_DEBUG_FILE": nccl_log_pattern(run_name),
     }
-    if network.efa is not EfaPolicy.DISABLED:
+    if network.efa != EfaPolicy.DISABLED:
         env["FI_PROVIDER"] = "efa"
     env.update(network.nccl_env)
     return env

@@ -1,0 +1,40 @@
+"""python -m fsdp_trainer --config <file | json | s3://...> [--section.field value ...]"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from fsdp_trainer import cli
+from fsdp_trainer.errors import ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = cli.build_parser()
+    args = parser.parse_args(argv)
+    try:
+        config = cli.resolve_config(args)
+    except (ValidationError, ConfigError, OSError, ValueError) as error:
+        print(f"invalid configuration (error kind config): {error}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(config.to_json())
+        return 0
+    submission_id = cli.submission_id(args)
+    direct = args.launcher == "direct" or (args.launcher == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
+    if direct:
+        from fsdp_trainer.loop import LoopInput, train_loop
+
+        train_loop(LoopInput(trainer=config, submission_id=submission_id).model_dump(mode="json"))
+        return 0
+    from fsdp_trainer.driver import run_with_ray
+
+    return run_with_ray(config, submission_id)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The Ray driver: a TorchTrainer over the per-worker loop, and the record of how the run ended."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fsdp_trainer.contract import PROGRESS_FILE, ErrorKind, ProgressRecord, TrainerConfig, run_prefix
+from fsdp_trainer.errors import classify
+from fsdp_trainer.loop import LoopInput, train_loop
+from fsdp_trainer.progress import read_progress, utc_now
+from fsdp_trainer.storage import Location
+from fsdp_trainer.transport import worker_env
+
+log = logging.getLogger(__name__)
+
+FORWARDED_ENV_PREFIX = "FSDP_TRAINER_"  # trainer settings and test hooks reach the workers
+MAX_ERROR_CHARS = 2000
+
+
+def worker_environment(config: TrainerConfig) -> dict[str, str]:
+    env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV_PREFIX)}
+    if config.gpus_per_worker > 0:
+        env.update(worker_env(config.network, config.run_name))
+    return env
+
+
+def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
+    """Trains to the end (Ray Train restarts the workers up to maxFailures times, resuming from the latest
+    checkpoint); returns the process exit code."""
+    import ray
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train.torch import TorchTrainer
+
+    if not ray.is_initialized():
+        ray.init()  # RAY_ADDRESS (set inside a Ray job) or a local Ray
+    gpu = config.gpus_per_worker > 0
+    scaling = ScalingConfig(
+        # One Ray Train worker per GPU is Ray Train's layout: each worker process drives one device.
+        num_workers=config.workers * config.gpus_per_worker if gpu else config.workers,
+        use_gpu=gpu,
+        resources_per_worker=None if gpu else {"CPU": config.cpus_per_worker},
+    )
+    # mypy resolves Ray's V1 RunConfig; Train V2 (the default since Ray 2.5x) has worker_runtime_env.
+    run_config = RunConfig(  # type: ignore[call-arg]
+        name=config.run_name,
+        storage_path=config.checkpoint.storage_path,
+        failure_config=FailureConfig(max_failures=config.max_failures),
+        checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+        worker_runtime_env={"env_vars": worker_environment(config)},
+    )
+    trainer = TorchTrainer(
+        train_loop,
+        train_loop_config=LoopInput(trainer=config, submission_id=submission_id).model_dump(mode="json"),
+        scaling_config=scaling,
+        run_config=run_config,
+    )
+    try:
+        trainer.fit()
+    except TrainingFailedError as error:
+        kind, cause = root_cause(error)
+        message = f"{type(cause).__name__}: {cause}"[:MAX_ERROR_CHARS]
+        record_failure(config, message, kind)
+        log.error("training failed (%s): %s", kind, error)
+        return 1
+    return 0
+
+
+def root_cause(error: BaseException) -> tuple[ErrorKind, BaseException]:
+    """The error that explains the failure: a worker's permanent error when any worker hit one (the others
+    then fail with collective errors), else the first worker's (or the controller's) error."""
+    worker_failures: dict[int, Any] = getattr(error, "worker_failures", None) or {}
+    causes = [worker_failures[rank] for rank in sorted(worker_failures)]
+    causes.append(getattr(error, "controller_failure", None))
+    classified = [(classify(cause), cause) for cause in causes if isinstance(cause, BaseException)]
+    if not classified:
+        return classify(error), error
+    return next(((kind, cause) for kind, cause in classified if kind != ErrorKind.RUNTIME), classified[0])
+
+
+def record_failure(config: TrainerConfig, message: str, kind: ErrorKind) -> None:
+    """phase=failed on the latest progress record (keeping its step and metrics) for the operator."""
+    run = Location.parse(run_prefix(config.checkpoint.storage_path, config.run_name))
+    try:
+        previous = read_progress(run)
+    except (OSError, ValueError) as read_error:
+        log.warning("progress record unreadable (%s): writing a fresh one", read_error)
+        previous = None
+    fields: dict[str, Any] = (
+        previous.model_dump()
+        if previous is not None
+        else {"run_name": config.run_name, "max_steps": config.training.max_steps, "world_size": 0}
+    )
+    fields.update(phase="failed", error=message, error_kind=kind, updated_at=utc_now())
+    run.child(PROGRESS_FILE).write_text(ProgressRecord(**fields).to_json())

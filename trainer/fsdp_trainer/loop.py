@@ -1,0 +1,481 @@
+"""The per-worker training loop: a plain function of a JSON-able dict, run by Ray Train on every worker, by
+torchrun on every process, or by plain `python` as one process."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import math
+import os
+import resource
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import BaseModel
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_trainer import checkpoint, data, distributed, model, optim, parallelize, transport
+from fsdp_trainer.contract import (
+    MODEL_DIR,
+    Precision,
+    ProgressRecord,
+    TrainerConfig,
+    Transport,
+    TransportReport,
+    run_prefix,
+)
+from fsdp_trainer.errors import ConfigError, classify
+from fsdp_trainer.metrics import flops_per_token, model_flops_utilisation, peak_flops
+from fsdp_trainer.progress import ProgressWriter, utc_now, versions
+from fsdp_trainer.storage import Location
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "FSDP_TRAINER_FAULT"  # test hook: "rank=R,step=S,marker=PATH" exits rank R at step S once
+
+
+class LoopInput(BaseModel):
+    """What the launcher hands every worker."""
+
+    trainer: TrainerConfig
+    submission_id: str
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Entry point on every worker. `config` is LoopInput as a dict (the TorchTrainer train_loop_config)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    loop_input = LoopInput.model_validate(config)
+    use_gpu = loop_input.trainer.gpus_per_worker > 0
+    if use_gpu:
+        # The Ray driver sets these for its workers; under torchrun they are set here, before the first
+        # collective creates NCCL's communicators (they initialise lazily), unless the launcher set them.
+        for key, value in transport.worker_env(
+            loop_input.trainer.network, loop_input.trainer.run_name
+        ).items():
+            os.environ.setdefault(key, value)
+    runtime = distributed.start(use_gpu=use_gpu)
+    run = Location.parse(run_prefix(loop_input.trainer.checkpoint.storage_path, loop_input.trainer.run_name))
+    worker = Worker(loop_input, runtime, run)
+    try:
+        worker.run()
+    except BaseException as error:
+        # Under Ray the driver records the failure with every worker's error; elsewhere rank 0 does.
+        if runtime.launcher != "ray" and runtime.is_main and worker.progress is not None:
+            worker.progress.write(
+                phase="failed", error=f"{type(error).__name__}: {error}", error_kind=classify(error)
+            )
+            worker.progress.flush_history()
+        raise
+    finally:
+        distributed.stop(runtime)
+
+
+@dataclass
+class Interval:
+    """Step timings since the last metric record."""
+
+    start: float
+    steps: int = 0
+
+    def reset(self) -> None:
+        self.start, self.steps = time.perf_counter(), 0
+
+
+@dataclass
+class Session:
+    """Everything one attempt trains with, built by Worker.setup."""
+
+    attempt_id: str
+    lm: torch.nn.Module  # the sharded model, called for forward passes
+    root: FSDPModule  # the same object seen as the FSDP root (gradient sync control)
+    model_config: Any
+    tokenizer: Any
+    dtype: torch.dtype
+    datasets: data.Datasets
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    app_state: checkpoint.AppState
+    layout: data.BatchLayout
+    flops_per_token: float
+
+    @property
+    def state(self) -> checkpoint.TrainState:
+        return self.app_state.train
+
+
+class Worker:
+    def __init__(self, loop_input: LoopInput, runtime: distributed.Runtime, run: Location) -> None:
+        self.config = loop_input.trainer
+        self.submission_id = loop_input.submission_id
+        self.runtime = runtime
+        self.run_location = run
+        self.progress: ProgressWriter | None = None  # rank 0 only
+        self.versions = versions()
+        self.evaluated_at_step: int | None = None
+
+    def run(self) -> None:
+        session = self.setup()
+        self.train(session)
+        self.finish(session)
+
+    # ------------------------------------------------------------------------------------------------------
+    def setup(self) -> Session:
+        config, runtime, training = self.config, self.runtime, self.config.training
+        attempt_id = distributed.broadcast(utc_now().strftime("%Y%m%dT%H%M%S%f"))
+        if runtime.is_main:
+            self.progress = ProgressWriter(
+                self.run_location,
+                attempt_id,
+                run_name=config.run_name,
+                phase="starting",
+                max_steps=training.max_steps,
+                world_size=runtime.world_size,
+                versions=self.versions,
+            )
+            self.progress.write()
+        log.info("rank %d/%d (%s) on %s", runtime.rank, runtime.world_size, runtime.launcher, runtime.device)
+
+        barrier = dist.barrier
+        tokenizer = model.load_tokenizer(config.model, runtime.local_rank, barrier)
+        model_config = model.model_config(config.model, runtime.local_rank, barrier)
+        vocab_size = int(model_config.vocab_size)
+        if tokenizer is not None and len(tokenizer) > vocab_size:
+            raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+        datasets = data.build_datasets(
+            config.data, tokenizer, vocab_size, training.sequence_length, training.seed
+        )
+        log.info("data: %s", datasets.description)
+
+        report = self.measure_transport()
+        if self.progress is not None:
+            self.progress.write(transport=report)
+
+        lm = model.load_model(config.model, model_config, training.seed, runtime.local_rank, barrier)
+        shape = model.model_shape(lm)
+        device_type = runtime.device.type
+        dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
+        mesh = parallelize.build_mesh(
+            parallelize.mesh_shape(config.fsdp.sharding, runtime.world_size, runtime.local_world_size),
+            device_type,
+        )
+        root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
+        optimizer = optim.build_optimizer(lm, training)
+        scheduler = optim.build_scheduler(optimizer, training)
+        app_state = checkpoint.AppState(lm, optimizer, scheduler, checkpoint.TrainState())
+
+        resumed_from = self.resume(app_state)
+        if self.progress is not None:
+            self.progress.write(
+                phase="training",
+                step=app_state.train.step,
+                tokens_seen=app_state.train.tokens_seen,
+                resumed_from_step=resumed_from,
+            )
+        return Session(
+            attempt_id=attempt_id,
+            lm=lm,
+            root=root,
+            model_config=model_config,
+            tokenizer=tokenizer,
+            dtype=dtype,
+            datasets=datasets,
+            optimizer=optimizer,
+            scheduler=scheduler,
+            app_state=app_state,
+            layout=data.BatchLayout(
+                runtime.world_size, training.micro_batch_size, training.grad_accumulation
+            ),
+            flops_per_token=flops_per_token(shape, training.sequence_length),
+        )
+
+    def train(self, session: Session) -> None:
+        config, runtime, training, state = self.config, self.runtime, self.config.training, session.state
+        save_context = checkpoint.SaveContext(
+            self.run_location,
+            config.run_name,
+            self.submission_id,
+            runtime.rank,
+            runtime.world_size,
+            self.versions,
+            distributed.all_gather,
+            dist.barrier,
+        )
+        persist = (
+            checkpoint.ray_persist
+            if runtime.launcher == "ray"
+            else checkpoint.direct_persist(self.run_location)
+        )
+        fault = Fault.from_env()
+        interval = Interval(time.perf_counter())
+        last_loss: float | None = None
+        session.lm.train()
+        for step in range(state.step + 1, training.max_steps + 1):
+            if fault is not None and fault.due(runtime.rank, step):
+                fault.trigger()
+            learning_rate = float(session.scheduler.get_last_lr()[0])
+            loss_sum, grad_norm = self.optimizer_step(session)
+            state.step = step
+            state.data_position += session.layout.samples_per_step
+            state.tokens_seen += session.layout.samples_per_step * training.sequence_length
+            interval.steps += 1
+
+            if step % training.log_every == 0 or step == training.max_steps:
+                last_loss = distributed.mean(float(loss_sum), runtime.device)
+                self.record_metrics(session, interval, last_loss, learning_rate, grad_norm)
+                interval.reset()
+            if config.data.eval_every and step % config.data.eval_every == 0:
+                self.evaluate(session)
+            if step % config.checkpoint.every_steps == 0 or step == training.max_steps:
+                name = checkpoint.checkpoint_name(step, session.attempt_id)
+                checkpoint.save(save_context, session.app_state, name, last_loss, persist)
+                if self.progress is not None:
+                    self.progress.flush_history()
+                    if runtime.launcher != "ray":  # Ray's CheckpointConfig keeps K otherwise
+                        checkpoint.prune(self.run_location, config.checkpoint.keep)
+                interval.reset()  # checkpoint time is not step time
+
+    def optimizer_step(self, session: Session) -> tuple[torch.Tensor, float]:
+        """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the global
+        gradient norm (before clipping)."""
+        training, device, state = self.config.training, self.runtime.device, session.state
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(training.grad_accumulation):
+            indices = session.layout.micro_batch_indices(state.data_position, micro_step, self.runtime.rank)
+            batch = session.datasets.train.samples(indices).to(device)
+            # Gradients are reduce-scattered only after the last micro-step of the step.
+            session.root.set_requires_gradient_sync(micro_step == training.grad_accumulation - 1)
+            loss = session.lm(input_ids=batch, labels=batch).loss / training.grad_accumulation
+            loss.backward()
+            loss_sum += loss.detach()
+        max_norm = training.max_grad_norm if training.max_grad_norm > 0 else math.inf  # inf: measure only
+        grad_norm = torch.nn.utils.clip_grad_norm_(session.lm.parameters(), max_norm)
+        session.optimizer.step()
+        session.scheduler.step()
+        session.optimizer.zero_grad(set_to_none=True)
+        full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        return loss_sum, float(full_norm)
+
+    def record_metrics(
+        self, session: Session, interval: Interval, loss: float, learning_rate: float, grad_norm: float
+    ) -> None:
+        runtime, state = self.runtime, session.state
+        elapsed = time.perf_counter() - interval.start
+        tokens_per_step = session.layout.samples_per_step * self.config.training.sequence_length
+        tokens_per_second = tokens_per_step * interval.steps / elapsed
+        per_device = tokens_per_second / runtime.world_size
+        memory = distributed.maximum(_peak_memory(runtime.device), runtime.device)  # a collective: all ranks
+        if self.progress is None:
+            return
+        device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
+        record = self.progress.write(
+            step=state.step,
+            loss=loss,
+            learning_rate=learning_rate,
+            grad_norm=grad_norm,
+            tokens_per_second=tokens_per_second,
+            tokens_per_second_per_device=per_device,
+            step_time_seconds=elapsed / interval.steps,
+            mfu=model_flops_utilisation(per_device, session.flops_per_token, peak_flops(device_name)),
+            peak_memory_bytes=int(memory),
+            tokens_seen=state.tokens_seen,
+        )
+        log.info("%s", _summary(record))
+
+    def finish(self, session: Session) -> None:
+        if self.evaluated_at_step != session.state.step:
+            self.evaluate(session)
+        exported = None
+        if self.config.checkpoint.export_model:
+            exported = self.export(session)
+        if self.progress is not None:
+            self.progress.write(phase="finished", step=session.state.step, exported_model_uri=exported)
+            self.progress.flush_history()
+
+    # ------------------------------------------------------------------------------------------------------
+    def measure_transport(self) -> TransportReport:
+        """Bus bandwidth from a short all-reduce, then (under NCCL) the network every rank's NCCL log shows;
+        the probe also makes NCCL initialise, so its log exists afterwards."""
+        runtime, network = self.runtime, self.config.network
+        bandwidth = (
+            _probe_bandwidth(network.bandwidth_probe_mb, runtime.device) if runtime.world_size > 1 else None
+        )
+        if runtime.backend != "nccl":
+            return TransportReport(
+                observed=Transport.GLOO,
+                evidence=[f"torch.distributed backend {runtime.backend} on {runtime.device.type}"],
+                bus_bandwidth_gbps=bandwidth,
+            )
+        mine = transport.parse_nccl_log(transport.own_nccl_log_lines(self.config.run_name))
+        gathered = distributed.all_gather((os.uname().nodename, mine))
+        nodes = len({host for host, _ in gathered})
+        report = transport.combine([rank_report for _, rank_report in gathered], nodes)
+        report.bus_bandwidth_gbps = bandwidth
+        if mine.nccl_version:
+            self.versions.nccl = mine.nccl_version
+        log.info("transport: %s over %d node(s), bus bandwidth %s GB/s", report.observed, nodes, bandwidth)
+        transport.enforce(network.efa, report)
+        return report
+
+    def resume(self, app_state: checkpoint.AppState) -> int | None:
+        config, runtime = self.config, self.runtime
+        chosen: str | None = None
+        if runtime.is_main:
+            found = checkpoint.find_resume_point(
+                self.run_location, config.checkpoint.resume, self.submission_id, _latest_reported(runtime)
+            )
+            chosen = None if found is None else found.location.uri
+        chosen = distributed.broadcast(chosen)
+        if chosen is None:
+            log.info("starting from scratch")
+            return None
+        reseed = config.training.seed * 100_003 + runtime.rank
+        had_rng = checkpoint.load(
+            Location.parse(chosen), app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier
+        )
+        if not had_rng:
+            log.warning(
+                "checkpoint has no RNG state for rank %d (saved on fewer workers): reseeded", runtime.rank
+            )
+        log.info("resumed from %s at step %d", chosen, app_state.train.step)
+        return app_state.train.step
+
+    def evaluate(self, session: Session) -> None:
+        """Held-out loss and perplexity, averaged over ranks (nothing to do without held-out data)."""
+        samples, lm, runtime = session.datasets.eval, session.lm, self.runtime
+        if samples is None:
+            return
+        self.evaluated_at_step = session.state.step
+        batches = data.eval_batch_indices(
+            len(samples),
+            self.config.data.eval_batches,
+            self.config.training.micro_batch_size,
+            runtime.rank,
+            runtime.world_size,
+        )
+        lm.eval()
+        total = torch.zeros((), device=runtime.device)
+        with torch.no_grad():
+            for indices in batches:
+                batch = samples.samples(indices).to(runtime.device)
+                total += lm(input_ids=batch, labels=batch).loss
+        lm.train()
+        eval_loss = distributed.mean(float(total) / len(batches), runtime.device)
+        perplexity = math.exp(min(eval_loss, 80.0))  # capped: an untrained model would overflow
+        if self.progress is not None:
+            log.info("eval loss %.4f perplexity %.2f", eval_loss, perplexity)
+            self.progress.write(eval_loss=eval_loss, eval_perplexity=perplexity)
+
+    def export(self, session: Session) -> str:
+        """A consolidated Hugging Face model (safetensors) at <storage>/<run>/model/: the full state dict is
+        gathered to rank 0's CPU only, then saved through a weightless copy of the architecture."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        from fsdp_trainer.model import AutoModelForCausalLM
+
+        dtype = session.dtype
+        full_state = get_model_state_dict(
+            session.lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        destination = self.run_location.child(MODEL_DIR)
+        if self.runtime.is_main:
+            with torch.device("meta"):
+                shell = AutoModelForCausalLM.from_config(session.model_config, dtype=dtype)
+            weights = {k: v.to(dtype) for k, v in full_state.items() if isinstance(v, torch.Tensor)}
+            shell.load_state_dict(weights, assign=True)
+            shell.tie_weights()
+            with tempfile.TemporaryDirectory(prefix="fsdp-export-") as local_dir:
+                shell.save_pretrained(local_dir)
+                if session.tokenizer is not None:
+                    session.tokenizer.save_pretrained(local_dir)
+                destination.delete_dir()
+                destination.upload_from(local_dir)
+            log.info("exported the model to %s", destination.uri)
+        dist.barrier()
+        return destination.uri
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _latest_reported(runtime: distributed.Runtime) -> Location | None:
+    if runtime.launcher != "ray":
+        return None
+    import ray.train
+
+    latest = ray.train.get_checkpoint()
+    if latest is None:
+        return None
+    # Ray gives the path inside its filesystem; rebuild a URI our storage layer understands.
+    scheme = "s3://" if type(latest.filesystem).__name__ == "S3FileSystem" else ""
+    return Location.parse(scheme + latest.path)
+
+
+def _probe_bandwidth(size_mb: int, device: torch.device, iterations: int = 5) -> float | None:
+    if size_mb <= 0:
+        return None
+    buffer = torch.ones(size_mb * 1024 * 1024 // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(buffer)  # warm-up: connection setup is not bandwidth
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(buffer)
+    _synchronize(device)
+    seconds = (time.perf_counter() - start) / iterations
+    # Ranks finish at slightly different times; the slowest defines the collective's duration.
+    seconds = distributed.maximum(seconds, device)
+    return transport.bus_bandwidth_gbps(buffer.numel() * 4, dist.get_world_size(), seconds)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+
+
+@dataclass(frozen=True)
+class Fault:
+    """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S,marker=PATH"): rank R dies at step S, once."""
+
+    rank: int
+    step: int
+    marker: str
+
+    @classmethod
+    def from_env(cls) -> Fault | None:
+        spec = os.environ.get(FAULT_ENV)
+        if not spec:
+            return None
+        fields = dict(part.split("=", 1) for part in spec.split(","))
+        return cls(int(fields["rank"]), int(fields["step"]), fields["marker"])
+
+    def due(self, rank: int, step: int) -> bool:
+        return rank == self.rank and step == self.step and not os.path.exists(self.marker)
+
+    def trigger(self) -> None:
+        """Dies like a lost worker: no exception, no cleanup."""
+        with open(self.marker, "w") as marker:
+            marker.write(f"{dt.datetime.now(dt.UTC).isoformat()} step {self.step}\n")
+        log.error("fault injection: exiting at step %d", self.step)
+        logging.shutdown()
+        os._exit(17)
+
+
+def _summary(record: ProgressRecord) -> str:
+    parts = [f"step {record.step}/{record.max_steps}", f"loss {record.loss:.4f}"]
+    if record.learning_rate is not None:
+        parts.append(f"lr {record.learning_rate:.3g}")
+    if record.tokens_per_second is not None:
+        parts.append(f"{record.tokens_per_second:,.0f} tok/s")
+    if record.mfu is not None:
+        parts.append(f"MFU {record.mfu:.1%}")
+    return " | ".join(parts)
