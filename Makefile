@@ -42,3 +42,7 @@ test-unit: venv ## the fast tests only (no servers)
 .PHONY: demo
 demo: venv tools ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
 	@hack/demo.sh
+
+.PHONY: bench
+bench: venv tools ## benchmarks (never in CI): control plane on the local cluster; GPU script in bench/
+	$(PY) bench/control_plane.py

@@ -11,7 +11,8 @@ import datetime as dt
 import logging
 import threading
 from collections import defaultdict
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import kopf
@@ -173,7 +174,7 @@ class Context:
         return RunStorage(self.s3, spec.checkpoint.storage_path, run_name)
 
 
-def reconcile_run(ctx: Context, body: kopf.Body) -> Decision | None:
+def reconcile_run(ctx: Context, body: Mapping[str, Any]) -> Decision | None:
     """One pass per run at a time, on the run as stored now (not the event's snapshot); the status is
     written inside the same lock, so the next pass always starts from this one's result."""
     meta = body["metadata"]
@@ -185,7 +186,7 @@ def reconcile_run(ctx: Context, body: kopf.Body) -> Decision | None:
             or fresh["metadata"].get("deletionTimestamp")
         ):
             return None  # deleted (or re-created under the same name: that object gets its own passes)
-        return _reconcile_locked(ctx, body, fresh)
+        return _reconcile_locked(ctx, fresh)
 
 
 def _parse(
@@ -203,7 +204,11 @@ def _parse(
 
 
 def _observe(
-    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
+    ctx: Context,
+    run: builder.RunRef,
+    spec: api.FSDPTrainingRunSpec,
+    status: api.FSDPTrainingRunStatus,
+    generation: int,
 ) -> Observation:
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     cluster_name = builder.ray_cluster_name(run.name)
@@ -229,7 +234,7 @@ def _observe(
             log.warning("%s/%s: cannot read %s: %s", run.namespace, run.name, storage.uri, error)
     return Observation(
         now=now,
-        generation=0,
+        generation=generation,
         cluster=cluster,
         preflight=preflight_result,
         job=job,
@@ -240,11 +245,12 @@ def _observe(
     )
 
 
-def _reconcile_locked(ctx: Context, body: kopf.Body, fresh: dict[str, Any]) -> Decision:
+def _reconcile_locked(ctx: Context, fresh: dict[str, Any]) -> Decision:
+    body = kopf.Body(cast(Any, fresh))  # what Events point at
     meta = fresh["metadata"]
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     spec, status = _parse(body, fresh)
-    obs = replace(_observe(ctx, run, spec, status), generation=meta["generation"])
+    obs = _observe(ctx, run, spec, status, generation=meta["generation"])
     decision = reconcile(spec, status, obs)
     new = decision.status
 
@@ -258,37 +264,12 @@ def _reconcile_locked(ctx: Context, body: kopf.Body, fresh: dict[str, Any]) -> D
         # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
         image = new.image.digest or requested
         ctx.kube.create_raycluster(builder.build_raycluster(spec, run, image, new.zone))
+    if decision.submit_attempt is not None:
+        _submit(ctx, run, spec, decision, obs)
+    new = decision.status  # the submission may have fallen back to the status before it
     if obs.cluster is not None or decision.create_cluster:
         new.ray_cluster_name = cluster_name
         new.image.requested = requested
-    if decision.submit_attempt is not None:
-        submission_id = submission.submission_id(run, decision.submit_attempt)
-        config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
-        try:
-            ctx.jobs(run.namespace, cluster_name).submit(
-                submission_id,
-                submission.entrypoint(config, submission_id),
-                submission.runtime_env(spec),
-                metadata={
-                    "run": run.name,
-                    "namespace": run.namespace,
-                    "attempt": str(decision.submit_attempt),
-                },
-            )
-        except Exception as error:  # dashboard not reachable yet: stay before submission, say why, retry
-            assert decision.status_if_submit_fails is not None
-            new = decision.status = decision.status_if_submit_fails
-            decision.events = decision.events_if_submit_fails
-            reason, message = "SubmissionFailed", f"{type(error).__name__}: {error}"[:500]
-            previous = conditions.condition(new.conditions, conditions.JOB_RUNNING)
-            if previous is None or previous.reason != reason:
-                decision.events.append(Event("Warning", reason, message))
-            new.conditions = conditions.set_condition(
-                new.conditions, conditions.JOB_RUNNING, False, reason, message, obs.now, obs.generation
-            )
-        else:
-            new.job_submission_id = submission_id
-            new.record.package_sha256 = ctx.package_sha256
 
     old_status = dict(fresh.get("status") or {})
     if _status_patch(old_status, new):
@@ -298,6 +279,36 @@ def _reconcile_locked(ctx: Context, body: kopf.Body, fresh: dict[str, Any]) -> D
         kopf.event(body, type=event.type, reason=event.reason, message=event.message)
         log.info("%s/%s %s: %s", run.namespace, run.name, event.reason, event.message)
     return decision
+
+
+def _submit(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision, obs: Observation
+) -> None:
+    """Submits the decided attempt; when Ray cannot take it, the run stays where it was, saying why."""
+    assert decision.submit_attempt is not None
+    submission_id = submission.submission_id(run, decision.submit_attempt)
+    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+    try:
+        ctx.jobs(run.namespace, builder.ray_cluster_name(run.name)).submit(
+            submission_id,
+            submission.entrypoint(config, submission_id),
+            submission.runtime_env(spec),
+            metadata={"run": run.name, "namespace": run.namespace, "attempt": str(decision.submit_attempt)},
+        )
+    except Exception as error:  # e.g. the dashboard is not reachable yet; the next pass tries again
+        assert decision.status_if_submit_fails is not None
+        new = decision.status = decision.status_if_submit_fails
+        decision.events = decision.events_if_submit_fails
+        reason, message = "SubmissionFailed", f"{type(error).__name__}: {error}"[:500]
+        previous = conditions.condition(new.conditions, conditions.JOB_RUNNING)
+        if previous is None or previous.reason != reason:
+            decision.events.append(Event("Warning", reason, message))
+        new.conditions = conditions.set_condition(
+            new.conditions, conditions.JOB_RUNNING, False, reason, message, obs.now, obs.generation
+        )
+    else:
+        decision.status.job_submission_id = submission_id
+        decision.status.record.package_sha256 = ctx.package_sha256
 
 
 def _write_run_record(
@@ -376,6 +387,20 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     @kopf.timer(*resource, interval=settings.observe_interval_seconds, registry=registry)
     def on_timer(body: kopf.Body, **_: Any) -> None:
         reconcile_run(ctx, body)
+
+    @kopf.on.event(
+        RAY_GROUP,
+        RAY_VERSION,
+        RAY_PLURAL,
+        labels={builder.LABEL_MANAGED_BY: builder.MANAGER},
+        registry=registry,
+    )
+    def on_raycluster_event(body: kopf.Body, **_: Any) -> None:
+        # React to KubeRay at once (e.g. the cluster turning ready) instead of at the next timer tick.
+        run_name = body["metadata"].get("labels", {}).get(builder.LABEL_RUN)
+        owner = run_name and ctx.kube.get_run(body["metadata"]["namespace"], run_name)
+        if owner:
+            reconcile_run(ctx, owner)
 
     @kopf.on.delete(*resource, registry=registry)
     def deleted(body: kopf.Body, **_: Any) -> None:

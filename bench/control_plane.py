@@ -1,0 +1,153 @@
+"""Control-plane benchmark on the local cluster, measured side by side in one run.
+
+- warm `hack/cluster-up.sh` after `hack/cluster-down.sh` (the harness target: under a minute);
+- time from `kubectl apply` to a ready RayCluster: our operator (preflight, then RayCluster) against KubeRay's
+  own RayJob controller creating the same cluster shape on the same apiserver.
+
+    python bench/control_plane.py [--rounds 3]      (or: make bench)
+
+Prints one JSON document. The ratio operator/rayjob is the figure to watch: preflight and the status writes
+are the operator's overhead over KubeRay's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
+
+from tests.harness import (  # noqa: E402
+    LocalCluster,
+    OperatorProcess,
+    apply,
+    apply_crd,
+    example,
+    kubectl,
+    kubectl_json,
+    run_of,
+    wait_until,
+)
+
+from fsdp_operator import api, builder  # noqa: E402
+
+
+def seconds(command: list[str]) -> float:
+    start = time.monotonic()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.monotonic() - start
+
+
+def ready_cluster_of(namespace: str) -> bool:
+    clusters = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
+    return any((c.get("status") or {}).get("state") == "ready" for c in clusters)
+
+
+def operator_round(namespace: str) -> float:
+    start = time.monotonic()
+    apply(namespace, example("aws-sample"))
+    wait_until(
+        "ClusterReady",
+        lambda: (
+            run_of(namespace, "qwen25-sample").get("status", {}).get("phase") in ("ClusterReady", "Running")
+        ),
+        timeout=120,
+        interval=0.1,
+    )
+    return time.monotonic() - start
+
+
+def rayjob_round(namespace: str) -> float:
+    """KubeRay's RayJob with the RayCluster our builder makes for the same spec."""
+    spec = api.FSDPTrainingRunSpec.model_validate(example("aws-sample")["spec"])
+    run = builder.RunRef(name="bench", namespace=namespace, uid=str(uuid.uuid4()))
+    cluster = builder.build_raycluster(spec, run, "public.ecr.aws/deep-learning-containers/ray:2.58.0", None)
+    rayjob: dict[str, Any] = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": "bench"},
+        "spec": {"entrypoint": "python -c 'print(1)'", "rayClusterSpec": cluster["spec"]},
+    }
+    start = time.monotonic()
+    apply(namespace, rayjob)
+    wait_until(
+        "the RayJob's RayCluster ready", lambda: ready_cluster_of(namespace), timeout=120, interval=0.1
+    )
+    return time.monotonic() - start
+
+
+def fresh_namespace() -> str:
+    name = f"bench-{uuid.uuid4().hex[:6]}"
+    kubectl("create", "namespace", name)
+    return name
+
+
+def drop_namespace(name: str) -> None:
+    for run in kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split():
+        kubectl(
+            "patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}', check=False
+        )
+    kubectl("delete", "namespace", name, "--wait=true", "--timeout=120s", check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    subprocess.run([REPO / "hack" / "cluster-down.sh"], check=True, capture_output=True)
+    warm_up = seconds([str(REPO / "hack" / "cluster-up.sh")])
+    cluster = LocalCluster.from_env_file()
+    os.environ.update(cluster.env)
+    apply_crd()
+
+    results: dict[str, list[float]] = {"operator": [], "rayjob": []}
+    for _ in range(args.rounds):
+        namespace = fresh_namespace()
+        proc = OperatorProcess(
+            namespace,
+            env={"FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "2"},
+            log=Path(cluster.env["FSDP_LOCAL_CLUSTER_STATE"]) / "logs" / "bench-operator.log",
+        )
+        proc.start()
+        time.sleep(3)  # let kopf start watching, so its start-up is not counted against it
+        try:
+            results["operator"].append(operator_round(namespace))
+        finally:
+            proc.stop()
+            drop_namespace(namespace)
+        namespace = fresh_namespace()
+        try:
+            results["rayjob"].append(rayjob_round(namespace))
+        finally:
+            drop_namespace(namespace)
+
+    medians = {k: statistics.median(v) for k, v in results.items()}
+    print(
+        json.dumps(
+            {
+                "warm_cluster_up_seconds": round(warm_up, 1),
+                "apply_to_ready_raycluster_seconds": {
+                    k: [round(x, 2) for x in v] for k, v in results.items()
+                },
+                "median_ratio_operator_over_rayjob": round(medians["operator"] / medians["rayjob"], 2),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
