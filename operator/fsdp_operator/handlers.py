@@ -118,20 +118,6 @@ class Kube:
         return nodes, pods
 
 
-def _run_preflight(
-    kube: Kube, settings: Settings, spec: api.FSDPTrainingRunSpec
-) -> preflight.PreflightResult:
-    if spec.preflight.scale_from_zero:
-        import boto3
-
-        ec2 = boto3.client("ec2", region_name=settings.aws_region, endpoint_url=settings.aws_endpoint_url)
-        return preflight.check_instance_type(
-            spec, preflight.ec2_instance_type_facts(ec2, spec.cluster.instance_type)
-        )
-    nodes, pods = kube.nodes_and_pods()
-    return preflight.check_nodes(spec, preflight.free_worker_nodes(spec, nodes, pods))
-
-
 def _cluster_observation(raycluster: dict[str, Any] | None, uid: str) -> ClusterObservation | None:
     if raycluster is None:
         return None
@@ -159,19 +145,31 @@ class Context:
     settings: Settings
     kube: Kube
     s3: Any
+    ec2: Any
     package_sha256: str = field(default_factory=submission.package_sha256)
     locks: dict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
+    job_clients: dict[str, Jobs] = field(default_factory=dict)
 
     def jobs(self, namespace: str, cluster_name: str) -> Jobs:
         configuration = self.kube.core.api_client.configuration
-        token = (configuration.api_key or {}).get("authorization")
         address = dashboard_url(self.settings, namespace, cluster_name, configuration.host)
-        return Jobs(address, headers={"Authorization": token} if token else None)
+        if address not in self.job_clients:
+            token = (configuration.api_key or {}).get("authorization")
+            self.job_clients[address] = Jobs(address, headers={"Authorization": token} if token else None)
+        return self.job_clients[address]
 
     def storage(self, spec: api.FSDPTrainingRunSpec, run_name: str) -> RunStorage | None:
         if not spec.checkpoint.storage_path.startswith("s3://"):
             return None  # a local path lives on the single worker; the operator cannot read it
         return RunStorage(self.s3, spec.checkpoint.storage_path, run_name)
+
+
+def _run_preflight(ctx: Context, spec: api.FSDPTrainingRunSpec) -> preflight.PreflightResult:
+    if spec.preflight.scale_from_zero:
+        facts = preflight.ec2_instance_type_facts(ctx.ec2, spec.cluster.instance_type)
+        return preflight.check_instance_type(spec, facts)
+    nodes, pods = ctx.kube.nodes_and_pods()
+    return preflight.check_nodes(spec, preflight.free_worker_nodes(spec, nodes, pods))
 
 
 def reconcile_run(ctx: Context, body: Mapping[str, Any]) -> Decision | None:
@@ -214,10 +212,9 @@ def _observe(
     cluster_name = builder.ray_cluster_name(run.name)
     cluster = _cluster_observation(ctx.kube.get_raycluster(run.namespace, cluster_name), run.uid)
     preflight_result = (
-        _run_preflight(ctx.kube, ctx.settings, spec)
-        if needs_preflight(status, cluster is not None, now)
-        else None
+        _run_preflight(ctx, spec) if needs_preflight(status, cluster is not None, now) else None
     )
+    active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     job, dashboard_error = None, None
     watched = job_to_observe(status)
     if watched:
@@ -227,7 +224,7 @@ def _observe(
             dashboard_error = f"{type(error).__name__}: {error}"
     progress, checkpoints = None, tuple[CheckpointRef, ...]()
     storage = ctx.storage(spec, run.name)
-    if storage is not None and status.phase is not None:
+    if storage is not None and active:
         try:
             progress, checkpoints = storage.progress(), tuple(storage.complete_checkpoints())
         except Exception as error:  # storage trouble must not stop the state machine; say so
@@ -241,7 +238,7 @@ def _observe(
         dashboard_error=dashboard_error,
         progress=progress,
         checkpoints=checkpoints,
-        pod_image_ids=ctx.kube.pod_image_ids(run.namespace, cluster_name) if cluster is not None else (),
+        pod_image_ids=ctx.kube.pod_image_ids(run.namespace, cluster_name) if cluster and active else (),
     )
 
 
@@ -356,10 +353,12 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     """Registers the handlers on `registry`; `settings` fixes the observation interval."""
     import boto3
 
+    region, endpoint = settings.aws_region, settings.aws_endpoint_url
     ctx = Context(
         settings=settings,
         kube=Kube(),
-        s3=boto3.client("s3", region_name=settings.aws_region, endpoint_url=settings.aws_endpoint_url),
+        s3=boto3.client("s3", region_name=region, endpoint_url=endpoint),
+        ec2=boto3.client("ec2", region_name=region, endpoint_url=endpoint),
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from fsdp_trainer.cli import build_parser, resolve_config
+from fsdp_trainer.cli import build_parser, check, resolve_config
 from fsdp_trainer.contract import TrainerConfig
 from fsdp_trainer.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_relative_local_paths_become_absolute(tmp_path: Path, monkeypatch: pytes
 )
 def test_inconsistent_configs_are_config_errors(argv: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        resolve("--config", json.dumps(BASE), *argv)
+        check(resolve("--config", json.dumps(BASE), *argv))
 
 
 def test_unknown_fields_are_rejected() -> None:

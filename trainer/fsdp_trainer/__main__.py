@@ -9,6 +9,7 @@ import sys
 from pydantic import ValidationError
 
 from fsdp_trainer import cli
+from fsdp_trainer.contract import ErrorKind
 from fsdp_trainer.errors import ConfigError
 
 
@@ -20,6 +21,15 @@ def main(argv: list[str] | None = None) -> int:
         config = cli.resolve_config(args)
     except (ValidationError, ConfigError, OSError, ValueError) as error:
         print(f"invalid configuration (error kind config): {error}", file=sys.stderr)
+        return 2
+    try:
+        cli.check(config)
+    except ConfigError as error:
+        # The schema held, so the run's storage is known: tell the operator there, too.
+        from fsdp_trainer.driver import record_failure
+
+        print(f"invalid configuration (error kind config): {error}", file=sys.stderr)
+        record_failure(config, f"ConfigError: {error}", ErrorKind.CONFIG)
         return 2
     if args.print_config:
         print(config.to_json())

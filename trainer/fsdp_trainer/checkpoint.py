@@ -175,7 +175,8 @@ def find_resume_point(
         if newest_complete([latest], own_only) is not None:
             return latest
         log.warning(
-            "latest reported checkpoint %s is incomplete: scanning for an older one", latest.location.uri
+            "latest reported checkpoint %s is incomplete or not this submission's: scanning the run",
+            latest.location.uri,
         )
     found = newest_complete(run_checkpoints(run), own_only)
     if found is not None or resume in (RESUME_AUTO, RESUME_NEVER):
@@ -188,21 +189,21 @@ def find_resume_point(
     return explicit
 
 
-def prune(run: Location, keep: int) -> list[str]:
+def prune(run: Location, keep: int) -> None:
     """Keeps the newest `keep` complete checkpoints and deletes the rest, plus incomplete leftovers older
     than the newest complete one; for launches without Ray, whose CheckpointConfig does this otherwise."""
     candidates = run_checkpoints(run)
     complete = complete_oldest_first(candidates)
     if not complete:
-        return []
+        return
     kept = {c.location.uri for c in complete[-keep:]}
     newest = complete[-1].location.name
     doomed = [
         c for c in candidates if c.location.uri not in kept and (c.complete or c.location.name < newest)
     ]
     for candidate in doomed:
+        log.info("deleting checkpoint %s (keep %d)", candidate.location.uri, keep)
         candidate.location.delete_dir()
-    return [c.location.uri for c in doomed]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -157,7 +157,8 @@ def _to_field_names(model: type[BaseModel], document: dict[str, Any]) -> dict[st
 
 
 def resolve_config(args: argparse.Namespace) -> TrainerConfig:
-    """--config (if any) with every given option applied over it, validated."""
+    """--config (if any) with every given option applied over it, validated against the schema (the
+    cross-field rules are `check`'s)."""
     document = _to_field_names(TrainerConfig, _read_document(args.config)) if args.config else {}
     for dest, value in vars(args).items():
         if "." not in dest and dest not in TrainerConfig.model_fields:
@@ -167,9 +168,7 @@ def resolve_config(args: argparse.Namespace) -> TrainerConfig:
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
-    config = absolute_local_paths(TrainerConfig.model_validate(document))
-    check(config)
-    return config
+    return absolute_local_paths(TrainerConfig.model_validate(document))
 
 
 def absolute_local_paths(config: TrainerConfig) -> TrainerConfig:

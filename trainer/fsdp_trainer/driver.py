@@ -47,7 +47,9 @@ def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
         name=config.run_name,
         storage_path=config.checkpoint.storage_path,
         failure_config=FailureConfig(max_failures=config.max_failures),
-        checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep),
+        # Ray counts a checkpoint when it is reported, before its manifest exists; one extra keeps `keep`
+        # complete ones while the newest is being completed.
+        checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep + 1),
         worker_runtime_env={"env_vars": worker_environment(config)},
     )
     trainer = TorchTrainer(
@@ -90,7 +92,11 @@ def record_failure(config: TrainerConfig, message: str, kind: ErrorKind) -> None
     fields: dict[str, Any] = (
         previous.model_dump()
         if previous is not None
-        else {"run_name": config.run_name, "max_steps": config.training.max_steps, "world_size": 0}
+        else {
+            "run_name": config.run_name,
+            "max_steps": config.training.max_steps,
+            "world_size": config.workers * max(1, config.gpus_per_worker),
+        }
     )
     fields.update(phase="failed", error=message, error_kind=kind, updated_at=utc_now())
     run.child(PROGRESS_FILE).write_text(ProgressRecord(**fields).to_json())
