@@ -88,6 +88,17 @@ def test_resume_scans_storage_when_the_latest_reported_checkpoint_is_incomplete(
     assert found is not None and found.manifest is not None and found.manifest.step == 16
 
 
+def test_resume_prefers_a_newer_complete_checkpoint_than_rays_latest(tmp_path: Path) -> None:
+    # A job stopped (suspend) after step 20's checkpoint was complete in storage but before Ray registered it.
+    run = tmp_path / "run"
+    reported = write_checkpoint(run, 10)
+    write_checkpoint(run, 20)
+    found = find_resume_point(
+        Location.parse(str(run)), "auto", "s2", latest_reported=Location.parse(str(reported))
+    )
+    assert found is not None and found.manifest is not None and found.manifest.step == 20
+
+
 def test_resume_never_uses_only_this_submissions_checkpoints(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_checkpoint(run, 24, submission="earlier")

@@ -166,19 +166,15 @@ def run_checkpoints(run: Location) -> list[Candidate]:
 def find_resume_point(
     run: Location, resume: str, submission_id: str, latest_reported: Location | None
 ) -> Candidate | None:
-    """Where to start: this run's newest complete checkpoint (Ray's latest reported one when it is complete,
-    else a scan of the run directory); with resume=never only checkpoints of this submission count (in-job
+    """Where to start: this run's newest complete checkpoint, from a scan of the run directory plus Ray's latest
+    reported one (a job stopped mid-report can leave a newer complete checkpoint that Ray never registered, and
+    Ray's latest may be incomplete); with resume=never only checkpoints of this submission count (in-job
     retries); failing those, an explicit resume URI, which must be complete."""
     own_only = submission_id if resume == RESUME_NEVER else None
-    if latest_reported is not None:
-        latest = inspect(latest_reported)
-        if newest_complete([latest], own_only) is not None:
-            return latest
-        log.warning(
-            "latest reported checkpoint %s is incomplete or not this submission's: scanning the run",
-            latest.location.uri,
-        )
-    found = newest_complete(run_checkpoints(run), own_only)
+    candidates = run_checkpoints(run)
+    if latest_reported is not None and all(c.location.uri != latest_reported.uri for c in candidates):
+        candidates.append(inspect(latest_reported))
+    found = newest_complete(candidates, own_only)
     if found is not None or resume in (RESUME_AUTO, RESUME_NEVER):
         return found
     explicit = inspect(Location.parse(resume))
