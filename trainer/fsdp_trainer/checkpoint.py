@@ -166,10 +166,10 @@ def run_checkpoints(run: Location) -> list[Candidate]:
 def find_resume_point(
     run: Location, resume: str, submission_id: str, latest_reported: Location | None
 ) -> Candidate | None:
-    """Where to start: this run's newest complete checkpoint, from a scan of the run directory plus Ray's latest
-    reported one (a job stopped mid-report can leave a newer complete checkpoint that Ray never registered, and
-    Ray's latest may be incomplete); with resume=never only checkpoints of this submission count (in-job
-    retries); failing those, an explicit resume URI, which must be complete."""
+    """Where to start: this run's newest complete checkpoint, from a scan of the run directory plus Ray's
+    latest reported one (a job stopped mid-report can leave a newer complete checkpoint that Ray never
+    registered, and Ray's latest may be incomplete); with resume=never only checkpoints of this submission
+    count (in-job retries); failing those, an explicit resume URI, which must be complete."""
     own_only = submission_id if resume == RESUME_NEVER else None
     candidates = run_checkpoints(run)
     if latest_reported is not None and all(c.location.uri != latest_reported.uri for c in candidates):
