@@ -104,7 +104,7 @@ class _Pass:
     def event(self, warning: bool, reason: str, message: str) -> None:
         self.decision.events.append(Event("Warning" if warning else "Normal", reason, message))
 
-    def condition(self, type_: str, ok: bool, reason: str, message: str) -> None:
+    def condition(self, type_: str, ok: bool | Literal["Unknown"], reason: str, message: str) -> None:
         self.new.conditions = conditions.set_condition(
             self.new.conditions, type_, ok, reason, message, self.obs.now, self.obs.generation
         )
@@ -357,6 +357,8 @@ class _Pass:
     def running(self) -> None:
         new, obs, job = self.new, self.obs, self.obs.job
         if job is None:  # Ray did not answer: the head may be restarting; only the hang timeout decides
+            if obs.dashboard_error:
+                self.condition(conditions.JOB_RUNNING, "Unknown", "DashboardUnreachable", obs.dashboard_error)
             self.check_hang()
             return
         if job.status is None:

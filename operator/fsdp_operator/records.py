@@ -87,7 +87,3 @@ class RunStorage:
             Body=record.model_dump_json(by_alias=True, exclude_none=True, indent=2),
         )
         return f"s3://{self.bucket}/{key}"
-
-    def run_record(self) -> RunRecord | None:
-        raw = self._get_json(self.prefix + RUN_RECORD_FILE)
-        return None if raw is None else RunRecord.model_validate(raw)

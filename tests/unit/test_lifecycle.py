@@ -149,6 +149,13 @@ def test_hang_stops_the_job_and_restarts() -> None:
     assert fresh.stop_job is None and fresh.status.phase == api.Phase.RUNNING
 
 
+def test_unreachable_dashboard_is_unknown_not_failure() -> None:
+    decision = reconcile(spec(), running(), observe(dashboard_error="ConnectionError: refused"))
+    assert decision.status.phase == api.Phase.RUNNING and decision.status.restarts.count == 0
+    cond = conditions.condition(decision.status.conditions, conditions.JOB_RUNNING)
+    assert cond is not None and (cond.status, cond.reason) == ("Unknown", "DashboardUnreachable")
+
+
 def test_deadline_fails_the_run_and_stops_the_job() -> None:
     decision = reconcile(spec(activeDeadlineSeconds=60), running(), observe(job=job("RUNNING")))
     assert decision.status.phase == api.Phase.FAILED and decision.stop_job == "run-0f1e2d3c-1"
