@@ -212,7 +212,7 @@ def _observe(
     cluster_name = builder.ray_cluster_name(run.name)
     cluster = _cluster_observation(ctx.kube.get_raycluster(run.namespace, cluster_name), run.uid)
     preflight_result = (
-        _run_preflight(ctx, spec) if needs_preflight(status, cluster is not None, now) else None
+        _run_preflight(ctx, spec) if needs_preflight(spec, status, cluster is not None, now) else None
     )
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     job, dashboard_error = None, None

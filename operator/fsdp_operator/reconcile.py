@@ -81,8 +81,10 @@ def observe_cluster(raycluster: dict[str, Any]) -> ClusterObservation:
     return ClusterObservation(ready=ready, message=message or "no status yet")
 
 
-def needs_preflight(status: FSDPTrainingRunStatus, cluster_exists: bool, now: dt.datetime) -> bool:
-    waiting = status.phase in (None, Phase.PENDING, Phase.SUSPENDED)
+def needs_preflight(
+    spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster_exists: bool, now: dt.datetime
+) -> bool:
+    waiting = not spec.suspend and status.phase in (None, Phase.PENDING, Phase.SUSPENDED)
     due = status.next_check_time is None or status.next_check_time <= now
     return waiting and not cluster_exists and due
 

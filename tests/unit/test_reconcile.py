@@ -73,11 +73,14 @@ def test_preflight_is_only_due_when_waiting_without_a_cluster() -> None:
     waiting = api.FSDPTrainingRunStatus(
         phase=api.Phase.PENDING, next_check_time=NOW + dt.timedelta(seconds=5)
     )
-    assert not needs_preflight(waiting, cluster_exists=False, now=NOW)
-    assert needs_preflight(waiting, cluster_exists=False, now=NOW + dt.timedelta(seconds=5))
-    assert not needs_preflight(api.FSDPTrainingRunStatus(), cluster_exists=True, now=NOW)
+    assert not needs_preflight(spec(), waiting, cluster_exists=False, now=NOW)
+    assert needs_preflight(spec(), waiting, cluster_exists=False, now=NOW + dt.timedelta(seconds=5))
+    assert not needs_preflight(spec(), api.FSDPTrainingRunStatus(), cluster_exists=True, now=NOW)
     provisioning = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING)
-    assert not needs_preflight(provisioning, cluster_exists=False, now=NOW)
+    assert not needs_preflight(spec(), provisioning, cluster_exists=False, now=NOW)
+    suspended = api.FSDPTrainingRunStatus(phase=api.Phase.SUSPENDED)
+    assert not needs_preflight(spec(suspend=True), suspended, cluster_exists=False, now=NOW)
+    assert needs_preflight(spec(), suspended, cluster_exists=False, now=NOW)
 
 
 def test_ready_cluster_gets_the_first_attempt_submitted() -> None:
