@@ -254,7 +254,10 @@ def _reconcile_locked(ctx: Context, fresh: dict[str, Any]) -> Decision:
     cluster_name = builder.ray_cluster_name(run.name)
     requested = spec.image or ctx.settings.default_image
     if decision.stop_job:
-        ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)
+        try:
+            ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)
+        except Exception as error:  # a lost or restarting head has no job left to stop
+            log.warning("%s/%s: could not stop job %s: %s", run.namespace, run.name, decision.stop_job, error)
     if decision.delete_cluster:
         ctx.kube.delete_raycluster(run.namespace, cluster_name)
     if decision.create_cluster:

@@ -323,6 +323,8 @@ class _Pass:
                 conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared; recreating it"
             )
             if new.phase == Phase.RUNNING:
+                # A job that somehow outlived its cluster must not write next to the next attempt.
+                self.decision.stop_job = new.job_submission_id
                 self.fail_attempt(
                     Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran")
                 )

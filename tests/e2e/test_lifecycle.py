@@ -176,6 +176,26 @@ def test_operator_restarted_mid_run_submits_no_second_job(
     assert ours == [run["status"]["jobSubmissionId"]]
 
 
+def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+) -> None:
+    name = demo_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 80})
+    run = wait_for_step(namespace, name, 10)
+    [lost] = rayclusters(namespace)
+    kubectl("delete", "raycluster", lost["metadata"]["name"], "-n", namespace, "--wait=false")
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+    status = run["status"]
+    [restart] = status["restarts"]["history"]
+    assert restart["reason"] == "ClusterLost" and restart["resumedFromStep"] >= 10
+    assert status["attempt"] == 2 and status["progress"]["step"] == 80
+    [recreated] = rayclusters(namespace)
+    assert recreated["metadata"]["uid"] != lost["metadata"]["uid"]
+    assert recreated["metadata"]["name"] == lost["metadata"]["name"]
+    # The recreated cluster runs the digest pinned from the first one.
+    worker = recreated["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["image"] == status["image"]["digest"]
+
+
 def test_permanent_error_fails_without_using_up_restarts(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any
 ) -> None:

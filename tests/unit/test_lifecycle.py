@@ -181,6 +181,7 @@ def test_cluster_deleted_under_a_running_job_is_recreated_and_counted_as_a_resta
     decision = reconcile(spec(), running(zone="us-west-2b"), observe(cluster=None))
     assert decision.create_cluster and decision.status.phase == api.Phase.RESTARTING
     assert decision.status.restarts.history[0].reason == "ClusterLost"
+    assert decision.stop_job == "run-0f1e2d3c-1"
 
 
 def test_socket_fallback_with_efa_is_transport_degraded() -> None:
