@@ -33,7 +33,7 @@ lint: venv ## ruff and mypy
 
 .PHONY: test
 test: venv tools lint ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: venv ## the fast tests only (no servers)
