@@ -192,7 +192,8 @@ class FSDPTrainingRunSpec(ContractModel):
 
 class Condition(ContractModel):
     type: str = Field(
-        description="Preflight, ClusterReady, JobRunning, Succeeded, Failed, TransportDegraded..."
+        description="Preflight, ClusterReady, JobRunning, Succeeded, Failed, Suspended, TransportDegraded, "
+        "ImageConsistent or StorageReadable."
     )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(description="CamelCase reason.")

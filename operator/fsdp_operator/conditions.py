@@ -15,6 +15,7 @@ FAILED = "Failed"
 SUSPENDED = "Suspended"
 TRANSPORT_DEGRADED = "TransportDegraded"
 IMAGE_CONSISTENT = "ImageConsistent"
+STORAGE_READABLE = "StorageReadable"
 
 
 def set_condition(

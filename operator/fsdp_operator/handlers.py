@@ -222,13 +222,13 @@ def _observe(
             job = ctx.jobs(run.namespace, cluster_name).observe(watched)
         except Exception as error:  # the head may be down or restarting; the state machine decides
             dashboard_error = f"{type(error).__name__}: {error}"
-    progress, checkpoints = None, tuple[CheckpointRef, ...]()
-    storage = ctx.storage(spec, run.name)
-    if storage is not None and active:
+    progress, checkpoints, storage_error = None, tuple[CheckpointRef, ...](), None
+    storage = ctx.storage(spec, run.name) if active else None
+    if storage is not None:
         try:
             progress, checkpoints = storage.progress(), tuple(storage.complete_checkpoints())
-        except Exception as error:  # storage trouble must not stop the state machine; say so
-            log.warning("%s/%s: cannot read %s: %s", run.namespace, run.name, storage.uri, error)
+        except Exception as error:  # storage trouble must not stop the state machine: a condition says so
+            storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
     return Observation(
         now=now,
         generation=generation,
@@ -238,6 +238,8 @@ def _observe(
         dashboard_error=dashboard_error,
         progress=progress,
         checkpoints=checkpoints,
+        storage_read=storage is not None,
+        storage_error=storage_error,
         pod_image_ids=ctx.kube.pod_image_ids(run.namespace, cluster_name) if cluster and active else (),
     )
 
@@ -337,7 +339,10 @@ def _write_run_record(
     try:
         status.record.uri = storage.write_run_record(record)
     except Exception as error:  # the bucket may not exist yet; the next pass tries again
-        log.warning("%s/%s: cannot write run.json to %s: %s", run.namespace, run.name, storage.uri, error)
+        # Once StorageReadable=False says so (with an Event), repeating it every pass is noise.
+        readable = conditions.condition(status.conditions, conditions.STORAGE_READABLE)
+        level = logging.DEBUG if readable is not None and readable.status == "False" else logging.WARNING
+        log.log(level, "%s/%s: cannot write run.json to %s: %s", run.namespace, run.name, storage.uri, error)
 
 
 def on_delete(ctx: Context, body: kopf.Body) -> None:

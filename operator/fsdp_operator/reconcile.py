@@ -43,6 +43,8 @@ class Observation:
     dashboard_error: str | None = None  # why Ray could not be asked about the job
     progress: ProgressRecord | None = None
     checkpoints: tuple[CheckpointRef, ...] = ()
+    storage_read: bool = False  # progress and checkpoints were looked for in S3 this pass
+    storage_error: str | None = None  # why they could not be read
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
 
 
@@ -142,6 +144,21 @@ class _Pass:
             new.checkpoints.recent = list(reversed(obs.checkpoints[-RECENT_CHECKPOINTS:]))
         if obs.pod_image_ids:
             self.absorb_image(set(obs.pod_image_ids))
+        if obs.storage_read:
+            self.absorb_storage()
+
+    def absorb_storage(self) -> None:
+        error = self.obs.storage_error
+        if error is None:
+            self.condition(
+                conditions.STORAGE_READABLE, True, "Readable", "progress and checkpoints are readable"
+            )
+            return
+        message = f"cannot read progress and checkpoints, so hang detection waits: {error}"
+        previous = conditions.condition(self.new.conditions, conditions.STORAGE_READABLE)
+        if previous is None or previous.status != "False":
+            self.event(True, "StorageUnreadable", message)
+        self.condition(conditions.STORAGE_READABLE, False, "StorageError", message)
 
     def absorb_transport(self, progress: ProgressRecord) -> None:
         assert progress.transport is not None
@@ -379,6 +396,8 @@ class _Pass:
 
     def check_hang(self) -> None:
         new, obs = self.new, self.obs
+        if obs.storage_error is not None:
+            return  # progress cannot be seen: stopping a job that may be healthy would cost its work
         job_start = obs.job.start_time if obs.job else None
         submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
         progressed = new.progress.updated_at if obs.progress else None

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from fsdp_operator import api, crd
+from fsdp_operator import api, conditions, crd
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -54,6 +54,13 @@ def test_every_status_field_is_in_the_schema_so_nothing_is_pruned() -> None:
     status_schema = crd.openapi_schema()["properties"]["status"]["properties"]
     for field in api.FSDPTrainingRunStatus.model_fields.values():
         assert field.alias in status_schema, field.alias
+
+
+def test_condition_type_docs_name_every_condition_the_operator_sets() -> None:
+    described = crd.openapi_schema()["properties"]["status"]["properties"]["conditions"]["items"]
+    doc = described["properties"]["type"]["description"]
+    types = [value for name, value in vars(conditions).items() if name.isupper() and isinstance(value, str)]
+    assert len(types) >= 9 and [t for t in types if t not in doc] == []
 
 
 def test_printer_columns_give_the_daily_view() -> None:

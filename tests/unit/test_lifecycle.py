@@ -149,6 +149,25 @@ def test_hang_stops_the_job_and_restarts() -> None:
     assert fresh.stop_job is None and fresh.status.phase == api.Phase.RUNNING
 
 
+def test_unreadable_storage_is_a_condition_with_one_event_and_never_a_hang() -> None:
+    old_job = JobObservation("run-0f1e2d3c-1", "RUNNING", start_time=NOW - dt.timedelta(hours=2))
+    hang_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    unreadable = observe(job=old_job, storage_read=True, storage_error="s3://b/p/run: NoSuchBucket")
+    first = reconcile(hang_spec, running(), unreadable)
+    assert first.stop_job is None and first.status.phase == api.Phase.RUNNING
+    assert first.status.restarts.count == 0
+    cond = conditions.condition(first.status.conditions, conditions.STORAGE_READABLE)
+    assert cond is not None and (cond.status, cond.reason) == ("False", "StorageError")
+    assert "NoSuchBucket" in cond.message
+    assert [(e.type, e.reason) for e in first.events] == [("Warning", "StorageUnreadable")]
+    again = reconcile(hang_spec, first.status, unreadable)
+    assert again.events == []  # said once, not every pass
+    readable = reconcile(
+        hang_spec, again.status, observe(job=job("RUNNING"), progress=progress(), storage_read=True)
+    )
+    assert conditions.is_true(readable.status.conditions, conditions.STORAGE_READABLE)
+
+
 def test_unreachable_dashboard_is_unknown_not_failure() -> None:
     decision = reconcile(spec(), running(), observe(dashboard_error="ConnectionError: refused"))
     assert decision.status.phase == api.Phase.RUNNING and decision.status.restarts.count == 0
