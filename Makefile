@@ -29,7 +29,7 @@ cluster-down: ## stop everything cluster-up started
 lint: venv ## ruff and mypy
 	$(VENV)/bin/ruff check operator trainer tests bench
 	$(VENV)/bin/ruff format --check operator trainer tests bench
-	$(VENV)/bin/mypy
+	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
 
 .PHONY: test
 test: venv tools lint ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)

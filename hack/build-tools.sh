@@ -54,3 +54,16 @@ for entry in "${components[@]}"; do
   fi
   ln -sfn "$target" "$root/bin/$name"
 done
+
+# KubeRay's CRDs, from the same module version as the operator binary, so that cluster-up needs no Go.
+if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" ray-operator "* ]]; then
+  sum=$(sha256sum "$root/hack/go/kuberay/go.sum" | cut -c1-12)
+  crds="$CACHE/tools/kuberay-crds-$KUBERAY_VERSION-$sum"
+  if [[ ! -d $crds ]]; then
+    module_dir=$(cd "$root/hack/go/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)
+    cp -r "$module_dir/config/crd/bases" "$crds.tmp"
+    chmod -R u+w "$crds.tmp"
+    mv "$crds.tmp" "$crds"
+  fi
+  ln -sfn "$crds" "$root/bin/kuberay-crds"
+fi

@@ -16,7 +16,12 @@ fi
 
 start=$(date +%s)
 "$root/hack/build-tools.sh"
+require_free_ports "$APISERVER_PORT" "$S3_PORT" "$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" "$RAY_CLIENT_PORT" \
+  "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
+  { log "stop what holds these ports, or move ours with the variables in hack/lib.sh"; exit 1; }
+rm -rf "$STATE/logs"
 mkdir -p "$STATE/logs" "$STATE/pids"
+trap 'status=$?; if ((status)); then log "cluster-up failed (exit $status)"; dump_logs; fi' EXIT
 
 write_env_file
 # Start the Ray head first: it is the slowest part and needs nothing from Kubernetes. Jobs inherit its
@@ -41,24 +46,24 @@ kwokctl create cluster --name "$CLUSTER_NAME" --runtime binary \
   --kube-scheduler-binary "$root/bin/kube-scheduler" \
   --kwok-controller-binary "$root/bin/kwok" \
   --config "$root/hack/cluster/kwok.yaml" --kubeconfig "$STATE/kubeconfig" \
-  --wait 2m >"$STATE/logs/kwokctl.log" 2>&1 || { cat "$STATE/logs/kwokctl.log" >&2; exit 1; }
+  --wait 5m >"$STATE/logs/kwokctl.log" 2>&1
 
 export KUBECONFIG=$STATE/kubeconfig
 
 log "adding fake nodes and the KubeRay CRDs"
 "$root/hack/cluster/nodes.sh" | kubectl apply -f - >/dev/null
-kuberay_dir=$(cd "$root/hack/go/kuberay" && go list -m -f '{{.Dir}}' github.com/ray-project/kuberay/ray-operator)
 # Server-side apply: these CRDs exceed the client-side last-applied annotation limit.
-kubectl apply --server-side -f "$kuberay_dir/config/crd/bases/" >/dev/null
-wait_for "KubeRay CRDs established" 60 kubectl wait --for condition=established --timeout 5s crd/rayclusters.ray.io crd/rayjobs.ray.io
+kubectl apply --server-side -f "$root/bin/kuberay-crds/" >/dev/null
+# The limits below are generous on purpose: a loaded 2-core machine can be several times slower than usual.
+wait_for "KubeRay CRDs established" 180 kubectl wait --for condition=established --timeout 5s crd/rayclusters.ray.io crd/rayjobs.ray.io
 
 log "starting the KubeRay operator out of cluster"
 start_daemon kuberay "$root/bin/ray-operator" --kubeconfig "$KUBECONFIG" \
   --enable-leader-election=false --metrics-addr "127.0.0.1:$KUBERAY_METRICS_PORT" \
   --health-probe-bind-address "127.0.0.1:$KUBERAY_HEALTH_PORT"
 
-wait_for "S3 server" 30 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
-wait_for "KubeRay operator" 60 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
-wait_for "Ray dashboard" 120 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
-wait_for "fake nodes Ready" 60 kubectl wait --for condition=Ready --timeout 5s node --all
+wait_for "S3 server" 120 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
+wait_for "KubeRay operator" 180 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
+wait_for "Ray dashboard" 300 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
+wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node --all
 log "local cluster up in $(($(date +%s) - start))s; source $STATE/env"

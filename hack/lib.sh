@@ -41,6 +41,29 @@ wait_for() {
   done
 }
 
+# require_free_ports PORT...: fails naming each port that something already listens on, and what it is.
+require_free_ports() {
+  local port busy=0
+  for port in "$@"; do
+    if ss -Hltn "sport = :$port" | grep -q .; then
+      log "port 127.0.0.1:$port is already in use: $(ss -Hltnp "sport = :$port" | head -1)"
+      busy=1
+    fi
+  done
+  return $busy
+}
+
+# dump_logs: the last lines of every daemon log, so that a failed start explains itself wherever it ran.
+dump_logs() {
+  local file
+  for file in "$KWOK_WORKDIR/clusters/$CLUSTER_NAME"/logs/*.log "$RAY_TMP"/session_latest/logs/dashboard.log \
+    "$STATE"/logs/*.log; do
+    [[ -e $file ]] || continue
+    printf -- '--- last lines of %s ---\n' "$file" >&2
+    tail -n 20 "$file" >&2
+  done
+}
+
 write_env_file() {
   cat >"$STATE/env" <<ENV
 export KUBECONFIG=$STATE/kubeconfig

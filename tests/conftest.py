@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -30,12 +31,39 @@ def _cluster_running() -> bool:
     return subprocess.run([REPO / "hack" / "cluster-status.sh"], capture_output=True).returncode == 0
 
 
+# What failed cluster-up attempts printed, repeated at the very end of the run where CI's tail shows it.
+_cluster_up_failures: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for attempt, output in enumerate(_cluster_up_failures, start=1):
+        terminalreporter.section(f"hack/cluster-up.sh attempt {attempt} failed; its output", sep="!")
+        terminalreporter.write_line(output)
+
+
+def _start_cluster(attempts: int = 2) -> None:
+    """cluster-up, once more after a failure: a start can time out on a machine that is briefly overloaded.
+    Each failure is cleaned up by pid and its output kept for the end of the run."""
+    for _ in range(attempts):
+        up = subprocess.run(
+            [REPO / "hack" / "cluster-up.sh"], stdin=subprocess.DEVNULL, capture_output=True, text=True
+        )
+        sys.stderr.write(up.stderr)
+        if up.returncode == 0:
+            return
+        subprocess.run([REPO / "hack" / "cluster-down.sh"], check=False)
+        _cluster_up_failures.append(up.stdout + up.stderr[-12000:])
+    steps = [line for line in up.stderr.splitlines() if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+    reason = " / ".join(steps[-2:]) or up.stderr.strip()[-300:]
+    pytest.fail(f"the local cluster did not start in {attempts} attempts: {reason}", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def local_cluster() -> Iterator[LocalCluster]:
     """The local cluster: reused when already running, else started here and stopped (by pid) at the end."""
     running = _cluster_running()
     if not running:
-        subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
+        _start_cluster()
     cluster = LocalCluster.from_env_file()
     saved = dict(os.environ)
     os.environ.update(cluster.env)
