@@ -391,7 +391,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def on_change(body: kopf.Body, **_: Any) -> None:
         reconcile_run(ctx, body)
 
-    @kopf.timer(*resource, interval=settings.observe_interval_seconds, registry=registry)
+    def unfinished(status: kopf.Status, **_: Any) -> bool:
+        return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
+
+    @kopf.timer(*resource, interval=settings.observe_interval_seconds, when=unfinished, registry=registry)
     def on_timer(body: kopf.Body, **_: Any) -> None:
         reconcile_run(ctx, body)
 
