@@ -162,6 +162,29 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     assert run_record(s3, name).restarts[0].resumed_from_step == 10
 
 
+def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_checkpoint(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    # Rank 1 stops making progress at step 15 while every process stays alive: Ray sees a RUNNING job, so only
+    # the operator's hang timeout (60 s, the smallest allowed) can end it.
+    fault = f"rank=1,step=15,marker={tmp_path / 'hung'},action=hang"
+    name = demo_run(
+        namespace,
+        **{"recovery.hangTimeoutSeconds": 60, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}},
+    )
+    first = wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)["status"]["jobSubmissionId"]
+    run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+    status = run["status"]
+    assert (tmp_path / "hung").exists(), "the hang was never injected"
+    hang = status["restarts"]["history"][0]
+    assert hang["reason"] == "Hang" and hang["resumedFromStep"] == 10, hang
+    assert status["progress"]["step"] == 40
+    # The hung job was stopped, not left holding the workers.
+    client = JobSubmissionClient(local_cluster.ray_dashboard_url)
+    assert str(client.get_job_status(first)) in ("STOPPED", "JobStatus.STOPPED")
+    assert run_record(s3, name).restarts[0].reason == "Hang"
+
+
 def test_operator_restarted_mid_run_submits_no_second_job(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster
 ) -> None:

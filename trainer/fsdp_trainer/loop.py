@@ -11,7 +11,7 @@ import resource
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ from fsdp_trainer.storage import Location
 
 log = logging.getLogger(__name__)
 
-FAULT_ENV = "FSDP_TRAINER_FAULT"  # test hook: "rank=R,step=S,marker=PATH" exits rank R at step S once
+FAULT_ENV = "FSDP_TRAINER_FAULT"  # test hook, see Fault
 
 
 class LoopInput(BaseModel):
@@ -444,11 +444,13 @@ def _peak_memory(device: torch.device) -> float:
 
 @dataclass(frozen=True)
 class Fault:
-    """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S,marker=PATH"): rank R dies at step S, once."""
+    """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S,marker=PATH[,action=exit|hang]"): at step S, once, rank R
+    dies (exit) or stops making progress while its process stays alive (hang)."""
 
     rank: int
     step: int
     marker: str
+    action: Literal["exit", "hang"] = "exit"
 
     @classmethod
     def from_env(cls) -> Fault | None:
@@ -456,16 +458,24 @@ class Fault:
         if not spec:
             return None
         fields = dict(part.split("=", 1) for part in spec.split(","))
-        return cls(int(fields["rank"]), int(fields["step"]), fields["marker"])
+        action = fields.get("action", "exit")
+        if action not in ("exit", "hang"):
+            raise ValueError(f"{FAULT_ENV}: action must be exit or hang, not {action!r}")
+        return cls(
+            int(fields["rank"]), int(fields["step"]), fields["marker"], "hang" if action == "hang" else "exit"
+        )
 
     def due(self, rank: int, step: int) -> bool:
         return rank == self.rank and step == self.step and not os.path.exists(self.marker)
 
     def trigger(self) -> None:
-        """Dies like a lost worker: no exception, no cleanup."""
+        """Dies like a lost worker (no exception, no cleanup), or hangs like a stuck collective."""
         with open(self.marker, "w") as marker:
-            marker.write(f"{dt.datetime.now(dt.UTC).isoformat()} step {self.step}\n")
-        log.error("fault injection: exiting at step %d", self.step)
+            marker.write(f"{dt.datetime.now(dt.UTC).isoformat()} step {self.step} {self.action}\n")
+        log.error("fault injection: %s at step %d", self.action, self.step)
+        if self.action == "hang":
+            while True:
+                time.sleep(3600)
         logging.shutdown()
         os._exit(17)
 
