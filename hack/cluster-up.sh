@@ -26,10 +26,13 @@ trap 'status=$?; if ((status)); then log "cluster-up failed (exit $status)"; dum
 write_env_file
 # Start the Ray head first: it is the slowest part and needs nothing from Kubernetes. Jobs inherit its
 # environment: the local S3 endpoint and credentials (as a node role would give them), and no hub access.
+# `ray start` turns --node-ip-address 127.0.0.1 into the host's address unless Ray's single-machine switch is
+# set (named for the platforms where it is the default); with it the node and all its servers stay on loopback.
 log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
 mkdir -p "$RAY_TMP"
-(source "$STATE/env" && HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 start_daemon ray "$VENV/bin/ray" start --head --block \
-  --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" \
+(source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 &&
+  start_daemon ray "$VENV/bin/ray" start --head --block \
+  --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
   --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
   --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, LocalCluster, OperatorProcess, apply_crd, kubectl, wait_until
+from tests.harness import REPO, LocalCluster, OperatorProcess, apply_crd, free_port, kubectl, wait_until
 
 TIERS = ("unit", "cluster", "e2e")
 
@@ -109,9 +108,7 @@ def s3_endpoint() -> Iterator[str]:
     if _cluster_running():
         endpoint = LocalCluster.from_env_file().s3_endpoint
     else:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
+        port = free_port()
         moto = Path(sys.executable).with_name("moto_server")
         server = subprocess.Popen(
             [moto, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

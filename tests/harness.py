@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -56,6 +57,13 @@ def kubectl(*args: str, input: str | None = None, check: bool = True) -> subproc
 
 def kubectl_json(*args: str) -> Any:
     return json.loads(kubectl(*args, "-o", "json").stdout)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on now (the caller binds it soon after)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def wait_until(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 1.0) -> T:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import os
 import re
+import subprocess
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-from tests.harness import LocalCluster, kubectl, kubectl_json, wait_until
+from tests.harness import STATE, LocalCluster, kubectl, kubectl_json, wait_until
 
 IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
 
@@ -54,6 +59,42 @@ def test_server_is_a_real_kubernetes_with_rbac(local_cluster: LocalCluster) -> N
         "auth", "can-i", "list", "secrets", "--as=system:serviceaccount:default:default", check=False
     )
     assert denied.stdout.strip() == "no"
+
+
+def _ours(pid: int) -> bool:
+    """Started by cluster-up: in the session of one of its daemons, or a kwokctl component run from $STATE."""
+    daemons = {int(f.read_text()) for f in (STATE / "pids").glob("*.pid")}
+    try:
+        return os.getsid(pid) in daemons or str(STATE) in Path(f"/proc/{pid}/cmdline").read_text()
+    except OSError:  # gone meanwhile
+        return False
+
+
+def test_every_server_of_the_local_cluster_listens_on_loopback_only(local_cluster: LocalCluster) -> None:
+    listeners = []  # (address, port, process name)
+    ss = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, check=True).stdout
+    for line in ss.splitlines():
+        local = line.split()[3]
+        host, _, port = local.rpartition(":")
+        for name, pid in re.findall(r'\("([^"]+)",pid=(\d+)', line):
+            if _ours(int(pid)):
+                listeners.append((host.strip("[]"), int(port), name))
+    expected = {
+        urlparse(local_cluster.env["RAY_DASHBOARD_URL"]).port,
+        urlparse(local_cluster.s3_endpoint).port,
+        int(local_cluster.env["RAY_GCS_ADDRESS"].rpartition(":")[2]),
+        urlparse(kubectl_json("config", "view", "--minify")["clusters"][0]["cluster"]["server"]).port,
+    }
+    assert expected <= {port for _, port, _ in listeners}, f"not all our servers were found in {listeners}"
+
+    def loopback(host: str) -> bool:
+        if host in ("*", "0.0.0.0", "::"):
+            return False
+        address = ipaddress.ip_address(host.partition("%")[0])
+        mapped = getattr(address, "ipv4_mapped", None)
+        return (mapped or address).is_loopback
+
+    assert [entry for entry in listeners if not loopback(entry[0])] == []
 
 
 def test_fake_gpu_nodes_have_gpu_and_efa_capacity_in_two_zones(local_cluster: LocalCluster) -> None:

@@ -17,7 +17,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,13 +37,16 @@ from fsdp_trainer.contract import (
     CheckpointManifest,
     ProgressRecord,
 )
-from tests.harness import REPO, wait_until
+from tests.harness import REPO, free_port, wait_until
 
 CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
 TOLERANCE = 1e-4
 MAX_STEPS = 24
 CHECKPOINT_EVERY = 8
 RUN_TIMEOUT_S = 300
+# Ray's single-machine switch (named for the platforms where it is the default): the head, its servers and the
+# drivers that join it all use 127.0.0.1 instead of the host's address. Head and driver must agree.
+SINGLE_MACHINE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 TINY_QWEN2 = {
     "model_type": "qwen2",
     "vocab_size": 320,
@@ -93,9 +95,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
     Its raylet's environment is what the workers get: the S3 endpoint, the trainer package, no hub access.
     RAY_ADDRESS points Ray's own internal lookups at this head even when other Ray instances run here.
     """
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port, client_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("ray") / "head.log"
     env = {
@@ -105,11 +105,13 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         "HF_HUB_OFFLINE": "1",
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         "RAY_DEDUP_LOGS": "0",
+        **SINGLE_MACHINE_RAY,
     }
     ray = Path(sys.executable).with_name("ray")
     with log.open("wb") as out:
         head = subprocess.Popen(
-            [ray, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
+            [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+             f"--ray-client-server-port={client_port}", "--num-cpus=2", "--include-dashboard=false",
              "--disable-usage-stats", "--block"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -206,6 +208,7 @@ def submit(
         "RAY_ADDRESS": ray_address,
         "PYTHONPATH": str(REPO / "trainer"),
         "HF_HUB_OFFLINE": "1",
+        **SINGLE_MACHINE_RAY,
     }
     env.pop("FSDP_TRAINER_FAULT", None)
     if fault:
@@ -221,7 +224,8 @@ def submit(
         )
     except subprocess.TimeoutExpired as expired:
         raise AssertionError(
-            f"trainer run {config['runName']} did not finish within {RUN_TIMEOUT_S}s:\n{expired.stdout!s}"
+            f"trainer run {config['runName']} did not finish within {RUN_TIMEOUT_S}s:\n"
+            f"{expired.stdout!s}\n{expired.stderr!s}"
         ) from expired
     seconds = time.monotonic() - start
     print(f"trainer run {config['runName']}: exit {done.returncode} after {seconds:.1f}s")
