@@ -149,6 +149,7 @@ class Context:
     package_sha256: str = field(default_factory=submission.package_sha256)
     locks: dict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
     job_clients: dict[str, Jobs] = field(default_factory=dict)
+    written_records: dict[str, RunRecord] = field(default_factory=dict)  # run uid -> run.json as last written
 
     def jobs(self, namespace: str, cluster_name: str) -> Jobs:
         configuration = self.kube.core.api_client.configuration
@@ -336,8 +337,11 @@ def _write_run_record(
         restarts=status.restarts.history,
         transport=status.transport,
     )
+    if status.record.uri and ctx.written_records.get(run.uid) == record:
+        return  # progress alone changed: run.json holds no progress, so it stays as written
     try:
         status.record.uri = storage.write_run_record(record)
+        ctx.written_records[run.uid] = record
     except Exception as error:  # the bucket may not exist yet; the next pass tries again
         # Once StorageReadable=False says so (with an Event), repeating it every pass is noise.
         readable = conditions.condition(status.conditions, conditions.STORAGE_READABLE)
@@ -346,15 +350,20 @@ def _write_run_record(
 
 
 def on_delete(ctx: Context, body: kopf.Body) -> None:
-    """Stops the job and deletes the cluster; checkpoints and run.json stay in S3."""
-    meta, status = body["metadata"], body.get("status") or {}
-    cluster_name = builder.ray_cluster_name(meta["name"])
-    if status.get("phase") == api.Phase.RUNNING and status.get("jobSubmissionId"):
-        try:
-            ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
-        except Exception as error:  # a dead head has no job to stop; the cluster goes either way
-            log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
-    ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
+    """Stops the job and deletes the cluster; checkpoints and run.json stay in S3. Under the run's lock and on
+    the status as stored now: a pass in flight finishes first (a job it just submitted is stopped too), and
+    every later pass sees the deletion and does nothing, so none can recreate the cluster."""
+    meta = body["metadata"]
+    with ctx.locks[meta["uid"]]:
+        status = (ctx.kube.get_run(meta["namespace"], meta["name"]) or body).get("status") or {}
+        ctx.written_records.pop(meta["uid"], None)
+        cluster_name = builder.ray_cluster_name(meta["name"])
+        if status.get("phase") == api.Phase.RUNNING and status.get("jobSubmissionId"):
+            try:
+                ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
+            except Exception as error:  # a dead head has no job to stop; the cluster goes either way
+                log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
+        ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
 
 
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
