@@ -52,7 +52,7 @@ sed -e "s/^  name: tiny-demo$/  name: $RUN/" -e "s|s3://fsdp-demo/runs|$storage|
 
 deadline=$(($(date +%s) + TIMEOUT))
 last=""
-kubectl get trainingruns -n "$NAMESPACE" "$RUN" | head -1
+kubectl get trainingruns -n "$NAMESPACE" "$RUN" | sed -n 1p # reads all: `head` could end kubectl with SIGPIPE
 while true; do
   row=$(kubectl get trainingruns -n "$NAMESPACE" "$RUN" --no-headers)
   [[ $row != "$last" ]] && echo "$row" && last=$row

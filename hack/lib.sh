@@ -46,7 +46,7 @@ require_free_ports() {
   local port busy=0
   for port in "$@"; do
     if ss -Hltn "sport = :$port" | grep -q .; then
-      log "port 127.0.0.1:$port is already in use: $(ss -Hltnp "sport = :$port" | head -1)"
+      log "port 127.0.0.1:$port is already in use: $(ss -Hltnp "sport = :$port" | sed -n 1p)"
       busy=1
     fi
   done
