@@ -34,7 +34,7 @@ from fsdp_operator.reconcile import (
 )
 from fsdp_operator.records import RunStorage
 from fsdp_operator.settings import Settings
-from fsdp_trainer.contract import CheckpointRef, RunRecord
+from fsdp_trainer.contract import CheckpointRef, RunRecord, run_prefix
 
 log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
@@ -159,10 +159,10 @@ class Context:
             self.job_clients[address] = Jobs(address, headers={"Authorization": token} if token else None)
         return self.job_clients[address]
 
-    def storage(self, spec: api.FSDPTrainingRunSpec, run_name: str) -> RunStorage | None:
+    def storage(self, spec: api.FSDPTrainingRunSpec, run: builder.RunRef) -> RunStorage | None:
         if not spec.checkpoint.storage_path.startswith("s3://"):
             return None  # a local path lives on the single worker; the operator cannot read it
-        return RunStorage(self.s3, spec.checkpoint.storage_path, run_name)
+        return RunStorage(self.s3, run_prefix(spec.checkpoint.storage_path, run.namespace, run.name))
 
 
 def _run_preflight(ctx: Context, spec: api.FSDPTrainingRunSpec) -> preflight.PreflightResult:
@@ -224,7 +224,7 @@ def _observe(
         except Exception as error:  # the head may be down or restarting; the state machine decides
             dashboard_error = f"{type(error).__name__}: {error}"
     progress, checkpoints, storage_error = None, tuple[CheckpointRef, ...](), None
-    storage = ctx.storage(spec, run.name) if active else None
+    storage = ctx.storage(spec, run) if active else None
     if storage is not None:
         try:
             progress, checkpoints = storage.progress(), tuple(storage.complete_checkpoints())
@@ -318,7 +318,7 @@ def _write_run_record(
     ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
 ) -> None:
     """run.json next to the checkpoints: the evidence outlives the custom resource."""
-    storage = ctx.storage(spec, run.name)
+    storage = ctx.storage(spec, run)
     if storage is None or status.phase in (None, api.Phase.PENDING):
         return
     record = RunRecord(

@@ -18,7 +18,6 @@ from fsdp_trainer.contract import (
     ProgressRecord,
     RunRecord,
     checkpoint_is_complete,
-    run_prefix,
 )
 
 CHECKPOINT_DIR_PREFIX = "checkpoint_"
@@ -32,11 +31,11 @@ def split_s3_uri(uri: str) -> tuple[str, str]:
 
 
 class RunStorage:
-    """One run's directory in S3 (`<storagePath>/<runName>/`)."""
+    """One run's directory in S3 (`<storagePath>/<namespace>/<runName>/`)."""
 
-    def __init__(self, s3: Any, storage_path: str, run_name: str) -> None:
+    def __init__(self, s3: Any, uri: str) -> None:
         self.s3 = s3
-        self.uri = run_prefix(storage_path, run_name)
+        self.uri = uri
         self.bucket, prefix = split_s3_uri(self.uri)
         self.prefix = prefix.rstrip("/") + "/"
 

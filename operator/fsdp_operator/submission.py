@@ -30,6 +30,7 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
     writes under the same storage prefix and resumes from the same checkpoints."""
     return TrainerConfig(
         run_name=run.name,
+        namespace=run.namespace,
         workers=spec.cluster.workers,
         gpus_per_worker=0 if cpu_only else spec.cluster.gpus_per_worker,
         max_failures=spec.recovery.in_job_max_failures,

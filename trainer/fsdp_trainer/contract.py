@@ -5,7 +5,8 @@ a `TrainerConfig` to the trainer as JSON, and reads back what the trainer writes
 a `ProgressRecord` while training and a `CheckpointManifest` inside every checkpoint. The operator writes
 the `RunRecord` (run.json) in the same place, so the evidence of a run outlives its custom resource.
 
-Storage layout under `<checkpoint.storagePath>/<runName>/`:
+Storage layout under `<checkpoint.storagePath>/<namespace>/<runName>/` (the namespace keeps runs of one name in
+two namespaces apart):
     progress.json                       latest ProgressRecord (rank 0, every logging interval)
     metrics/<attempt>.jsonl             ProgressRecord history of one attempt (flushed at checkpoints, end)
     model/                              consolidated Hugging Face model exported at the end (safetensors)
@@ -17,6 +18,8 @@ Storage layout under `<checkpoint.storagePath>/<runName>/`:
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -188,7 +191,11 @@ class NetworkSpec(ContractModel):
 class TrainerConfig(ContractModel):
     """Everything the trainer needs; the operator builds it from the FSDPTrainingRun spec."""
 
-    run_name: str = Field(description="Name of the run; the directory under storagePath.")
+    run_name: str = Field(description="Name of the run; the directory under <storagePath>/<namespace>.")
+    namespace: str = Field(
+        default="default",
+        description="Namespace of the FSDPTrainingRun: runs of one name in two namespaces never share a prefix.",
+    )
     workers: int = Field(default=1, ge=1, description="Ray Train workers (one per node).")
     gpus_per_worker: int = Field(
         default=0, ge=0, description="GPUs per worker; one training process per GPU. 0 trains on CPU (gloo)."
@@ -203,6 +210,23 @@ class TrainerConfig(ContractModel):
     data: DataSpec = Field(default_factory=DataSpec)
     checkpoint: CheckpointSpec
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+
+    def run_uri(self) -> str:
+        """The run's storage prefix: checkpoints, progress, metrics, the exported model and run.json."""
+        return run_prefix(self.checkpoint.storage_path, self.namespace, self.run_name)
+
+    def resume_fingerprint(self) -> str:
+        """What must match for a checkpoint to be resumed: the model and tokenizer, the sequence length, the
+        data and its order (seed). A checkpoint with another fingerprint is never loaded."""
+        data = self.data
+        relevant = {
+            "model": self.model.model_dump(mode="json", by_alias=True, exclude_none=True),
+            "sequenceLength": self.training.sequence_length,
+            "seed": self.training.seed,
+            "data": [data.source, data.text_field, data.eval_source, data.eval_fraction],
+        }
+        canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,10 +273,27 @@ class ErrorKind(StrEnum):
 PERMANENT_ERROR_KINDS = frozenset(kind for kind in ErrorKind if kind is not ErrorKind.RUNTIME)
 
 
+class SetupStage(StrEnum):
+    """What the trainer is doing before its first step; heartbeats name it so slow setup is not a hang."""
+
+    INITIALIZING = "initializing"  # process group, devices
+    DOWNLOADING_MODEL = "downloading-model"
+    LOADING_DATA = "loading-data"  # reading and tokenising the corpus
+    LOADING_CHECKPOINT = "loading-checkpoint"
+    PROBING_TRANSPORT = "probing-transport"
+    COMPILING = "compiling"
+
+
 class ProgressRecord(ContractModel):
     schema_version: int = SCHEMA_VERSION
     run_name: str
     phase: Literal["starting", "training", "finished", "failed"]
+    submission_id: str | None = Field(
+        default=None, description="The job submission that wrote this record (one per attempt)."
+    )
+    stage: SetupStage | None = Field(
+        default=None, description="While phase is starting: the setup stage of the latest heartbeat."
+    )
     step: int = 0
     max_steps: int
     loss: float | None = None
@@ -288,6 +329,10 @@ class CheckpointManifest(ContractModel):
     files: dict[str, int] = Field(description="Every file of the checkpoint with its size in bytes.")
     submission_id: str | None = Field(
         default=None, description="The trainer submission that wrote it (resume=never ignores others)."
+    )
+    fingerprint: str | None = Field(
+        default=None,
+        description="TrainerConfig.resume_fingerprint() of the run that wrote it; resume requires a match.",
     )
 
 
@@ -329,8 +374,8 @@ class RunRecord(ContractModel):
 # Pure helpers both sides use
 
 
-def run_prefix(storage_path: str, run_name: str) -> str:
-    return f"{storage_path.rstrip('/')}/{run_name}"
+def run_prefix(storage_path: str, namespace: str, run_name: str) -> str:
+    return f"{storage_path.rstrip('/')}/{namespace}/{run_name}"
 
 
 def checkpoint_is_complete(manifest: CheckpointManifest | None, listing: dict[str, int]) -> bool:

@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from fsdp_trainer.contract import PROGRESS_FILE, ErrorKind, ProgressRecord, TrainerConfig, run_prefix
+from fsdp_trainer.contract import PROGRESS_FILE, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import classify
 from fsdp_trainer.loop import LoopInput, train_loop
 from fsdp_trainer.progress import read_progress, utc_now
@@ -45,7 +45,7 @@ def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
     # mypy resolves Ray's V1 RunConfig; Train V2 (the default since Ray 2.5x) has worker_runtime_env.
     run_config = RunConfig(  # type: ignore[call-arg]
         name=config.run_name,
-        storage_path=config.checkpoint.storage_path,
+        storage_path=config.run_uri().removesuffix(f"/{config.run_name}"),  # Ray appends name
         failure_config=FailureConfig(max_failures=config.max_failures),
         # Ray counts a checkpoint when it is reported, before its manifest exists; one extra keeps `keep`
         # complete ones while the newest is being completed.
@@ -83,7 +83,7 @@ def root_cause(error: BaseException) -> tuple[ErrorKind, BaseException]:
 
 def record_failure(config: TrainerConfig, message: str, kind: ErrorKind) -> None:
     """phase=failed on the latest progress record (keeping its step and metrics) for the operator."""
-    run = Location.parse(run_prefix(config.checkpoint.storage_path, config.run_name))
+    run = Location.parse(config.run_uri())
     try:
         previous = read_progress(run)
     except (OSError, ValueError) as read_error:

@@ -27,7 +27,6 @@ from fsdp_trainer.contract import (
     TrainerConfig,
     Transport,
     TransportReport,
-    run_prefix,
 )
 from fsdp_trainer.errors import ConfigError, classify
 from fsdp_trainer.metrics import flops_per_token, model_flops_utilisation, peak_flops
@@ -59,7 +58,7 @@ def train_loop(config: dict[str, Any]) -> None:
         ).items():
             os.environ.setdefault(key, value)
     runtime = distributed.start(use_gpu=use_gpu)
-    run = Location.parse(run_prefix(loop_input.trainer.checkpoint.storage_path, loop_input.trainer.run_name))
+    run = Location.parse(loop_input.trainer.run_uri())
     worker = Worker(loop_input, runtime, run)
     try:
         worker.run()
