@@ -159,8 +159,8 @@ class DataSpec(ContractModel):
 
 class CheckpointSpec(ContractModel):
     storage_path: str = Field(
-        description="Where checkpoints, the progress record and run.json go: an s3:// prefix (required "
-        "with more than one worker) or a local path for a single worker.",
+        description="Where checkpoints, the progress record and run.json go: an s3:// prefix, under which "
+        "each run has <namespace>/<runName>/ (the trainer run by hand also takes a local path).",
     )
     every_steps: int = Field(default=50, ge=1, description="Steps between checkpoints.")
     keep: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are deleted.")
