@@ -36,6 +36,7 @@ from fsdp_trainer.contract import (
     PROGRESS_FILE,
     CheckpointManifest,
     ProgressRecord,
+    TrainerConfig,
 )
 from tests.harness import REPO, free_port, wait_until
 
@@ -131,6 +132,10 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
             head.wait(timeout=30)
 
 
+NAMESPACE = "default"  # TrainerConfig.namespace when the config names none
+RUNS = f"runs/{NAMESPACE}"  # the key prefix of every run: <storagePath>/<namespace>/<runName>
+
+
 @dataclass(frozen=True)
 class Storage:
     bucket: str
@@ -143,11 +148,11 @@ class Storage:
         return boto3.client("s3")
 
     def keys(self, prefix: str) -> dict[str, int]:
-        """Object keys and sizes under runs/<prefix>, without the empty "dir/" markers pyarrow leaves."""
+        """Object keys and sizes under <RUNS>/<prefix>, without the empty "dir/" markers pyarrow leaves."""
         paginator = self.client().get_paginator("list_objects_v2")
         return {
             obj["Key"]: obj["Size"]
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"runs/{prefix}")
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{RUNS}/{prefix}")
             for obj in page.get("Contents", [])
             if not obj["Key"].endswith("/")
         }
@@ -159,7 +164,7 @@ class Storage:
         self.client().delete_object(Bucket=self.bucket, Key=key)
 
     def progress(self, run: str) -> ProgressRecord:
-        return ProgressRecord.model_validate_json(self.read(f"runs/{run}/{PROGRESS_FILE}"))
+        return ProgressRecord.model_validate_json(self.read(f"{RUNS}/{run}/{PROGRESS_FILE}"))
 
     def history(self, run: str) -> list[list[ProgressRecord]]:
         """The progress records of each attempt, attempts in time order."""
@@ -172,11 +177,12 @@ class Storage:
     def checkpoints(self, run: str) -> dict[str, CheckpointManifest | None]:
         """Checkpoint directory -> its manifest (None when it has none)."""
         keys = self.keys(f"{run}/checkpoint_")
-        directories = sorted({key.split("/")[2] for key in keys if key.count("/") == 3})
+        depth = RUNS.count("/") + 2  # <runs>/<run>/<checkpoint>/<file>
+        directories = sorted({key.split("/")[depth - 1] for key in keys if key.count("/") == depth})
         return {
             directory: (
                 CheckpointManifest.model_validate_json(self.read(manifest_key))
-                if (manifest_key := f"runs/{run}/{directory}/{MANIFEST_FILE}") in keys
+                if (manifest_key := f"{RUNS}/{run}/{directory}/{MANIFEST_FILE}") in keys
                 else None
             )
             for directory in directories
@@ -301,9 +307,16 @@ def test_loss_falls_on_real_text_and_eval_is_reported(reference: ReferenceRun, s
         assert manifest is not None
         stored = storage.keys(f"{reference.name}/{directory}/")
         for name, size in manifest.files.items():
-            assert stored[f"runs/{reference.name}/{directory}/{name}"] == size
+            assert stored[f"{RUNS}/{reference.name}/{directory}/{name}"] == size
         assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(manifest.files)
         assert manifest.world_size == 2 and manifest.tokens_seen == manifest.step * 2 * 4 * 64
+    config = TrainerConfig.model_validate(trainer_config(reference.name, storage.uri))
+    fingerprint = config.resume_fingerprint()
+    assert {m.fingerprint for m in manifests} == {fingerprint}, "resume requires the same configuration"
+    (records,) = storage.history(reference.name)
+    assert len({r.submission_id for r in records}) == 1 and records[0].submission_id
+    stages = [r.stage for r in records if r.phase == "starting"]
+    assert {"initializing", "loading-data", "probing-transport", "loading-checkpoint"} <= set(stages)
     print("checkpoint sizes (bytes):", {m.step: sum(m.files.values()) for m in manifests})
     assert reference.losses[MAX_STEPS] == pytest.approx(manifests[-1].loss)
 
@@ -314,7 +327,7 @@ def test_exported_model_is_a_loadable_hugging_face_model(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    assert reference.progress.exported_model_uri == f"{storage.uri}/{reference.name}/{MODEL_DIR}"
+    assert reference.progress.exported_model_uri == f"{storage.uri}/{NAMESPACE}/{reference.name}/{MODEL_DIR}"
     keys = storage.keys(f"{reference.name}/{MODEL_DIR}/")
     assert any(key.endswith(".safetensors") for key in keys), keys
     for key in keys:
@@ -418,8 +431,8 @@ def test_incomplete_checkpoints_are_skipped_and_training_resumes_on_one_worker(
     name = resubmitted.name
     by_step = {m.step: d for d, m in storage.checkpoints(name).items() if m is not None}
     assert sorted(by_step) == [8, 16, 24], by_step
-    storage.delete(f"runs/{name}/{by_step[24]}/__1_0.distcp")
-    storage.delete(f"runs/{name}/{by_step[16]}/{MANIFEST_FILE}")
+    storage.delete(f"{RUNS}/{name}/{by_step[24]}/__1_0.distcp")
+    storage.delete(f"{RUNS}/{name}/{by_step[16]}/{MANIFEST_FILE}")
 
     submission = submit(
         ray_address, trainer_config(name, storage.uri, workers=1, training={"maxSteps": MAX_STEPS + 4})

@@ -14,9 +14,12 @@ from fsdp_trainer.storage import Location
 
 FILES = {".metadata": 100, "__0_0.distcp": 2000, "__1_0.distcp": 2000}
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+FINGERPRINT = "0123456789abcdef"
 
 
-def manifest(step: int, submission: str = "s1", minutes: int = 0) -> CheckpointManifest:
+def manifest(
+    step: int, submission: str = "s1", minutes: int = 0, fingerprint: str | None = FINGERPRINT
+) -> CheckpointManifest:
     return CheckpointManifest(
         run_name="r",
         step=step,
@@ -25,6 +28,7 @@ def manifest(step: int, submission: str = "s1", minutes: int = 0) -> CheckpointM
         created_at=T0 + dt.timedelta(minutes=minutes),
         files=dict(FILES),
         submission_id=submission,
+        fingerprint=fingerprint,
     )
 
 
@@ -66,13 +70,21 @@ def test_a_submission_filter_ignores_other_submissions() -> None:
     assert newest_complete([candidate(24, submission="old"), mine], submission_id="mine") is mine
 
 
-def write_checkpoint(run: Path, step: int, complete: bool = True, submission: str = "s1") -> Path:
+def write_checkpoint(
+    run: Path,
+    step: int,
+    complete: bool = True,
+    submission: str = "s1",
+    fingerprint: str | None = FINGERPRINT,
+) -> Path:
     directory = run / checkpoint_name(step, "20260101T000000000000")
     directory.mkdir(parents=True)
     for name, size in FILES.items():
         (directory / name).write_bytes(b"x" * size)
     if complete:
-        (directory / MANIFEST_FILE).write_text(manifest(step, submission=submission).to_json())
+        (directory / MANIFEST_FILE).write_text(
+            manifest(step, submission=submission, fingerprint=fingerprint).to_json()
+        )
     return directory
 
 
@@ -83,7 +95,7 @@ def test_resume_scans_storage_when_the_latest_reported_checkpoint_is_incomplete(
     latest = write_checkpoint(run, 24, complete=False)
     (run / "checkpoint_manager_snapshot.json").write_text("{}")  # Ray's own file: not a checkpoint
     found = find_resume_point(
-        Location.parse(str(run)), "auto", "s2", latest_reported=Location.parse(str(latest))
+        Location.parse(str(run)), "auto", "s2", FINGERPRINT, latest_reported=Location.parse(str(latest))
     )
     assert found is not None and found.manifest is not None and found.manifest.step == 16
 
@@ -94,7 +106,7 @@ def test_resume_prefers_a_newer_complete_checkpoint_than_rays_latest(tmp_path: P
     reported = write_checkpoint(run, 10)
     write_checkpoint(run, 20)
     found = find_resume_point(
-        Location.parse(str(run)), "auto", "s2", latest_reported=Location.parse(str(reported))
+        Location.parse(str(run)), "auto", "s2", FINGERPRINT, latest_reported=Location.parse(str(reported))
     )
     assert found is not None and found.manifest is not None and found.manifest.step == 20
 
@@ -102,19 +114,19 @@ def test_resume_prefers_a_newer_complete_checkpoint_than_rays_latest(tmp_path: P
 def test_resume_never_uses_only_this_submissions_checkpoints(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_checkpoint(run, 24, submission="earlier")
-    assert find_resume_point(Location.parse(str(run)), "never", "now", None) is None
+    assert find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT, None) is None
     write_checkpoint(run, 8, submission="now")  # an in-job retry of this submission
-    found = find_resume_point(Location.parse(str(run)), "never", "now", None)
+    found = find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT, None)
     assert found is not None and found.manifest is not None and found.manifest.step == 8
 
 
 def test_an_explicit_uri_is_used_when_the_run_has_none_of_its_own(tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other-run", 40)
     run = Location.parse(str(tmp_path / "run"))
-    found = find_resume_point(run, str(other), "s1", None)
+    found = find_resume_point(run, str(other), "s1", FINGERPRINT, None)
     assert found is not None and found.location.path == str(other)
     write_checkpoint(tmp_path / "run", 8)
-    own = find_resume_point(run, str(other), "s1", None)
+    own = find_resume_point(run, str(other), "s1", FINGERPRINT, None)
     assert own is not None and own.manifest is not None and own.manifest.step == 8, (
         "own progress wins on retry"
     )
@@ -123,7 +135,28 @@ def test_an_explicit_uri_is_used_when_the_run_has_none_of_its_own(tmp_path: Path
 def test_an_incomplete_explicit_uri_is_a_config_error(tmp_path: Path) -> None:
     broken = write_checkpoint(tmp_path / "other-run", 40, complete=False)
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        find_resume_point(Location.parse(str(tmp_path / "run")), str(broken), "s1", None)
+        find_resume_point(Location.parse(str(tmp_path / "run")), str(broken), "s1", FINGERPRINT, None)
+
+
+@pytest.mark.parametrize("theirs", ["fedcba9876543210", None], ids=["other-config", "no-fingerprint"])
+def test_checkpoints_of_another_configuration_are_refused_not_loaded(
+    tmp_path: Path, theirs: str | None
+) -> None:
+    run = tmp_path / "run"
+    write_checkpoint(run, 8)
+    write_checkpoint(run, 16, fingerprint=theirs)
+    with pytest.raises(ConfigError) as refused:
+        find_resume_point(Location.parse(str(run)), "auto", "s2", FINGERPRINT, None)
+    message = str(refused.value)
+    assert "another configuration" in message and FINGERPRINT in message
+    assert (theirs or "none") in message
+    assert refused.value.kind == "config"
+
+
+def test_an_explicit_uri_from_another_configuration_is_the_users_choice(tmp_path: Path) -> None:
+    other = write_checkpoint(tmp_path / "other-run", 40, fingerprint="fedcba9876543210")
+    found = find_resume_point(Location.parse(str(tmp_path / "run")), str(other), "s1", FINGERPRINT, None)
+    assert found is not None and found.location.path == str(other)
 
 
 def test_checkpoint_names_sort_by_step() -> None:

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
-from fsdp_trainer.contract import ErrorKind, TrainerConfig
+from fsdp_trainer.contract import ErrorKind, ProgressRecord, SetupStage, TrainerConfig
 from fsdp_trainer.driver import record_failure
 from fsdp_trainer.progress import ProgressWriter, read_progress
 from fsdp_trainer.storage import Location
@@ -16,7 +17,8 @@ def test_records_merge_and_history_is_flushed_per_attempt(tmp_path: Path) -> Non
     writer = ProgressWriter(run, "20260101T000000000000", run_name="run", phase="starting", max_steps=10)
     writer.write()
     writer.write(phase="training", step=1, loss=5.5, eval_loss=5.6, eval_perplexity=270.4)
-    writer.write(step=2, loss=5.0)
+    writer.update(step=2, loss=5.0)
+    writer.close()  # stores what is pending
     document = json.loads((tmp_path / "run" / "progress.json").read_text())
     assert document["phase"] == "training" and document["step"] == 2 and document["loss"] == 5.0
     assert document["evalLoss"] == 5.6, "evaluation results stay until the next evaluation"
@@ -27,16 +29,60 @@ def test_records_merge_and_history_is_flushed_per_attempt(tmp_path: Path) -> Non
     assert [json.loads(line)["phase"] for line in lines] == ["starting", "training", "training"]
 
 
+def stored(run: Path) -> ProgressRecord:
+    return ProgressRecord.model_validate_json((run / "progress.json").read_text())
+
+
+def test_setup_heartbeats_name_the_stage_until_training_starts(tmp_path: Path) -> None:
+    writer = ProgressWriter(
+        Location.parse(str(tmp_path)), "a", heartbeat_seconds=0.05, run_name="run", phase="starting",
+        max_steps=10, submission_id="job-1",
+    )  # fmt: skip
+    try:
+        writer.stage(SetupStage.LOADING_CHECKPOINT)
+        first = stored(tmp_path)
+        assert (first.phase, first.stage, first.submission_id) == ("starting", "loading-checkpoint", "job-1")
+        time.sleep(0.3)  # a long stage: no update from the trainer, yet the record stays fresh
+        beat = stored(tmp_path)
+        assert beat.stage == "loading-checkpoint" and beat.updated_at > first.updated_at
+
+        writer.write(phase="training", stage=None, step=0)
+        training = stored(tmp_path)
+        assert training.stage is None
+        time.sleep(0.3)
+        assert stored(tmp_path).updated_at == training.updated_at, "no heartbeat once training: a hang shows"
+    finally:
+        writer.close()
+
+
+def test_progress_updates_never_wait_for_storage(tmp_path: Path) -> None:
+    """A routine update returns at once; the background thread stores the newest record (throttled)."""
+    writer = ProgressWriter(
+        Location.parse(str(tmp_path)), "a", store_interval_seconds=60, run_name="run", phase="training",
+        max_steps=10, submission_id="job-1",
+    )  # fmt: skip
+    try:
+        writer.write(step=0)
+        for step in range(1, 6):
+            writer.update(step=step, loss=5.0 - step)
+        assert stored(tmp_path).step == 0, "within the interval nothing more is stored"
+    finally:
+        writer.close()
+    assert stored(tmp_path).step == 5, "closing stores the newest record"
+
+
 def test_a_failure_keeps_the_last_progress_and_says_why(tmp_path: Path) -> None:
     config = TrainerConfig.model_validate(
         {"run_name": "run", "model": {"source": "x"}, "checkpoint": {"storage_path": str(tmp_path)}}
     )
-    run = Location.parse(str(tmp_path / "run"))
-    ProgressWriter(run, "a", run_name="run", phase="training", max_steps=10, step=7, loss=3.2).write()
-    record_failure(config, "DataError: no column 'text'", ErrorKind.DATA)
+    run = Location.parse(config.run_uri())
+    writer = ProgressWriter(run, "a", run_name="run", phase="training", max_steps=10, step=7, loss=3.2)
+    writer.write()
+    writer.close()
+    record_failure(config, "DataError: no column 'text'", ErrorKind.DATA, "job-2")
     failed = read_progress(run)
     assert failed is not None
-    assert (failed.phase, failed.step, failed.loss) == ("failed", 7, 3.2)
+    assert (failed.phase, failed.step, failed.loss, failed.submission_id) == ("failed", 7, 3.2, "job-2")
     assert failed.error == "DataError: no column 'text'" and failed.error_kind == "data"
 
 
@@ -45,5 +91,5 @@ def test_a_failure_before_any_progress_still_leaves_a_record(tmp_path: Path) -> 
         {"run_name": "run", "model": {"source": "x"}, "checkpoint": {"storage_path": str(tmp_path)}}
     )
     record_failure(config, "RayActorError: lost", ErrorKind.RUNTIME)
-    failed = read_progress(Location.parse(str(tmp_path / "run")))
+    failed = read_progress(Location.parse(str(tmp_path / "default" / "run")))
     assert failed is not None and failed.phase == "failed" and failed.step == 0

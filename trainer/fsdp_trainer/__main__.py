@@ -22,6 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ConfigError, OSError, ValueError) as error:
         print(f"invalid configuration (error kind config): {error}", file=sys.stderr)
         return 2
+    submission_id = cli.submission_id(args)
     try:
         cli.check(config)
     except ConfigError as error:
@@ -29,12 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         from fsdp_trainer.driver import record_failure
 
         print(f"invalid configuration (error kind config): {error}", file=sys.stderr)
-        record_failure(config, f"ConfigError: {error}", ErrorKind.CONFIG)
+        record_failure(config, f"ConfigError: {error}", ErrorKind.CONFIG, submission_id)
         return 2
     if args.print_config:
         print(config.to_json())
         return 0
-    submission_id = cli.submission_id(args)
     direct = args.launcher == "direct" or (args.launcher == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
     if direct:
         from fsdp_trainer.loop import LoopInput, train_loop

@@ -164,25 +164,43 @@ def run_checkpoints(run: Location) -> list[Candidate]:
 
 
 def find_resume_point(
-    run: Location, resume: str, submission_id: str, latest_reported: Location | None
+    run: Location, resume: str, submission_id: str, fingerprint: str, latest_reported: Location | None
 ) -> Candidate | None:
     """Where to start: this run's newest complete checkpoint, from a scan of the run directory plus Ray's
     latest reported one (a job stopped mid-report can leave a newer complete checkpoint that Ray never
     registered, and Ray's latest may be incomplete); with resume=never only checkpoints of this submission
-    count (in-job retries); failing those, an explicit resume URI, which must be complete."""
+    count (in-job retries); failing those, an explicit resume URI, which must be complete.
+
+    A checkpoint of the run's own prefix is used only when its manifest carries `fingerprint` (the run's
+    TrainerConfig.resume_fingerprint()): another model, data or seed under the same prefix is a ConfigError,
+    never a silent resume into the wrong run. An explicit URI is the user's deliberate choice and exempt."""
     own_only = submission_id if resume == RESUME_NEVER else None
     candidates = run_checkpoints(run)
     if latest_reported is not None and all(c.location.uri != latest_reported.uri for c in candidates):
         candidates.append(inspect(latest_reported))
     found = newest_complete(candidates, own_only)
-    if found is not None or resume in (RESUME_AUTO, RESUME_NEVER):
+    if found is not None:
+        require_fingerprint(run, found, fingerprint)
         return found
+    if resume in (RESUME_AUTO, RESUME_NEVER):
+        return None
     explicit = inspect(Location.parse(resume))
     if not explicit.complete:
         raise ConfigError(
             f"checkpoint.resume {resume} is not a complete checkpoint (no manifest or missing files)"
         )
     return explicit
+
+
+def require_fingerprint(run: Location, found: Candidate, fingerprint: str) -> None:
+    theirs = None if found.manifest is None else found.manifest.fingerprint
+    if theirs != fingerprint:
+        raise ConfigError(
+            f"{run.uri} holds checkpoints of another configuration: the newest complete one, "
+            f"{found.location.name}, has resume fingerprint {theirs or 'none (written before fingerprints)'} "
+            f"but this run's is {fingerprint} (model, tokenizer, sequence length, data or seed differ); "
+            "refusing to load it. Use a new run name or storage path, or delete those checkpoints."
+        )
 
 
 def prune(run: Location, keep: int) -> None:
@@ -235,6 +253,7 @@ class SaveContext:
     run: Location
     run_name: str
     submission_id: str
+    fingerprint: str
     rank: int
     world_size: int
     versions: Versions
@@ -278,6 +297,7 @@ def save(
         versions=context.versions,
         files=all_files,
         submission_id=context.submission_id,
+        fingerprint=context.fingerprint,
     )
     location.child(MANIFEST_FILE).write_text(manifest.to_json())
     log.info(

@@ -63,7 +63,7 @@ def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
     except TrainingFailedError as error:
         kind, cause = root_cause(error)
         message = f"{type(cause).__name__}: {cause}"[:MAX_ERROR_CHARS]
-        record_failure(config, message, kind)
+        record_failure(config, message, kind, submission_id)
         log.error("training failed (%s): %s", kind, error)
         return 1
     return 0
@@ -81,8 +81,11 @@ def root_cause(error: BaseException) -> tuple[ErrorKind, BaseException]:
     return next(((kind, cause) for kind, cause in classified if kind != ErrorKind.RUNTIME), classified[0])
 
 
-def record_failure(config: TrainerConfig, message: str, kind: ErrorKind) -> None:
-    """phase=failed on the latest progress record (keeping its step and metrics) for the operator."""
+def record_failure(
+    config: TrainerConfig, message: str, kind: ErrorKind, submission_id: str | None = None
+) -> None:
+    """phase=failed on the latest progress record (keeping its step and metrics) for the operator, marked
+    as written by this submission."""
     run = Location.parse(config.run_uri())
     try:
         previous = read_progress(run)
@@ -98,5 +101,7 @@ def record_failure(config: TrainerConfig, message: str, kind: ErrorKind) -> None
             "world_size": config.workers * max(1, config.gpus_per_worker),
         }
     )
-    fields.update(phase="failed", error=message, error_kind=kind, updated_at=utc_now())
+    fields.update(
+        phase="failed", error=message, error_kind=kind, submission_id=submission_id, updated_at=utc_now()
+    )
     run.child(PROGRESS_FILE).write_text(ProgressRecord(**fields).to_json())

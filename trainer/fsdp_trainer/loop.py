@@ -24,6 +24,7 @@ from fsdp_trainer.contract import (
     MODEL_DIR,
     Precision,
     ProgressRecord,
+    SetupStage,
     TrainerConfig,
     Transport,
     TransportReport,
@@ -71,6 +72,8 @@ def train_loop(config: dict[str, Any]) -> None:
             worker.progress.flush_history()
         raise
     finally:
+        if worker.progress is not None:
+            worker.progress.close()
         distributed.stop(runtime)
 
 
@@ -131,29 +134,34 @@ class Worker:
                 self.run_location,
                 attempt_id,
                 run_name=config.run_name,
+                submission_id=self.submission_id,
                 phase="starting",
                 max_steps=training.max_steps,
                 world_size=runtime.world_size,
                 versions=self.versions,
             )
-            self.progress.write()
+        self.stage(SetupStage.INITIALIZING)
         log.info("rank %d/%d (%s) on %s", runtime.rank, runtime.world_size, runtime.launcher, runtime.device)
 
         barrier = dist.barrier
+        self.stage(SetupStage.DOWNLOADING_MODEL)
         tokenizer = model.load_tokenizer(config.model, runtime.local_rank, barrier)
         model_config = model.model_config(config.model, runtime.local_rank, barrier)
         vocab_size = int(model_config.vocab_size)
         if tokenizer is not None and len(tokenizer) > vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
+        self.stage(SetupStage.LOADING_DATA)
         datasets = data.build_datasets(
             config.data, tokenizer, vocab_size, training.sequence_length, training.seed
         )
         log.info("data: %s", datasets.description)
 
+        self.stage(SetupStage.PROBING_TRANSPORT)
         report = self.measure_transport()
         if self.progress is not None:
-            self.progress.write(transport=report)
+            self.progress.update(transport=report)
 
+        self.stage(SetupStage.DOWNLOADING_MODEL)
         lm = model.load_model(config.model, model_config, training.seed, runtime.local_rank, barrier)
         shape = model.model_shape(lm)
         device_type = runtime.device.type
@@ -169,11 +177,9 @@ class Worker:
 
         resumed_from = self.resume(app_state)
         if self.progress is not None:
-            self.progress.write(
-                phase="training",
-                step=app_state.train.step,
-                tokens_seen=app_state.train.tokens_seen,
-                resumed_from_step=resumed_from,
+            train = app_state.train
+            self.progress.update(
+                step=train.step, tokens_seen=train.tokens_seen, resumed_from_step=resumed_from
             )
         return Session(
             attempt_id=attempt_id,
@@ -192,12 +198,17 @@ class Worker:
             flops_per_token=flops_per_token(shape, training.sequence_length),
         )
 
+    def stage(self, stage: SetupStage) -> None:
+        if self.progress is not None:
+            self.progress.stage(stage)
+
     def train(self, session: Session) -> None:
         config, runtime, training, state = self.config, self.runtime, self.config.training, session.state
         save_context = checkpoint.SaveContext(
             self.run_location,
             config.run_name,
             self.submission_id,
+            config.resume_fingerprint(),
             runtime.rank,
             runtime.world_size,
             self.versions,
@@ -210,10 +221,15 @@ class Worker:
             else checkpoint.direct_persist(self.run_location)
         )
         fault = Fault.from_env()
+        first_step = state.step + 1
+        if config.fsdp.compile:  # torch.compile runs in the first step, which can take minutes
+            self.stage(SetupStage.COMPILING)
+        elif self.progress is not None:
+            self.progress.write(phase="training", stage=None)
         interval = Interval(time.perf_counter())
         last_loss: float | None = None
         session.lm.train()
-        for step in range(state.step + 1, training.max_steps + 1):
+        for step in range(first_step, training.max_steps + 1):
             if fault is not None and fault.due(runtime.rank, step):
                 fault.trigger()
             learning_rate = float(session.scheduler.get_last_lr()[0])
@@ -222,6 +238,8 @@ class Worker:
             state.data_position += session.layout.samples_per_step
             state.tokens_seen += session.layout.samples_per_step * training.sequence_length
             interval.steps += 1
+            if step == first_step and config.fsdp.compile and self.progress is not None:
+                self.progress.write(phase="training", stage=None)
 
             if step % training.log_every == 0 or step == training.max_steps:
                 last_loss = distributed.mean(float(loss_sum), runtime.device)
@@ -271,7 +289,7 @@ class Worker:
         if self.progress is None:
             return
         device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
-        record = self.progress.write(
+        record = self.progress.update(
             step=state.step,
             loss=loss,
             learning_rate=learning_rate,
@@ -322,13 +340,25 @@ class Worker:
 
     def resume(self, app_state: checkpoint.AppState) -> int | None:
         config, runtime = self.config, self.runtime
+        self.stage(SetupStage.LOADING_CHECKPOINT)
         chosen: str | None = None
+        refusal: str | None = None
         if runtime.is_main:
-            found = checkpoint.find_resume_point(
-                self.run_location, config.checkpoint.resume, self.submission_id, _latest_reported(runtime)
-            )
-            chosen = None if found is None else found.location.uri
-        chosen = distributed.broadcast(chosen)
+            try:
+                found = checkpoint.find_resume_point(
+                    self.run_location,
+                    config.checkpoint.resume,
+                    self.submission_id,
+                    config.resume_fingerprint(),
+                    _latest_reported(runtime),
+                )
+                chosen = None if found is None else found.location.uri
+            except ConfigError as error:
+                refusal = str(error)
+        # Every rank must leave this together: rank 0's refusal fails them all, none waits for a collective.
+        chosen, refusal = distributed.broadcast((chosen, refusal))
+        if refusal is not None:
+            raise ConfigError(refusal)
         if chosen is None:
             log.info("starting from scratch")
             return None
@@ -367,7 +397,7 @@ class Worker:
         perplexity = math.exp(min(eval_loss, 80.0))  # capped: an untrained model would overflow
         if self.progress is not None:
             log.info("eval loss %.4f perplexity %.2f", eval_loss, perplexity)
-            self.progress.write(eval_loss=eval_loss, eval_perplexity=perplexity)
+            self.progress.update(eval_loss=eval_loss, eval_perplexity=perplexity)
 
     def export(self, session: Session) -> str:
         """A consolidated Hugging Face model (safetensors) at <storage>/<run>/model/: the full state dict is

@@ -1,0 +1,116 @@
+"""The per-worker loop in one CPU process (gloo, a tiny Qwen2, synthetic tokens, local storage): what it tells
+the operator while it sets up, and that it never resumes from checkpoints of another configuration."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, ProgressRecord, TrainerConfig
+from fsdp_trainer.errors import ConfigError
+from fsdp_trainer.loop import LoopInput, train_loop
+
+TINY_QWEN2 = {
+    "model_type": "qwen2",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": True,
+}
+
+
+def config(storage: Path, seed: int = 3, max_steps: int = 4) -> TrainerConfig:
+    return TrainerConfig.model_validate(
+        {
+            "runName": "tiny",
+            "namespace": "team-a",
+            "model": {"fromConfig": TINY_QWEN2},
+            "training": {"maxSteps": max_steps, "microBatchSize": 2, "sequenceLength": 16, "seed": seed},
+            "data": {"source": "synthetic", "evalFraction": 0},
+            "checkpoint": {"storagePath": str(storage), "everySteps": 2, "exportModel": False},
+            "network": {"bandwidthProbeMb": 0},
+        }
+    )
+
+
+def train(trainer: TrainerConfig, submission_id: str) -> None:
+    train_loop(LoopInput(trainer=trainer, submission_id=submission_id).model_dump(mode="json"))
+
+
+def history(run: Path) -> list[list[ProgressRecord]]:
+    """Each attempt's records, attempts in time order."""
+    return [
+        [ProgressRecord.model_validate_json(line) for line in path.read_text().splitlines()]
+        for path in sorted((run / "metrics").glob("*.jsonl"))
+    ]
+
+
+def manifests(run: Path) -> list[CheckpointManifest]:
+    return [
+        CheckpointManifest.model_validate_json(path.read_text())
+        for path in sorted(run.glob(f"checkpoint_*/{MANIFEST_FILE}"))
+    ]
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    storage = tmp_path_factory.mktemp("storage")
+    train(config(storage), "job-1")
+    return storage, storage / "team-a" / "tiny"
+
+
+def test_setup_names_each_stage_before_the_first_step(first_run: tuple[Path, Path]) -> None:
+    _, run = first_run
+    (records,) = history(run)
+    starting = [record for record in records if record.phase == "starting"]
+    stages = [stage for stage, _ in itertools.groupby(record.stage for record in starting)]
+    assert stages == [
+        "initializing",
+        "downloading-model",
+        "loading-data",
+        "probing-transport",
+        "downloading-model",
+        "loading-checkpoint",
+    ]
+    assert records.index(starting[-1]) < min(i for i, r in enumerate(records) if r.step > 0)
+    assert all(record.stage is None for record in records if record.phase != "starting")
+    assert {record.submission_id for record in records} == {"job-1"}
+    final = ProgressRecord.model_validate_json((run / "progress.json").read_text())
+    assert (final.phase, final.step, final.submission_id) == ("finished", 4, "job-1")
+
+
+def test_checkpoints_carry_the_runs_resume_fingerprint(first_run: tuple[Path, Path]) -> None:
+    storage, run = first_run
+    written = manifests(run)
+    assert [manifest.step for manifest in written] == [2, 4]
+    assert {manifest.fingerprint for manifest in written} == {config(storage).resume_fingerprint()}
+
+
+def test_the_same_configuration_resumes_under_the_namespaced_prefix(first_run: tuple[Path, Path]) -> None:
+    storage, run = first_run
+    train(config(storage, max_steps=6), "job-2")
+    resumed = history(run)[-1]
+    assert resumed[-1].phase == "finished" and resumed[-1].resumed_from_step == 4
+    assert min(record.step for record in resumed if record.phase == "training" and record.loss) == 5
+
+
+def test_another_configuration_under_the_same_prefix_is_refused(first_run: tuple[Path, Path]) -> None:
+    storage, run = first_run
+    other = config(storage, seed=4, max_steps=8)  # another data order: the old position would be wrong
+    newest_before = manifests(run)[-1]
+    with pytest.raises(ConfigError) as refused:
+        train(other, "job-3")
+    message = str(refused.value)
+    assert "another configuration" in message
+    assert newest_before.fingerprint is not None and newest_before.fingerprint in message
+    assert other.resume_fingerprint() in message
+    failed = ProgressRecord.model_validate_json((run / "progress.json").read_text())
+    assert (failed.phase, failed.error_kind, failed.submission_id) == ("failed", "config", "job-3")
+    assert failed.resumed_from_step is None and failed.step == 0, "nothing was loaded"
+    assert manifests(run)[-1] == newest_before, "and nothing was trained or saved"
