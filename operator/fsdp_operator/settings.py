@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated, Self
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+# Where a kubelet mounts the pod's namespace, next to its service-account token.
+SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
 
 
@@ -47,6 +52,25 @@ class Settings(BaseSettings):
     observe_interval_seconds: float = Field(
         default=15, gt=0, le=30, description="Seconds between observations of a running job."
     )
+    leader_election: bool = Field(
+        default=True, description="Reconcile only while holding the Lease, so one of several replicas acts."
+    )
+    lease_name: str = Field(
+        default="fsdp-operator", max_length=253, pattern=DNS_SUBDOMAIN, description="Name of the Lease."
+    )
+    lease_namespace: str = Field(
+        default="",
+        max_length=63,
+        pattern=rf"({DNS_LABEL})|^$",
+        description="Namespace of the Lease; empty: the pod's own, else the first watched one, else default.",
+    )
+    health_port: int = Field(
+        default=8080, ge=0, le=65535, description="Port of /healthz and /readyz; 0 serves no probes."
+    )
+    health_bind_address: str = Field(default="0.0.0.0", description="Address the probe server listens on.")
+    worker_threads: int = Field(
+        default=32, ge=1, le=512, description="Threads that run handlers (each run's pass holds one)."
+    )
 
     @field_validator("watch_namespaces", mode="before")
     @classmethod
@@ -54,6 +78,12 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [ns.strip() for ns in value.split(",") if ns.strip()]
         return value
+
+    @model_validator(mode="after")
+    def _resolve_lease_namespace(self) -> Self:
+        if not self.lease_namespace:
+            self.lease_namespace = own_namespace() or next(iter(self.watch_namespaces), "default")
+        return self
 
     @model_validator(mode="after")
     def _override_needs_url(self) -> Self:
@@ -64,3 +94,11 @@ class Settings(BaseSettings):
         if self.dashboard_url and not self.dashboard_url.startswith(("http://", "https://")):
             raise ValueError(f"dashboard_url must start with http:// or https://, got {self.dashboard_url!r}")
         return self
+
+
+def own_namespace() -> str | None:
+    """The namespace of the pod this runs in, as its service account mount says; None outside a pod."""
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE_FILE.read_text().strip() or None
+    except OSError:
+        return None

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
+from fsdp_operator import settings as settings_module
 from fsdp_operator.settings import DashboardAddressMode, Settings, TrainerDevice
 
 
@@ -46,6 +49,9 @@ def test_flags() -> None:
         ({"FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "telepathy"}, "dashboard_address_mode"),
         ({"FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "120"}, "observe_interval_seconds"),
         ({"FSDP_OPERATOR_TRAINER_DEVICE": "tpu"}, "trainer_device"),
+        ({"FSDP_OPERATOR_HEALTH_PORT": "70000"}, "health_port"),
+        ({"FSDP_OPERATOR_LEASE_NAMESPACE": "Team_A"}, "lease_namespace"),
+        ({"FSDP_OPERATOR_WORKER_THREADS": "0"}, "worker_threads"),
     ],
 )
 def test_bad_settings_name_the_setting(
@@ -55,3 +61,40 @@ def test_bad_settings_name_the_setting(
         monkeypatch.setenv(key, value)
     with pytest.raises(ValidationError, match=named):
         Settings()
+
+
+def test_leader_election_and_probe_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(settings_module, "SERVICE_ACCOUNT_NAMESPACE_FILE", Path("/nonexistent/namespace"))
+    settings = Settings()
+    assert settings.leader_election and settings.lease_name == "fsdp-operator"
+    assert settings.health_port == 8080 and settings.worker_threads == 32
+
+
+@pytest.mark.parametrize(
+    ("pod_namespace", "watched", "lease_namespace"),
+    [("ops", "team-a", "ops"), (None, "team-a,team-b", "team-a"), (None, "", "default")],
+    ids=["the-pod's", "first-watched", "default"],
+)
+def test_lease_namespace_defaults_to_the_pod_then_the_first_watched_namespace(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    pod_namespace: str | None,
+    watched: str,
+    lease_namespace: str,
+) -> None:
+    namespace_file = tmp_path / "namespace"
+    if pod_namespace:
+        namespace_file.write_text(pod_namespace)
+    monkeypatch.setattr(settings_module, "SERVICE_ACCOUNT_NAMESPACE_FILE", namespace_file)
+    monkeypatch.setenv("FSDP_OPERATOR_WATCH_NAMESPACES", watched)
+    assert Settings().lease_namespace == lease_namespace
+    monkeypatch.setenv("FSDP_OPERATOR_LEASE_NAMESPACE", "elsewhere")
+    assert Settings().lease_namespace == "elsewhere"
+
+
+def test_leader_election_flags() -> None:
+    settings = CliApp.run(
+        Settings,
+        cli_args=["--leader-election", "false", "--health-port", "0", "--worker-threads", "8"],
+    )
+    assert not settings.leader_election and settings.health_port == 0 and settings.worker_threads == 8
