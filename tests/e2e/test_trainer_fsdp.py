@@ -177,7 +177,7 @@ class Storage:
     def checkpoints(self, run: str) -> dict[str, CheckpointManifest | None]:
         """Checkpoint directory -> its manifest (None when it has none)."""
         keys = self.keys(f"{run}/checkpoint_")
-        depth = RUNS.count("/") + 2  # <runs>/<run>/<checkpoint>/<file>
+        depth = RUNS.count("/") + 3  # RUNS/<run>/<checkpoint>/<file>
         directories = sorted({key.split("/")[depth - 1] for key in keys if key.count("/") == depth})
         return {
             directory: (
