@@ -128,13 +128,42 @@ class PreflightSpec(ContractModel):
     )
 
 
+MAX_RESTARTS = 100
+RESTART_HISTORY_IN_STATUS = 10
+MAX_CONDITION_REASON = 128
+MAX_MESSAGE = 1024
+
+
 class RecoverySpec(ContractModel):
-    max_restarts: int = Field(default=3, ge=0, description="Resubmissions after the job or cluster fails.")
+    max_restarts: int = Field(
+        default=3, ge=0, le=MAX_RESTARTS, description="Resubmissions after the job or cluster fails."
+    )
     backoff_seconds: int = Field(
         default=30, ge=0, description="Base delay before a restart; doubles each time."
     )
     hang_timeout_seconds: int = Field(
-        default=1800, ge=60, description="No progress for this long counts as a failure."
+        default=1800,
+        ge=60,
+        description="After the attempt's first training step, no new progress record for this long counts as "
+        "a hang. Also the bound for a run whose progress and Ray job both cannot be read.",
+    )
+    setup_timeout_seconds: int = Field(
+        default=1800,
+        ge=60,
+        description="Before the first training step (runtime env, model download, checkpoint load): no "
+        "trainer heartbeat for this long, counted from the submission, fails the attempt as SetupTimeout.",
+    )
+    provisioning_timeout_seconds: int = Field(
+        default=900,
+        ge=60,
+        description="A RayCluster not ready this long after it was created is deleted; the run goes back to "
+        "Pending (preflight policy Wait) or fails (policy Fail) with reason ProvisioningTimeout.",
+    )
+    pod_error_timeout_seconds: int = Field(
+        default=300,
+        ge=0,
+        description="Head or worker pods in ImagePullBackOff, ErrImagePull or CreateContainerConfigError for "
+        "this long fail the run with that reason (condition PodsHealthy shows it at once).",
     )
     in_job_max_failures: int = Field(
         default=1, ge=0, description="Worker failures Ray Train retries inside one job before it fails."
@@ -177,7 +206,10 @@ class FSDPTrainingRunSpec(ContractModel):
         default=False, description="Tear the cluster down and keep checkpoints; false again resumes."
     )
     active_deadline_seconds: int | None = Field(
-        default=None, ge=1, description="Fail the run when it has been active for longer than this."
+        default=None,
+        ge=1,
+        description="Fail the run when it has been active (from the creation of its RayCluster, not counting "
+        "time suspended or waiting for capacity) for longer than this.",
     )
     cleanup_policy: CleanupPolicy = Field(
         default=CleanupPolicy.DELETE_CLUSTER,
@@ -192,12 +224,14 @@ class FSDPTrainingRunSpec(ContractModel):
 
 class Condition(ContractModel):
     type: str = Field(
-        description="Preflight, ClusterReady, JobRunning, Succeeded, Failed, Suspended, TransportDegraded, "
-        "ImageConsistent or StorageReadable."
+        max_length=64,
+        description="Preflight, ClusterReady, PodsHealthy, JobRunning, Finished (True when the run ended "
+        "either way: wait on it), Succeeded (False when the run failed), Failed, Suspended, "
+        "TransportDegraded, ImageConsistent or StorageReadable.",
     )
     status: Literal["True", "False", "Unknown"]
-    reason: str = Field(description="CamelCase reason.")
-    message: str = ""
+    reason: str = Field(max_length=MAX_CONDITION_REASON, description="CamelCase reason.")
+    message: str = Field(default="", max_length=MAX_MESSAGE)
     last_transition_time: dt.datetime
     observed_generation: int | None = None
 
@@ -209,6 +243,7 @@ class ImageStatus(ContractModel):
 
 
 class ProgressStatus(ContractModel):
+    stage: str | None = Field(default=None, description="Setup stage of the trainer before its first step.")
     step: int | None = None
     max_steps: int | None = None
     loss: float | None = None
@@ -228,7 +263,11 @@ class CheckpointsStatus(ContractModel):
 
 class RestartsStatus(ContractModel):
     count: int = 0
-    history: list[RestartEntry] = Field(default_factory=list)
+    history: list[RestartEntry] = Field(
+        default_factory=list,
+        max_length=RESTART_HISTORY_IN_STATUS,
+        description=f"The last {RESTART_HISTORY_IN_STATUS} restarts; run.json keeps every one.",
+    )
 
 
 class RecordStatus(ContractModel):
@@ -241,20 +280,39 @@ class RecordStatus(ContractModel):
 class FSDPTrainingRunStatus(ContractModel):
     observed_generation: int | None = None
     phase: Phase | None = None
-    message: str | None = None
-    conditions: list[Condition] = Field(default_factory=list)
+    phase_transition_time: dt.datetime | None = Field(
+        default=None, description="When the phase last changed."
+    )
+    message: str | None = Field(default=None, max_length=MAX_MESSAGE)
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=32,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
     ray_cluster_name: str | None = None
     zone: str | None = Field(default=None, description="Availability zone the workers were placed in.")
-    job_submission_id: str | None = None
+    job_submission_id: str | None = Field(
+        default=None, description="The current attempt's Ray job, recorded before it is submitted."
+    )
     attempt: int = Field(default=0, description="Job submissions so far, counting from 1.")
+    attempt_time: dt.datetime | None = Field(
+        default=None, description="When the current attempt was decided."
+    )
     image: ImageStatus = Field(default_factory=ImageStatus)
     progress: ProgressStatus = Field(default_factory=ProgressStatus)
     checkpoints: CheckpointsStatus = Field(default_factory=CheckpointsStatus)
     transport: TransportReport | None = None
     restarts: RestartsStatus = Field(default_factory=RestartsStatus)
     record: RecordStatus = Field(default_factory=RecordStatus)
-    start_time: dt.datetime | None = None
+    start_time: dt.datetime | None = Field(default=None, description="When the first RayCluster was created.")
     completion_time: dt.datetime | None = None
+    active_since: dt.datetime | None = Field(
+        default=None,
+        description="Start of the current active stretch (a cluster exists); unset while waiting.",
+    )
+    active_seconds: int = Field(
+        default=0, description="Active seconds before active_since; activeDeadlineSeconds counts both."
+    )
     next_check_time: dt.datetime | None = Field(
         default=None, description="When the operator next re-checks capacity or restarts."
     )

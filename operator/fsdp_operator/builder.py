@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,7 +11,8 @@ from fsdp_operator import api
 from fsdp_trainer.contract import EfaPolicy
 
 RAY_VERSION = "2.58.0"
-LABEL_RUN = f"{api.GROUP}/run"
+LABEL_RUN = f"{api.GROUP}/run"  # the run's name, hashed when longer than a label value may be
+ANNOTATION_RUN = f"{api.GROUP}/run-name"  # the run's full name, always
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "fsdp-operator"
 LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
@@ -21,7 +23,10 @@ EFA = "vpc.amazonaws.com/efa"
 WORKER_GROUP = "gpu-workers"
 # EC2 families whose EFA supports GPUDirect RDMA; elsewhere (g5, g6, ...) NCCL stages through host memory.
 GPUDIRECT_RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6")
-_MAX_NAME = 40  # KubeRay derives pod and service names from the cluster name; keep them within 63 chars
+# KubeRay derives pod and Service names from the cluster name: keep them DNS-1035 labels within 63 chars.
+_MAX_CHILD_NAME = 40
+_MAX_LABEL_VALUE = 63
+_NOT_DNS_1035 = re.compile(r"[^a-z0-9-]")
 
 
 @dataclass(frozen=True)
@@ -33,16 +38,32 @@ class RunRef:
     uid: str
 
 
+def _digest(text: str, length: int) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:length]
+
+
 def ray_cluster_name(run_name: str) -> str:
-    """Deterministic child name, so a replayed event or a restarted operator finds the same cluster."""
-    if len(run_name) <= _MAX_NAME:
+    """The RayCluster's name: deterministic, so a replayed event or a restarted operator finds the same
+    cluster; a DNS-1035 label short enough for KubeRay's derived names. Any run name the API accepts (dots,
+    a leading digit, up to 253 characters) maps to one, with a hash of the full name whenever it had to
+    change, so two runs never share a child."""
+    cleaned = _NOT_DNS_1035.sub("-", run_name)
+    if not cleaned[:1].isalpha():
+        cleaned = "r-" + cleaned
+    if cleaned == run_name and len(run_name) <= _MAX_CHILD_NAME:
         return run_name
-    digest = hashlib.sha256(run_name.encode()).hexdigest()[:6]
-    return f"{run_name[: _MAX_NAME - 7].rstrip('-')}-{digest}"
+    return f"{cleaned[: _MAX_CHILD_NAME - 7].rstrip('-')}-{_digest(run_name, 6)}"
+
+
+def label_value(value: str) -> str:
+    """A label value for any object name: kept when it fits, else cut with a hash of the whole."""
+    if len(value) <= _MAX_LABEL_VALUE:
+        return value
+    return f"{value[: _MAX_LABEL_VALUE - 9].rstrip('-.')}-{_digest(value, 8)}"
 
 
 def run_labels(run: RunRef) -> dict[str, str]:
-    return {LABEL_RUN: run.name, LABEL_MANAGED_BY: MANAGER}
+    return {LABEL_RUN: label_value(run.name), LABEL_MANAGED_BY: MANAGER}
 
 
 def owner_reference(run: RunRef) -> dict[str, Any]:
@@ -181,6 +202,7 @@ def build_raycluster(
             "name": ray_cluster_name(run.name),
             "namespace": run.namespace,
             "labels": labels,
+            "annotations": {ANNOTATION_RUN: run.name},
             "ownerReferences": [owner_reference(run)],
         },
         "spec": {
@@ -190,3 +212,28 @@ def build_raycluster(
             "workerGroupSpecs": [_worker_group(spec, run, image, zone)],
         },
     }
+
+
+def _images(group: dict[str, Any]) -> list[str]:
+    return [c.get("image", "") for c in group.get("template", {}).get("spec", {}).get("containers", [])]
+
+
+def cluster_drift(desired: dict[str, Any], observed: dict[str, Any]) -> str | None:
+    """How a RayCluster differs from what the run needs (edited by hand: workers, replicas, images), or None.
+    Only fields the operator sets and KubeRay never changes are compared."""
+    want, have = desired["spec"], observed.get("spec", {})
+    differences = []
+    if _images(want["headGroupSpec"]) != _images(have.get("headGroupSpec", {})):
+        differences.append(f"head image {_images(have.get('headGroupSpec', {}))}")
+    have_groups = {g.get("groupName"): g for g in have.get("workerGroupSpecs", [])}
+    for group in want["workerGroupSpecs"]:
+        found = have_groups.get(group["groupName"])
+        if found is None:
+            differences.append(f"worker group {group['groupName']} missing")
+            continue
+        for key in ("replicas", "minReplicas", "maxReplicas"):
+            if found.get(key) != group[key]:
+                differences.append(f"{group['groupName']}.{key} {found.get(key)} (want {group[key]})")
+        if _images(group) != _images(found):
+            differences.append(f"{group['groupName']} image {_images(found)} (want {_images(group)})")
+    return "; ".join(differences) or None

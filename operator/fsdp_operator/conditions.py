@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from fsdp_operator.api import Condition
+from fsdp_operator.api import MAX_CONDITION_REASON, MAX_MESSAGE, Condition
 
 PREFLIGHT = "Preflight"
 CLUSTER_READY = "ClusterReady"
+PODS_HEALTHY = "PodsHealthy"
 JOB_RUNNING = "JobRunning"
+FINISHED = "Finished"  # True once the run ended, either way: `kubectl wait --for=condition=Finished`
 SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
@@ -27,7 +29,8 @@ def set_condition(
     now: dt.datetime,
     generation: int | None,
 ) -> list[Condition]:
-    """Returns the conditions with `type_` set; other types keep their order and values."""
+    """Returns the conditions with `type_` set; other types keep their order and values. Reason and message
+    are cut to the API's bounds."""
     value: Literal["True", "False", "Unknown"] = (
         "Unknown" if status == "Unknown" else ("True" if status else "False")
     )
@@ -36,8 +39,8 @@ def set_condition(
     updated = Condition(
         type=type_,
         status=value,
-        reason=reason,
-        message=message,
+        reason=reason[:MAX_CONDITION_REASON],
+        message=bounded(message),
         last_transition_time=now if changed or previous is None else previous.last_transition_time,
         observed_generation=generation,
     )
@@ -53,3 +56,7 @@ def condition(conditions: list[Condition], type_: str) -> Condition | None:
 def is_true(conditions: list[Condition], type_: str) -> bool:
     found = condition(conditions, type_)
     return found is not None and found.status == "True"
+
+
+def bounded(message: str) -> str:
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."

@@ -26,9 +26,9 @@ _ACTIVE = "[" + ", ".join(f"'{p.value}'" for p in api.ACTIVE_PHASES) + "]"
 # Cross-field rules on spec: (CEL, message, field path). The message names the field it is about.
 SPEC_RULES: list[tuple[str, str, str]] = [
     (
-        "self.cluster.workers == 1 || self.checkpoint.storagePath.startsWith('s3://')",
-        "spec.checkpoint.storagePath must be an s3:// URI when spec.cluster.workers > 1 "
-        "(every node must reach the same checkpoints)",
+        "self.checkpoint.storagePath.startsWith('s3://')",
+        "spec.checkpoint.storagePath must be an s3:// URI: every node must reach the same checkpoints, "
+        "and the operator reads progress and checkpoints there",
         ".checkpoint.storagePath",
     ),
     (

@@ -1,8 +1,14 @@
-"""Kopf glue: gather observations, call the pure `reconcile`, carry out its actions, patch /status.
+"""Kopf glue: gather observations, call the pure `reconcile`, write the status, then carry out its actions.
 
-Every handler funnels into `reconcile_run`, which is idempotent: children have deterministic names and
-are created only when absent, so a replayed event, a timer racing an update handler, or an operator
-restarted halfway never creates a second RayCluster.
+One pass per run at a time (a lock per run in this process; leader election keeps other processes out, and
+the conditional status write keeps out any that slip through). A pass:
+  1. observes: the run as kopf's cache holds it, its RayCluster and pods from kopf indexes (watches, not
+     per-pass GET/LIST), the job from Ray and progress/checkpoints from S3 (each call bounded by a timeout);
+  2. decides with `reconcile` (pure);
+  3. writes the status with a merge patch conditional on the resourceVersion it read (nothing when nothing
+     changed); a conflict means someone else wrote first: re-read and run the pass again;
+  4. only then acts (create or delete the RayCluster, stop or submit the job). An action that fails is kept
+     as an observation for the next pass.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -21,27 +28,40 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from fsdp_operator import api, builder, conditions, preflight, submission
-from fsdp_operator.jobs import Jobs, dashboard_url
+from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.reconcile import (
     ClusterObservation,
     Decision,
-    Event,
     Observation,
+    PodProblem,
     job_to_observe,
     needs_preflight,
     observe_cluster,
     reconcile,
 )
 from fsdp_operator.records import RunStorage
-from fsdp_operator.settings import Settings
+from fsdp_operator.settings import DashboardAddressMode, Settings
+from fsdp_operator.statuspatch import merge_patch
 from fsdp_trainer.contract import CheckpointRef, RunRecord, run_prefix
 
 log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+LABEL_RAY_CLUSTER = "ray.io/cluster"
+API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the handlers make
+AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
+NODES_SNAPSHOT_SECONDS = 10.0  # preflight of every pending run shares one view of nodes and pods this long
+ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
+CONFLICT_RETRIES = 3
+# Waiting reasons of a container that will not start by itself (kubelet's names).
+POD_START_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
+
+
+class Conflict(Exception):
+    """The run changed since it was read: the pass must start again from the stored object."""
 
 
 class Kube:
-    """The few Kubernetes calls the operator makes, on one API client."""
+    """The few Kubernetes calls the handlers make, on one API client, each with a timeout."""
 
     def __init__(self) -> None:
         try:
@@ -51,31 +71,30 @@ class Kube:
         self.custom = client.CustomObjectsApi()
         self.core = client.CoreV1Api()
 
-    def get_raycluster(self, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            found = self.custom.get_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name
-            )
-            return cast(dict[str, Any], found)
-        except ApiException as error:
-            if error.status == 404:
-                return None
-            raise
+    @property
+    def configuration(self) -> Any:
+        return self.core.api_client.configuration
 
     def create_raycluster(self, manifest: dict[str, Any]) -> None:
         namespace = manifest["metadata"]["namespace"]
         try:
             self.custom.create_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest
+                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest, _request_timeout=API_TIMEOUT
             )
         except ApiException as error:
-            if error.status != 409:  # created by a concurrent reconcile: same name, same run
+            if error.status != 409:  # created by an earlier pass: same name, same run
                 raise
 
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
             self.custom.delete_namespaced_custom_object(
-                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name, propagation_policy="Foreground"
+                RAY_GROUP,
+                RAY_VERSION,
+                namespace,
+                RAY_PLURAL,
+                name,
+                propagation_policy="Foreground",
+                _request_timeout=API_TIMEOUT,
             )
         except ApiException as error:
             if error.status != 404:
@@ -84,7 +103,7 @@ class Kube:
     def get_run(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             found = self.custom.get_namespaced_custom_object(
-                api.GROUP, api.VERSION, namespace, api.PLURAL, name
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=API_TIMEOUT
             )
             return cast(dict[str, Any], found)
         except ApiException as error:
@@ -92,55 +111,74 @@ class Kube:
                 return None
             raise
 
-    def patch_run_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
-        self.custom.patch_namespaced_custom_object_status(
-            api.GROUP, api.VERSION, namespace, api.PLURAL, name, {"status": status}
-        )
-
-    def pod_image_ids(self, namespace: str, cluster_name: str) -> tuple[str, ...]:
-        """imageID of every running Ray container of the cluster: the digest that actually ran."""
-        pods = self.core.list_namespaced_pod(namespace, label_selector=f"ray.io/cluster={cluster_name}").items
-        return tuple(
-            status.image_id
-            for pod in pods
-            for status in ((pod.status and pod.status.container_statuses) or [])
-            if status.image_id and status.name in ("ray-head", "ray-worker")
-        )
+    def write_status(
+        self, namespace: str, name: str, resource_version: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patches /status only if the run is still at `resource_version`; returns the stored run."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": patch}
+        try:
+            stored = self.custom.patch_namespaced_custom_object_status(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, body, _request_timeout=API_TIMEOUT
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(
+                    f"{namespace}/{name} changed since resourceVersion {resource_version}"
+                ) from error
+            raise
+        return cast(dict[str, Any], stored)
 
     def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         api_client = self.core.api_client
-        nodes = api_client.sanitize_for_serialization(self.core.list_node().items)
+        nodes = api_client.sanitize_for_serialization(self.core.list_node(_request_timeout=API_TIMEOUT).items)
         pods = api_client.sanitize_for_serialization(
             self.core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed"
+                field_selector="status.phase!=Succeeded,status.phase!=Failed", _request_timeout=API_TIMEOUT
             ).items
         )
         return nodes, pods
 
 
-def _cluster_observation(raycluster: dict[str, Any] | None, uid: str) -> ClusterObservation | None:
-    if raycluster is None:
-        return None
-    owners = raycluster["metadata"].get("ownerReferences", [])
-    if not any(o.get("uid") == uid for o in owners):
-        raise kopf.PermanentError(
-            f"RayCluster {raycluster['metadata']['name']} exists and is not owned by this run; "
-            "rename the run or delete that RayCluster"
-        )
-    return observe_cluster(raycluster)
+@dataclass(frozen=True)
+class Indexes:
+    """kopf's in-memory indexes (its informer cache) as the handlers received them."""
+
+    runs: Any  # (namespace, name) -> run body
+    rayclusters: Any  # (namespace, cluster name) -> RayCluster body
+    ray_pods: Any  # (namespace, cluster name) -> pod summaries
+
+    @staticmethod
+    def one(index: Any, key: tuple[str, str]) -> Any | None:
+        store = index.get(key) if index is not None else None
+        return next(iter(store), None) if store else None
+
+    def raycluster(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return cast(dict[str, Any] | None, self.one(self.rayclusters, (namespace, name)))
+
+    def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
+        store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
+        return list(store) if store else []
 
 
-def _status_patch(old: dict[str, Any], new: api.FSDPTrainingRunStatus) -> dict[str, Any]:
-    """A merge patch from the current status to the new one; keys that became empty are removed (null)."""
-    rendered = new.model_dump(mode="json", by_alias=True, exclude_none=True)
-    patch: dict[str, Any] = {k: v for k, v in rendered.items() if old.get(k) != v}
-    patch.update({k: None for k in old if k not in rendered})
-    return patch
+def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a pass needs of a Ray pod: the digests its Ray container ran and why it cannot start, if so."""
+    statuses = (body.get("status") or {}).get("containerStatuses") or []
+    image_ids, problems = [], []
+    for status in statuses:
+        if status.get("name") not in ("ray-head", "ray-worker"):
+            continue
+        if status.get("imageID"):
+            image_ids.append(status["imageID"])
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason") in POD_START_ERRORS:
+            message = f"pod {body['metadata']['name']}: {waiting['reason']}: {waiting.get('message', '')}"
+            problems.append((waiting["reason"], message.strip()))
+    return {"name": body["metadata"]["name"], "imageIds": image_ids, "problems": problems}
 
 
 @dataclass
 class Context:
-    """Clients shared by every pass of the operator."""
+    """Clients and per-run memory shared by every pass of the operator."""
 
     settings: Settings
     kube: Kube
@@ -148,53 +186,156 @@ class Context:
     ec2: Any
     package_sha256: str = field(default_factory=submission.package_sha256)
     locks: dict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
-    job_clients: dict[str, Jobs] = field(default_factory=dict)
+    job_clients: dict[tuple[str, DashboardAuth | None], Jobs] = field(default_factory=dict)
+    storages: dict[str, RunStorage] = field(default_factory=dict)  # run uid -> its S3 prefix (manifest cache)
     written_records: dict[str, RunRecord] = field(default_factory=dict)  # run uid -> run.json as last written
+    action_errors: dict[str, str] = field(default_factory=dict)  # run uid -> why the last action failed
+    admission_lock: threading.Lock = field(default_factory=threading.Lock)
+    admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
+    nodes_view: tuple[float, list[dict[str, Any]], list[dict[str, Any]]] | None = None
+
+    def dashboard_auth(self) -> DashboardAuth | None:
+        """Through the apiserver's service proxy the dashboard needs the operator's own credentials: its
+        bearer token (refreshed by the client's hook), its client certificate, and the cluster's CA."""
+        if self.settings.dashboard_address_mode != DashboardAddressMode.SERVICE_PROXY:
+            return None
+        configuration = self.kube.configuration
+        token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
+        cert = (configuration.cert_file, configuration.key_file) if configuration.cert_file else None
+        verify: str | bool = configuration.ssl_ca_cert or bool(configuration.verify_ssl)
+        return DashboardAuth(
+            headers={"Authorization": token} if token else {}, verify=verify, client_cert=cert
+        )
 
     def jobs(self, namespace: str, cluster_name: str) -> Jobs:
-        configuration = self.kube.core.api_client.configuration
-        address = dashboard_url(self.settings, namespace, cluster_name, configuration.host)
-        if address not in self.job_clients:
-            token = (configuration.api_key or {}).get("authorization")
-            self.job_clients[address] = Jobs(address, headers={"Authorization": token} if token else None)
-        return self.job_clients[address]
+        address = dashboard_url(self.settings, namespace, cluster_name, self.kube.configuration.host)
+        key = (address, self.dashboard_auth())
+        if key not in self.job_clients:
+            self.job_clients[key] = Jobs(address, key[1])
+        return self.job_clients[key]
 
-    def storage(self, spec: api.FSDPTrainingRunSpec, run: builder.RunRef) -> RunStorage | None:
-        if not spec.checkpoint.storage_path.startswith("s3://"):
-            return None  # a local path lives on the single worker; the operator cannot read it
-        return RunStorage(self.s3, run_prefix(spec.checkpoint.storage_path, run.namespace, run.name))
+    def storage(self, spec: api.FSDPTrainingRunSpec, run: builder.RunRef) -> RunStorage:
+        uri = run_prefix(spec.checkpoint.storage_path, run.namespace, run.name)
+        stored = self.storages.get(run.uid)
+        if stored is None or stored.uri != uri:
+            stored = self.storages[run.uid] = RunStorage(self.s3, uri)
+        return stored
+
+    def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """One LIST of nodes and of pods for all pending runs' preflights within NODES_SNAPSHOT_SECONDS."""
+        now = time.monotonic()
+        if self.nodes_view is None or now - self.nodes_view[0] > NODES_SNAPSHOT_SECONDS:
+            self.nodes_view = (now, *self.kube.nodes_and_pods())
+        return self.nodes_view[1], self.nodes_view[2]
+
+    def forget(self, uid: str) -> None:
+        for memory in (self.storages, self.written_records, self.action_errors, self.admitted):
+            memory.pop(uid, None)
 
 
-def _run_preflight(ctx: Context, spec: api.FSDPTrainingRunSpec) -> preflight.PreflightResult:
+def _competitors(
+    ctx: Context, run: builder.RunRef, indexes: Indexes, pods: list[dict[str, Any]]
+) -> list[preflight.Competitor]:
+    """Every other run of the operator that wants GPU nodes: admitted ones with workers still to place, and
+    waiting ones (which go first when created earlier)."""
+    placed: dict[tuple[str, str], int] = defaultdict(int)
+    for pod in pods:
+        labels = pod["metadata"].get("labels") or {}
+        if labels.get("ray.io/node-type") == "worker" and pod.get("spec", {}).get("nodeName"):
+            placed[(pod["metadata"]["namespace"], labels.get(LABEL_RAY_CLUSTER, ""))] += 1
+    found: dict[str, preflight.Competitor] = {}
+    for other in _all_runs(indexes):
+        meta = other["metadata"]
+        if meta["uid"] == run.uid:
+            continue
+        try:
+            spec = api.FSDPTrainingRunSpec.model_validate(other["spec"])
+        except ValidationError:
+            continue
+        status = other.get("status") or {}
+        phase = status.get("phase")
+        if phase in api.FINISHED_PHASES or spec.suspend:
+            continue
+        admitted = phase in api.ACTIVE_PHASES
+        cluster = builder.ray_cluster_name(meta["name"])
+        found[meta["uid"]] = preflight.Competitor(
+            name=f"{meta['namespace']}/{meta['name']}",
+            created=meta.get("creationTimestamp", ""),
+            instance_type=spec.cluster.instance_type,
+            admitted=admitted,
+            zone=status.get("zone"),
+            workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0)
+            if admitted
+            else spec.cluster.workers,
+        )
+    now = time.monotonic()
+    for uid, (when, competitor) in list(ctx.admitted.items()):
+        if now - when > ADMISSION_MEMORY_SECONDS:
+            del ctx.admitted[uid]
+        elif uid != run.uid and (uid not in found or not found[uid].admitted):
+            found[uid] = competitor  # admitted by this process; the index has not caught up yet
+    return list(found.values())
+
+
+def _all_runs(indexes: Indexes) -> list[dict[str, Any]]:
+    return [body for store in indexes.runs.values() for body in store] if indexes.runs is not None else []
+
+
+def _run_preflight(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
+) -> preflight.PreflightResult:
     if spec.preflight.scale_from_zero:
         facts = preflight.ec2_instance_type_facts(ctx.ec2, spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
-    nodes, pods = ctx.kube.nodes_and_pods()
-    return preflight.check_nodes(spec, preflight.free_worker_nodes(spec, nodes, pods))
+    nodes, pods = ctx.nodes_and_pods()
+    competitors = _competitors(ctx, run, indexes, pods)
+    waiting = preflight.first_in_line(spec, created, competitors)
+    if waiting is not None:
+        return waiting
+    free = preflight.free_worker_nodes(spec, nodes, pods)
+    result = preflight.check_nodes(
+        spec, free, preflight.reservations(competitors, spec.cluster.instance_type)
+    )
+    if result.ok:
+        ctx.admitted[run.uid] = (
+            time.monotonic(),
+            preflight.Competitor(
+                name=f"{run.namespace}/{run.name}",
+                created=created,
+                instance_type=spec.cluster.instance_type,
+                admitted=True,
+                zone=result.zone,
+                workers_not_placed=spec.cluster.workers,
+            ),
+        )
+    return result
 
 
-def reconcile_run(ctx: Context, body: Mapping[str, Any]) -> Decision | None:
-    """One pass per run at a time, on the run as stored now (not the event's snapshot); the status is
-    written inside the same lock, so the next pass always starts from this one's result."""
+def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> Decision | None:
+    """One pass on the run as kopf's cache holds it; on a write conflict, again on the stored run."""
     meta = body["metadata"]
     with ctx.locks[meta["uid"]]:
-        fresh = ctx.kube.get_run(meta["namespace"], meta["name"])
-        if (
-            fresh is None
-            or fresh["metadata"]["uid"] != meta["uid"]
-            or fresh["metadata"].get("deletionTimestamp")
-        ):
-            return None  # deleted (or re-created under the same name: that object gets its own passes)
-        return _reconcile_locked(ctx, fresh)
+        current: Mapping[str, Any] | None = body
+        for _ in range(CONFLICT_RETRIES):
+            if current is None or current["metadata"]["uid"] != meta["uid"]:
+                return None  # deleted (or re-created under the same name: that object gets its own passes)
+            if current["metadata"].get("deletionTimestamp"):
+                return None
+            try:
+                return _reconcile_once(ctx, dict(current), indexes)
+            except Conflict as conflict:
+                log.info("%s; reading it again", conflict)
+                current = ctx.kube.get_run(meta["namespace"], meta["name"])
+        raise kopf.TemporaryError(f"status of {meta['namespace']}/{meta['name']} kept changing", delay=5)
 
 
 def _parse(
-    body: kopf.Body, fresh: dict[str, Any]
+    body: kopf.Body, run: Mapping[str, Any]
 ) -> tuple[api.FSDPTrainingRunSpec, api.FSDPTrainingRunStatus]:
     try:
         return (
-            api.FSDPTrainingRunSpec.model_validate(fresh["spec"]),
-            api.FSDPTrainingRunStatus.model_validate(fresh.get("status") or {}),
+            api.FSDPTrainingRunSpec.model_validate(run["spec"]),
+            api.FSDPTrainingRunStatus.model_validate(run.get("status") or {}),
         )
     except ValidationError as error:
         # The CRD schema should make this unreachable; if not, say which field and stop.
@@ -202,147 +343,198 @@ def _parse(
         raise kopf.PermanentError(f"invalid FSDPTrainingRun: {error}") from error
 
 
-def _observe(
+def _requested_image(ctx: Context, spec: api.FSDPTrainingRunSpec) -> str:
+    return spec.image or ctx.settings.default_image
+
+
+def _desired_cluster(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
+) -> dict[str, Any]:
+    # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
+    image = status.image.digest or _requested_image(ctx, spec)
+    return builder.build_raycluster(spec, run, image, status.zone)
+
+
+def _observe_cluster(
     ctx: Context,
     run: builder.RunRef,
     spec: api.FSDPTrainingRunSpec,
     status: api.FSDPTrainingRunStatus,
-    generation: int,
+    indexes: Indexes,
+) -> ClusterObservation | None:
+    raycluster = indexes.raycluster(run.namespace, builder.ray_cluster_name(run.name))
+    if raycluster is None:
+        return None
+    owners = raycluster["metadata"].get("ownerReferences", [])
+    if not any(o.get("uid") == run.uid for o in owners):
+        raise kopf.PermanentError(
+            f"RayCluster {raycluster['metadata']['name']} exists and is not owned by this run; "
+            "rename the run or delete that RayCluster"
+        )
+    drift = builder.cluster_drift(_desired_cluster(ctx, run, spec, status), raycluster)
+    return observe_cluster(raycluster, drift)
+
+
+def _observe(
+    ctx: Context,
+    run: builder.RunRef,
+    body: Mapping[str, Any],
+    spec: api.FSDPTrainingRunSpec,
+    status: api.FSDPTrainingRunStatus,
+    indexes: Indexes,
 ) -> Observation:
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     cluster_name = builder.ray_cluster_name(run.name)
-    cluster = _cluster_observation(ctx.kube.get_raycluster(run.namespace, cluster_name), run.uid)
-    preflight_result = (
-        _run_preflight(ctx, spec) if needs_preflight(spec, status, cluster is not None, now) else None
-    )
+    cluster = _observe_cluster(ctx, run, spec, status, indexes)
+    preflight_result = None
+    if needs_preflight(spec, status, cluster is not None, now):
+        with ctx.admission_lock:  # one admission decision at a time, so two runs never split the nodes
+            created = body["metadata"].get("creationTimestamp", "")
+            preflight_result = _run_preflight(ctx, run, spec, created, indexes)
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     job, dashboard_error = None, None
     watched = job_to_observe(status)
-    if watched:
+    if watched and not spec.suspend:
         try:
             job = ctx.jobs(run.namespace, cluster_name).observe(watched)
-        except Exception as error:  # the head may be down or restarting; the state machine decides
-            dashboard_error = f"{type(error).__name__}: {error}"
-    progress, checkpoints, storage_error = None, tuple[CheckpointRef, ...](), None
+        except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
+            dashboard_error = f"{type(error).__name__}: {error}"[:500]
+    progress, latest_fingerprint, storage_error = None, None, None
+    checkpoints: tuple[CheckpointRef, ...] = ()
     storage = ctx.storage(spec, run) if active else None
     if storage is not None:
         try:
-            progress, checkpoints = storage.progress(), tuple(storage.complete_checkpoints())
+            progress = storage.progress()
+            stored = storage.complete_checkpoints()
+            checkpoints = tuple(s.ref for s in stored)
+            latest_fingerprint = stored[-1].fingerprint if stored else None
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
+    pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
+    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
     return Observation(
         now=now,
-        generation=generation,
+        generation=body["metadata"]["generation"],
         cluster=cluster,
         preflight=preflight_result,
         job=job,
         dashboard_error=dashboard_error,
         progress=progress,
         checkpoints=checkpoints,
+        latest_checkpoint_fingerprint=latest_fingerprint,
+        expected_fingerprint=config.resume_fingerprint(),
         storage_read=storage is not None,
         storage_error=storage_error,
-        pod_image_ids=ctx.kube.pod_image_ids(run.namespace, cluster_name) if cluster and active else (),
+        pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
+        pod_problems=tuple(
+            PodProblem(reason, message) for pod in pods for reason, message in pod["problems"]
+        ),
+        requested_image=_requested_image(ctx, spec),
+        submission_prefix=submission.submission_prefix(run),
+        action_error=ctx.action_errors.pop(run.uid, None),
     )
 
 
-def _reconcile_locked(ctx: Context, fresh: dict[str, Any]) -> Decision:
-    body = kopf.Body(cast(Any, fresh))  # what Events point at
-    meta = fresh["metadata"]
+def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision:
+    body = kopf.Body(cast(Any, stored))  # what Events point at
+    meta = stored["metadata"]
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    spec, status = _parse(body, fresh)
-    obs = _observe(ctx, run, spec, status, generation=meta["generation"])
+    spec, status = _parse(body, stored)
+    obs = _observe(ctx, run, stored, spec, status, indexes)
     decision = reconcile(spec, status, obs)
     new = decision.status
-
     cluster_name = builder.ray_cluster_name(run.name)
-    requested = spec.image or ctx.settings.default_image
-    if decision.stop_job:
-        try:
-            ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)
-        except Exception as error:  # a lost or restarting head has no job left to stop
-            log.warning("%s/%s: could not stop job %s: %s", run.namespace, run.name, decision.stop_job, error)
-    if decision.delete_cluster:
-        ctx.kube.delete_raycluster(run.namespace, cluster_name)
-    if decision.create_cluster:
-        # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
-        image = new.image.digest or requested
-        ctx.kube.create_raycluster(builder.build_raycluster(spec, run, image, new.zone))
-    if decision.submit_attempt is not None:
-        _submit(ctx, run, spec, decision, obs)
-    new = decision.status  # the submission may have fallen back to the status before it
-    if obs.cluster is not None or decision.create_cluster:
+    if decision.create_cluster or obs.cluster is not None:
         new.ray_cluster_name = cluster_name
-        new.image.requested = requested
+    new.record.uri = f"{ctx.storage(spec, run).uri}/run.json"
+    if decision.submit_attempt is not None:
+        new.record.package_sha256 = ctx.package_sha256
 
-    old_status = dict(fresh.get("status") or {})
-    if _status_patch(old_status, new):
-        _write_run_record(ctx, run, spec, new)  # sets status.record.uri, so the patch is computed after it
-        ctx.kube.patch_run_status(run.namespace, run.name, _status_patch(old_status, new))
+    # The intent, before any side effect: a stale pass fails here (Conflict) and does nothing.
+    old = stored.get("status") or {}
+    patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
+    if patch:
+        ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+    _act(ctx, run, spec, decision)
+    if patch:
+        _write_run_record(ctx, run, spec, new)
     for event in decision.events:
-        kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+        kopf.event(body, type=event.type, reason=event.reason, message=conditions.bounded(event.message))
         log.info("%s/%s %s: %s", run.namespace, run.name, event.reason, event.message)
     return decision
 
 
-def _submit(
-    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision, obs: Observation
-) -> None:
-    """Submits the decided attempt; when Ray cannot take it, the run stays where it was, saying why."""
-    assert decision.submit_attempt is not None
-    submission_id = submission.submission_id(run, decision.submit_attempt)
-    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision) -> None:
+    """Carries out the recorded decision; a failure is remembered for the next pass, which decides."""
+    cluster_name = builder.ray_cluster_name(run.name)
     try:
-        ctx.jobs(run.namespace, builder.ray_cluster_name(run.name)).submit(
-            submission_id,
-            submission.entrypoint(config, submission_id),
-            submission.runtime_env(spec),
-            metadata={"run": run.name, "namespace": run.namespace, "attempt": str(decision.submit_attempt)},
-        )
-    except Exception as error:  # e.g. the dashboard is not reachable yet; the next pass tries again
-        assert decision.status_if_submit_fails is not None
-        new = decision.status = decision.status_if_submit_fails
-        decision.events = decision.events_if_submit_fails
-        reason, message = "SubmissionFailed", f"{type(error).__name__}: {error}"[:500]
-        previous = conditions.condition(new.conditions, conditions.JOB_RUNNING)
-        if previous is None or previous.reason != reason:
-            decision.events.append(Event("Warning", reason, message))
-        new.conditions = conditions.set_condition(
-            new.conditions, conditions.JOB_RUNNING, False, reason, message, obs.now, obs.generation
-        )
-    else:
-        decision.status.job_submission_id = submission_id
-        decision.status.record.package_sha256 = ctx.package_sha256
+        if decision.stop_job:
+            try:
+                ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)
+            except Exception as error:  # a lost or unreachable head has no job left to stop for now
+                log.warning(
+                    "%s/%s: could not stop job %s: %s", run.namespace, run.name, decision.stop_job, error
+                )
+        if decision.delete_cluster:
+            ctx.kube.delete_raycluster(run.namespace, cluster_name)
+        if decision.create_cluster:
+            ctx.kube.create_raycluster(_desired_cluster(ctx, run, spec, decision.status))
+        if decision.submit_attempt is not None:
+            _submit(ctx, run, spec, decision)
+    except Exception as error:
+        message = f"{type(error).__name__}: {error}"[:500]
+        ctx.action_errors[run.uid] = message
+        log.warning("%s/%s: action failed, the next pass decides: %s", run.namespace, run.name, message)
+
+
+def _submit(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision) -> None:
+    submission_id = decision.status.job_submission_id
+    assert submission_id is not None and decision.submit_attempt is not None
+    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+    ctx.jobs(run.namespace, builder.ray_cluster_name(run.name)).submit(
+        submission_id,
+        submission.entrypoint(config, submission_id),
+        submission.runtime_env(spec),
+        metadata={"run": run.name, "namespace": run.namespace, "attempt": str(decision.submit_attempt)},
+    )
 
 
 def _write_run_record(
     ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
 ) -> None:
-    """run.json next to the checkpoints: the evidence outlives the custom resource."""
-    storage = ctx.storage(spec, run)
-    if storage is None or status.phase in (None, api.Phase.PENDING):
+    """run.json next to the checkpoints: the evidence outlives the custom resource. It keeps every restart
+    (the status keeps the last few), carried over from the run.json this run wrote before."""
+    if status.phase in (None, api.Phase.PENDING):
         return
-    record = RunRecord(
-        run_name=run.name,
-        namespace=run.namespace,
-        uid=run.uid,
-        image_requested=status.image.requested or spec.image or ctx.settings.default_image,
-        image_digest=status.image.digest,
-        trainer_package_sha256=status.record.package_sha256,
-        versions=status.record.versions,
-        config=submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu"),
-        phase=str(status.phase),
-        start_time=status.start_time,
-        completion_time=status.completion_time,
-        checkpoints=list(reversed(status.checkpoints.recent)),
-        restarts=status.restarts.history,
-        transport=status.transport,
-    )
-    if status.record.uri and ctx.written_records.get(run.uid) == record:
-        return  # progress alone changed: run.json holds no progress, so it stays as written
+    storage = ctx.storage(spec, run)
+    previous = ctx.written_records.get(run.uid)
     try:
-        status.record.uri = storage.write_run_record(record)
+        if previous is None:
+            stored = storage.read_run_record()
+            previous = stored if stored is not None and stored.uid == run.uid else None
+        restarts = list(previous.restarts) if previous else []
+        restarts += [r for r in status.restarts.history if r not in restarts]
+        record = RunRecord(
+            run_name=run.name,
+            namespace=run.namespace,
+            uid=run.uid,
+            image_requested=status.image.requested or _requested_image(ctx, spec),
+            image_digest=status.image.digest,
+            trainer_package_sha256=status.record.package_sha256,
+            versions=status.record.versions,
+            config=submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu"),
+            phase=str(status.phase),
+            start_time=status.start_time,
+            completion_time=status.completion_time,
+            checkpoints=list(reversed(status.checkpoints.recent)),
+            restarts=restarts,
+            transport=status.transport,
+        )
+        if previous == record:
+            return  # progress alone changed: run.json holds no progress, so it stays as written
+        storage.write_run_record(record)
         ctx.written_records[run.uid] = record
-    except Exception as error:  # the bucket may not exist yet; the next pass tries again
+    except Exception as error:  # the bucket may not exist yet; the next change tries again
         # Once StorageReadable=False says so (with an Event), repeating it every pass is noise.
         readable = conditions.condition(status.conditions, conditions.STORAGE_READABLE)
         level = logging.DEBUG if readable is not None and readable.status == "False" else logging.WARNING
@@ -356,28 +548,33 @@ def on_delete(ctx: Context, body: kopf.Body) -> None:
     meta = body["metadata"]
     with ctx.locks[meta["uid"]]:
         status = (ctx.kube.get_run(meta["namespace"], meta["name"]) or body).get("status") or {}
-        ctx.written_records.pop(meta["uid"], None)
+        ctx.forget(meta["uid"])
         cluster_name = builder.ray_cluster_name(meta["name"])
-        if status.get("phase") == api.Phase.RUNNING and status.get("jobSubmissionId"):
+        if status.get("phase") in (api.Phase.RUNNING, api.Phase.RESTARTING) and status.get("jobSubmissionId"):
             try:
                 ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
             except Exception as error:  # a dead head has no job to stop; the cluster goes either way
                 log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
         ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
+    ctx.locks.pop(meta["uid"], None)
 
 
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     """Registers the handlers on `registry`; `settings` fixes the observation interval."""
     import boto3
+    from botocore.config import Config
 
     region, endpoint = settings.aws_region, settings.aws_endpoint_url
+    bounded = Config(**AWS_TIMEOUTS)  # type: ignore[arg-type]
     ctx = Context(
         settings=settings,
         kube=Kube(),
-        s3=boto3.client("s3", region_name=region, endpoint_url=endpoint),
-        ec2=boto3.client("ec2", region_name=region, endpoint_url=endpoint),
+        s3=boto3.client("s3", region_name=region, endpoint_url=endpoint, config=bounded),
+        ec2=boto3.client("ec2", region_name=region, endpoint_url=endpoint, config=bounded),
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
+    ray_clusters = (RAY_GROUP, RAY_VERSION, RAY_PLURAL)
+    ours = {builder.LABEL_MANAGED_BY: builder.MANAGER}
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -393,33 +590,55 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         )
         settings.persistence.finalizer = f"{api.GROUP}/finalizer"
         settings.posting.level = logging.WARNING
+        # Bounded API calls, and watches that are restarted when they go quiet (a stalled stream would
+        # otherwise freeze the cache silently).
+        settings.networking.connect_timeout = 10
+        settings.networking.request_timeout = 60
+        settings.watching.connect_timeout = 10
+        settings.watching.server_timeout = 300
+        settings.watching.client_timeout = 330
+        settings.watching.inactivity_timeout = 600
+
+    @kopf.index(*resource, registry=registry)
+    def runs(body: kopf.Body, **_: Any) -> Any:
+        return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
+
+    @kopf.index(*ray_clusters, labels=ours, registry=registry)
+    def rayclusters(body: kopf.Body, **_: Any) -> Any:
+        return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
+
+    @kopf.index("", "v1", "pods", labels=ours, registry=registry)
+    def ray_pods(body: kopf.Body, **_: Any) -> Any:
+        cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
+        return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
+
+    def indexes_of(kwargs: Mapping[str, Any]) -> Indexes:
+        return Indexes(
+            runs=kwargs.get("runs"), rayclusters=kwargs.get("rayclusters"), ray_pods=kwargs.get("ray_pods")
+        )
 
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    def on_change(body: kopf.Body, **_: Any) -> None:
-        reconcile_run(ctx, body)
+    def on_change(body: kopf.Body, **kwargs: Any) -> None:
+        reconcile_run(ctx, body, indexes_of(kwargs))
 
     def unfinished(status: kopf.Status, **_: Any) -> bool:
         return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
 
     @kopf.timer(*resource, interval=settings.observe_interval_seconds, when=unfinished, registry=registry)
-    def on_timer(body: kopf.Body, **_: Any) -> None:
-        reconcile_run(ctx, body)
+    def on_timer(body: kopf.Body, **kwargs: Any) -> None:
+        reconcile_run(ctx, body, indexes_of(kwargs))
 
-    @kopf.on.event(
-        RAY_GROUP,
-        RAY_VERSION,
-        RAY_PLURAL,
-        labels={builder.LABEL_MANAGED_BY: builder.MANAGER},
-        registry=registry,
-    )
-    def on_raycluster_event(body: kopf.Body, **_: Any) -> None:
-        # React to KubeRay at once (e.g. the cluster turning ready) instead of at the next timer tick.
-        run_name = body["metadata"].get("labels", {}).get(builder.LABEL_RUN)
-        owner = run_name and ctx.kube.get_run(body["metadata"]["namespace"], run_name)
-        if owner:
-            reconcile_run(ctx, owner)
+    @kopf.on.event(*ray_clusters, labels=ours, registry=registry)
+    def on_raycluster_event(body: kopf.Body, **kwargs: Any) -> None:
+        # React to KubeRay at once (the cluster turning ready, deleted) instead of at the next timer tick.
+        indexes = indexes_of(kwargs)
+        owners = body["metadata"].get("ownerReferences") or []
+        name = next((o["name"] for o in owners if o.get("kind") == api.KIND), None)
+        owner = indexes.one(indexes.runs, (body["metadata"]["namespace"], name)) if name else None
+        if owner and (owner.get("status") or {}).get("phase") not in api.FINISHED_PHASES:
+            reconcile_run(ctx, owner, indexes)
 
     @kopf.on.delete(*resource, registry=registry)
     def deleted(body: kopf.Body, **_: Any) -> None:

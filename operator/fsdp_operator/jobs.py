@@ -1,4 +1,4 @@
-"""Ray jobs through Ray's job submission client, idempotent by submission id."""
+"""Ray jobs through Ray's job submission client, idempotent by submission id, every request bounded."""
 
 from __future__ import annotations
 
@@ -10,6 +10,10 @@ from fsdp_operator.settings import DashboardAddressMode, Settings
 
 DASHBOARD_PORT = 8265
 LOG_TAIL_CHARS = 4000
+LOG_TAIL_LINES = 60
+# (connect, read) seconds for every dashboard request: a head that accepts and never answers costs its own
+# run at most this per call, and never blocks a worker thread for good.
+REQUEST_TIMEOUT = (5.0, 15.0)
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,15 @@ class JobObservation:
     message: str = ""
     logs_tail: str = ""
     start_time: dt.datetime | None = None
+
+
+@dataclass(frozen=True)
+class DashboardAuth:
+    """How to reach dashboards through the apiserver's service proxy: its credentials and CA."""
+
+    headers: dict[str, str]
+    verify: str | bool = True
+    client_cert: tuple[str, str] | None = None
 
 
 def dashboard_url(settings: Settings, namespace: str, cluster_name: str, apiserver: str) -> str:
@@ -31,42 +44,86 @@ def dashboard_url(settings: Settings, namespace: str, cluster_name: str, apiserv
     return f"http://{service}.{namespace}.svc:{DASHBOARD_PORT}"
 
 
-class Jobs:
-    """Job calls against one Ray dashboard. Construction does not connect; every call may raise
-    ConnectionError while the head is (re)starting."""
+def _bounded_client_class() -> type[Any]:
+    from ray.job_submission import JobSubmissionClient
 
-    def __init__(self, address: str, headers: dict[str, str] | None = None) -> None:
+    class BoundedJobSubmissionClient(JobSubmissionClient):
+        """Ray's client, with a timeout and a TLS client certificate on every request: Ray passes neither,
+        and `_do_request` is the one place all of its requests (the version check included) go through."""
+
+        def __init__(self, address: str, auth: DashboardAuth | None) -> None:
+            self._client_cert = auth.client_cert if auth else None
+            super().__init__(
+                address, headers=dict(auth.headers) if auth else None, verify=auth.verify if auth else True
+            )
+
+        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
+            kwargs.setdefault("timeout", REQUEST_TIMEOUT)
+            if self._client_cert:
+                kwargs.setdefault("cert", self._client_cert)
+            return super()._do_request(method, endpoint, **kwargs)
+
+    return BoundedJobSubmissionClient
+
+
+def job_not_found(status_code: int, text: str, submission_id: str) -> bool:
+    """Ray's own answer for an unknown job, not any 404 (a missing Service behind the apiserver proxy is a 404
+    too, and means the head is unreachable, not that the job is gone)."""
+    return status_code == 404 and f"Job {submission_id} does not exist" in text
+
+
+class Jobs:
+    """Job calls against one Ray dashboard. Construction does not connect; every call may raise (a timeout,
+    ConnectionError) while the head is (re)starting or unreachable."""
+
+    def __init__(self, address: str, auth: DashboardAuth | None = None) -> None:
         self.address = address
-        self.headers = headers or {}
+        self.auth = auth
         self._client: Any = None
 
     @property
     def client(self) -> Any:
         if self._client is None:
-            from ray.job_submission import JobSubmissionClient
-
-            self._client = JobSubmissionClient(self.address, headers=self.headers)
+            self._client = _bounded_client_class()(self.address, self.auth)
         return self._client
 
-    def observe(self, submission_id: str) -> JobObservation:
+    def observe(self, submission_id: str, with_logs: bool = True) -> JobObservation:
+        response = self.client._do_request("GET", f"/api/jobs/{submission_id}")
+        if job_not_found(response.status_code, response.text, submission_id):
+            return JobObservation(submission_id, None, "Ray has no job with this submission id")
+        if response.status_code != 200:
+            self.client._raise_error(response)
+        info = response.json()
+        status = str(info.get("status"))
+        logs = self.logs_tail(submission_id) if with_logs and status in ("FAILED", "STOPPED") else ""
+        started = info.get("start_time")
+        start_time = dt.datetime.fromtimestamp(started / 1000, dt.UTC) if started else None
+        return JobObservation(submission_id, status, info.get("message") or "", logs, start_time)
+
+    def logs_tail(self, submission_id: str) -> str:
+        """The driver log's last lines, from the dashboard's log API (it reads only the tail), never the
+        whole log; empty when the head cannot serve it."""
         try:
-            info = self.client.get_job_info(submission_id)
-        except RuntimeError as error:
-            if "does not exist" in str(error) or "404" in str(error):
-                return JobObservation(submission_id, None, "Ray has no job with this submission id")
-            raise
-        status = str(info.status.value if hasattr(info.status, "value") else info.status)
-        logs = ""
-        if status in ("FAILED", "STOPPED"):
-            logs = self.client.get_job_logs(submission_id)[-LOG_TAIL_CHARS:]
-        started = dt.datetime.fromtimestamp(info.start_time / 1000, dt.UTC) if info.start_time else None
-        return JobObservation(submission_id, status, info.message or "", logs, started)
+            response = self.client._do_request(
+                "GET",
+                "/api/v0/logs/file",
+                params={"submission_id": submission_id, "lines": LOG_TAIL_LINES},
+                stream=True,
+            )
+            with response:
+                if response.status_code != 200:
+                    return ""
+                body = response.raw.read(LOG_TAIL_CHARS * 4, decode_content=True).decode(errors="replace")
+        except Exception:  # the tail is evidence for classification, never a reason to fail the pass
+            return ""
+        # The stream starts with "1" when the log was found ("0" and an error otherwise).
+        return body[1:][-LOG_TAIL_CHARS:] if body.startswith("1") else ""
 
     def submit(
         self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
     ) -> None:
         """Submits unless Ray already has this submission id (then it is ours from an earlier pass)."""
-        if self.observe(submission_id).status is not None:
+        if self.observe(submission_id, with_logs=False).status is not None:
             return
         try:
             self.client.submit_job(
@@ -77,8 +134,8 @@ class Jobs:
                 raise
 
     def stop(self, submission_id: str) -> None:
-        try:
-            self.client.stop_job(submission_id)
-        except RuntimeError as error:
-            if "does not exist" not in str(error):
-                raise
+        response = self.client._do_request("POST", f"/api/jobs/{submission_id}/stop")
+        if response.status_code != 200 and not job_not_found(
+            response.status_code, response.text, submission_id
+        ):
+            self.client._raise_error(response)

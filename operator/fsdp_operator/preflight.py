@@ -111,8 +111,57 @@ def _workers_fitting(node: NodeFree, gpus: int, efa: int) -> int:
     return min(by_gpu, max(node.efa, 0) // efa) if efa else by_gpu
 
 
-def check_nodes(spec: api.FSDPTrainingRunSpec, free: list[NodeFree]) -> PreflightResult:
-    """Decides whether the run's workers fit on existing nodes within a single zone."""
+@dataclass(frozen=True)
+class Competitor:
+    """Another run that wants workers of the same instance type."""
+
+    name: str  # namespace/name
+    created: str  # creationTimestamp (RFC 3339 sorts in time order)
+    instance_type: str
+    admitted: bool  # its RayCluster exists or is being created
+    zone: str | None  # where an admitted run's workers go
+    workers_not_placed: int  # an admitted run's workers not yet bound to a node, or a waiting run's demand
+    fits_when_empty: bool = True  # a waiting run that could fit once the nodes are free
+
+
+def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[str, int]:
+    """Worker slots per zone promised to admitted runs whose pods are not all placed yet: the nodes still look
+    free, but those slots are taken."""
+    reserved: dict[str, int] = defaultdict(int)
+    for other in competitors:
+        if other.admitted and other.instance_type == instance_type and other.zone:
+            reserved[other.zone] += other.workers_not_placed
+    return dict(reserved)
+
+
+def first_in_line(
+    spec: api.FSDPTrainingRunSpec, created: str, competitors: Iterable[Competitor]
+) -> PreflightResult | None:
+    """Runs that compete for one instance type are admitted in creation order: an earlier run still waiting
+    (and able to fit once nodes free up) goes first. Returns why this run waits, or None on its turn."""
+    earlier = sorted(
+        (c.created, c.name)
+        for c in competitors
+        if not c.admitted
+        and c.fits_when_empty
+        and c.instance_type == spec.cluster.instance_type
+        and c.created < created
+    )
+    if not earlier:
+        return None
+    return PreflightResult(
+        False,
+        "WaitingForEarlierRun",
+        f"{earlier[0][1]}, created earlier, waits for {spec.cluster.instance_type} capacity too and is "
+        "admitted first",
+    )
+
+
+def check_nodes(
+    spec: api.FSDPTrainingRunSpec, free: list[NodeFree], reserved: Mapping[str, int] | None = None
+) -> PreflightResult:
+    """Decides whether the run's workers fit on existing nodes within a single zone, after the slots
+    `reserved` for admitted runs whose pods are still being placed."""
     cluster = spec.cluster
     efa = cluster.efa_per_worker if uses_efa(spec) else 0
     wanted = f"{cluster.workers} x ({cluster.gpus_per_worker} GPU" + (f", {efa} EFA)" if efa else ")")
@@ -126,6 +175,9 @@ def check_nodes(spec: api.FSDPTrainingRunSpec, free: list[NodeFree]) -> Prefligh
     capacity: dict[str, int] = defaultdict(int)
     for node in free:
         capacity[node.zone] += _workers_fitting(node, cluster.gpus_per_worker, efa)
+    for zone, slots in (reserved or {}).items():
+        if zone in capacity:
+            capacity[zone] = max(capacity[zone] - slots, 0)
     zones = [cluster.zone] if cluster.zone else sorted(capacity, key=lambda z: (-capacity[z], z))
     best = zones[0]
     if capacity.get(best, 0) >= cluster.workers:

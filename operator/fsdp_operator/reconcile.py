@@ -1,13 +1,19 @@
 """The run's state machine as a pure function: (spec, status, what was observed) -> new status and actions.
 
-Kopf handlers only gather observations, call `reconcile`, and carry out the returned actions. Everything
-here is deterministic in its inputs, so every transition is unit-tested without a cluster.
+Kopf handlers gather observations (all I/O, each bounded by a timeout), call `reconcile`, write the new
+status conditionally on the resourceVersion they read, and only then carry out the actions. So the status
+always records an intent (the attempt number, its submission id, the cluster and zone) before its side
+effect happens: a replayed event, a stale pass or a second operator process loses the status write and never
+acts, and an action that fails becomes an observation of the next pass.
 
     Pending --preflight ok--> Provisioning --KubeRay ready--> ClusterReady --submit--> Running --> Succeeded
-       |                            ^                                                    |
-       +--preflight Fail policy--> Failed <--permanent failure / restarts exhausted-----+
-                                    Restarting <--retryable failure (job failed, lost, hung, cluster lost)
-                                        +--backoff elapsed, cluster ready--> Running (attempt + 1, resumes)
+       ^  |                        |   (provisioning timeout: back to Pending or Failed)        |
+       |  +--preflight Fail policy--> Failed <--permanent failure / restarts exhausted---------+
+       |                            Restarting <--retryable failure (job failed, lost, hung, cluster lost)
+    Suspended                         +--backoff over, old job ended, cluster ready--> Running (attempt+1)
+
+A pass runs the guards first (finished, suspended, image request changed, deadline, cluster being deleted,
+pods that cannot start, provisioning timeout), then one step function for the phase.
 """
 
 from __future__ import annotations
@@ -25,11 +31,23 @@ from fsdp_operator.recovery import Failure, backoff_seconds, classify
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, Transport
 
 RECENT_CHECKPOINTS = 5
+STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
+RAY_ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
 
 
 @dataclass(frozen=True)
 class ClusterObservation:
     ready: bool
+    message: str
+    deleting: bool = False  # has a deletionTimestamp: never used again, waited for, then recreated
+    drift: str | None = None  # how it differs from what the run needs (edited by hand)
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    """A head or worker container that cannot start (ImagePullBackOff, CreateContainerConfigError, ...)."""
+
+    reason: str
     message: str
 
 
@@ -39,13 +57,19 @@ class Observation:
     generation: int
     cluster: ClusterObservation | None  # None: no RayCluster of this run exists
     preflight: PreflightResult | None = None  # computed only when `needs_preflight` says so
-    job: JobObservation | None = None  # the current attempt's job, when one was submitted and Ray answered
+    job: JobObservation | None = None  # status.jobSubmissionId's job, when Ray answered
     dashboard_error: str | None = None  # why Ray could not be asked about the job
     progress: ProgressRecord | None = None
     checkpoints: tuple[CheckpointRef, ...] = ()
+    latest_checkpoint_fingerprint: str | None = None  # of checkpoints[-1], as its manifest records it
+    expected_fingerprint: str | None = None  # this run's; None skips the check
     storage_read: bool = False  # progress and checkpoints were looked for in S3 this pass
     storage_error: str | None = None  # why they could not be read
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
+    pod_problems: tuple[PodProblem, ...] = ()
+    requested_image: str | None = None  # spec.image or the operator's default
+    submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
+    action_error: str | None = None  # why an action of the previous pass failed
 
 
 @dataclass(frozen=True)
@@ -60,16 +84,13 @@ class Decision:
     status: FSDPTrainingRunStatus
     create_cluster: bool = False
     delete_cluster: bool = False
-    submit_attempt: int | None = None  # submit this attempt's job (status.attempt is already set to it)
-    # The status and events as they stood before the submission, for when it cannot be made.
-    status_if_submit_fails: FSDPTrainingRunStatus | None = None
-    events_if_submit_fails: list[Event] = field(default_factory=list)
+    submit_attempt: int | None = None  # submit status.jobSubmissionId (recorded in the status first)
     stop_job: str | None = None  # submission id to stop
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
 
-def observe_cluster(raycluster: dict[str, Any]) -> ClusterObservation:
+def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> ClusterObservation:
     """KubeRay v1.5 reports readiness in conditions (state is deprecated but still set)."""
     status = raycluster.get("status") or {}
     by_type = {c.get("type"): c for c in status.get("conditions", [])}
@@ -80,7 +101,10 @@ def observe_cluster(raycluster: dict[str, Any]) -> ClusterObservation:
         f"{t}={c.get('status')}" + (f" ({c['message']})" if c.get("message") else "")
         for t, c in by_type.items()
     )
-    return ClusterObservation(ready=ready, message=message or "no status yet")
+    deleting = bool(raycluster.get("metadata", {}).get("deletionTimestamp"))
+    return ClusterObservation(
+        ready=ready and not deleting, message=message or "no status yet", deleting=deleting, drift=drift
+    )
 
 
 def needs_preflight(
@@ -92,8 +116,12 @@ def needs_preflight(
 
 
 def job_to_observe(status: FSDPTrainingRunStatus) -> str | None:
-    """The submission whose state the next pass needs, if any."""
-    return status.job_submission_id if status.phase == Phase.RUNNING else None
+    """The submission whose state the next pass needs: the running one, or the one a restart replaces."""
+    return status.job_submission_id if status.phase in (Phase.RUNNING, Phase.RESTARTING) else None
+
+
+def submission_id(prefix: str, attempt: int) -> str:
+    return f"{prefix}-{attempt}"
 
 
 class _Pass:
@@ -113,19 +141,39 @@ class _Pass:
             self.new.conditions, type_, ok, reason, message, self.obs.now, self.obs.generation
         )
 
-    def transition(self, phase: Phase, reason: str, message: str, warning: bool = False) -> None:
-        if self.new.phase != phase:
-            self.event(warning, reason, message)
-        self.new.phase = phase
-        self.new.message = message
+    def condition_is(self, type_: str, status: str) -> api.Condition | None:
+        found = conditions.condition(self.new.conditions, type_)
+        return found if found is not None and found.status == status else None
 
-    # -- observations that hold in every phase ------------------------------------------------------------
+    def reason_of(self, type_: str) -> str | None:
+        found = conditions.condition(self.new.conditions, type_)
+        return found.reason if found else None
+
+    def transition(
+        self, phase: Phase, reason: str, message: str, warning: bool = False, announce: bool = True
+    ) -> None:
+        if self.new.phase != phase:
+            if announce:
+                self.event(warning, reason, message)
+            self.new.phase_transition_time = self.obs.now
+        self.new.phase = phase
+        self.new.message = conditions.bounded(message)
+
+    def requeue(self, seconds: float) -> None:
+        current = self.decision.requeue_after
+        self.decision.requeue_after = seconds if current is None else min(current, seconds)
+
+    def seconds_since(self, moment: dt.datetime | None) -> float:
+        return 0.0 if moment is None else (self.obs.now - moment).total_seconds()
+
+    # -- facts that hold in every phase (never the phase itself) ---------------------------------------------
 
     def absorb(self) -> None:
         obs, new = self.obs, self.new
         progress = obs.progress
         if progress is not None:
             new.progress = api.ProgressStatus(  # rounded: `kubectl get` prints numbers in full
+                stage=progress.stage if progress.phase == "starting" else None,
                 step=progress.step,
                 max_steps=progress.max_steps,
                 loss=_round(progress.loss, 4),
@@ -155,8 +203,7 @@ class _Pass:
             )
             return
         message = f"cannot read progress and checkpoints, so hang detection waits: {error}"
-        previous = conditions.condition(self.new.conditions, conditions.STORAGE_READABLE)
-        if previous is None or previous.status != "False":
+        if not self.condition_is(conditions.STORAGE_READABLE, "False"):
             self.event(True, "StorageUnreadable", message)
         self.condition(conditions.STORAGE_READABLE, False, "StorageError", message)
 
@@ -164,12 +211,11 @@ class _Pass:
         assert progress.transport is not None
         self.new.transport = progress.transport
         fell_back = uses_efa(self.spec) and progress.transport.observed == Transport.SOCKET
-        was_degraded = conditions.is_true(self.new.conditions, conditions.TRANSPORT_DEGRADED)
         if fell_back:
             message = "NCCL used TCP sockets although the workers have EFA: " + "; ".join(
                 progress.transport.evidence[:2]
             )
-            if not was_degraded:
+            if not self.condition_is(conditions.TRANSPORT_DEGRADED, "True"):
                 self.event(True, "TransportDegraded", message)
             self.condition(conditions.TRANSPORT_DEGRADED, True, "SocketFallback", message)
         else:
@@ -188,7 +234,7 @@ class _Pass:
         (image_id,) = image_ids
         if image.digest is None:
             self.event(False, "ImagePinned", f"pods run {image_id}; every later attempt uses this digest")
-        elif image.digest != image_id:
+        elif image.digest != image_id and image.consistent is not False:
             self.event(True, "ImageChanged", f"pods run {image_id}, not the pinned {image.digest}")
         image.digest = image.digest or image_id
         image.consistent = image.digest == image_id
@@ -199,28 +245,66 @@ class _Pass:
             f"head and workers run {image_id}",
         )
 
-    # -- actions --------------------------------------------------------------------------------------------
+    # -- actions ---------------------------------------------------------------------------------------------
+
+    def start_active(self) -> None:
+        self.new.active_since = self.new.active_since or self.obs.now
+        self.new.start_time = self.new.start_time or self.obs.now
+
+    def stop_active(self) -> None:
+        if self.new.active_since is not None:
+            self.new.active_seconds += int(self.seconds_since(self.new.active_since))
+            self.new.active_since = None
 
     def submit(self) -> None:
-        new = self.new
-        self.decision.status_if_submit_fails = new.model_copy(deep=True)
-        self.decision.events_if_submit_fails = list(self.decision.events)
+        """Records attempt N+1 and its submission id; the glue submits it after this status is written."""
+        new, obs = self.new, self.obs
+        mismatch = self.checkpoint_mismatch()
+        if mismatch:
+            self.finish(Phase.FAILED, "CheckpointMismatch", mismatch)
+            return
         new.attempt += 1
+        new.job_submission_id = submission_id(obs.submission_prefix, new.attempt)
+        new.attempt_time = obs.now
         new.next_check_time = None
-        new.start_time = new.start_time or self.obs.now
         self.decision.submit_attempt = new.attempt
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
         message = f"attempt {new.attempt} submitted" + (f", resuming from step {resumed}" if resumed else "")
-        self.condition(conditions.JOB_RUNNING, True, "Submitted", message)
+        self.condition(conditions.JOB_RUNNING, "Unknown", "Submitted", f"{message}; waiting for Ray")
         self.transition(Phase.RUNNING, "JobSubmitted", message)
+
+    def checkpoint_mismatch(self) -> str | None:
+        obs, latest = self.obs, self.obs.checkpoints[-1] if self.obs.checkpoints else None
+        if latest is None or obs.expected_fingerprint is None or self.spec.checkpoint.resume != "auto":
+            return None
+        if obs.latest_checkpoint_fingerprint == obs.expected_fingerprint:
+            return None
+        found = obs.latest_checkpoint_fingerprint or "none (written by an older trainer)"
+        return (
+            f"the newest checkpoint under this run's prefix ({latest.uri}, step {latest.step}) was written "
+            "by "
+            f"another configuration: fingerprint {found}, this run's is {obs.expected_fingerprint} (model, "
+            "tokenizer, sequence length, seed or data differ). It is never loaded: use another run name or "
+            "storagePath, or set checkpoint.resume to never"
+        )
 
     def finish(self, phase: Phase, reason: str, message: str) -> None:
         succeeded = phase == Phase.SUCCEEDED
+        if (
+            not succeeded
+            and self.new.phase in (Phase.RUNNING, Phase.RESTARTING)
+            and self.new.job_submission_id
+        ):
+            self.decision.stop_job = self.new.job_submission_id  # a no-op for a job that ended itself
+        if not succeeded:
+            self.condition(conditions.FAILED, True, reason, message)
         self.condition(conditions.JOB_RUNNING, False, reason, message)
-        self.condition(conditions.SUCCEEDED if succeeded else conditions.FAILED, True, reason, message)
+        self.condition(conditions.SUCCEEDED, succeeded, reason, message)
+        self.condition(conditions.FINISHED, True, "Succeeded" if succeeded else "Failed", message)
         self.transition(phase, reason, message, warning=not succeeded)
         self.new.completion_time = self.obs.now
         self.new.next_check_time = None
+        self.stop_active()
         if self.spec.cleanup_policy == api.CleanupPolicy.DELETE_CLUSTER and self.obs.cluster is not None:
             self.decision.delete_cluster = True
 
@@ -238,16 +322,20 @@ class _Pass:
                 f"(maxRestarts {recovery.max_restarts}): {failure.message}",
             )
             return
+        if new.job_submission_id:
+            self.decision.stop_job = new.job_submission_id  # it may still run (hang, cluster edited)
         delay = backoff_seconds(recovery.backoff_seconds, new.restarts.count)
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
         new.restarts.count += 1
-        new.restarts.history.append(
-            RestartEntry(
-                time=self.obs.now, reason=failure.reason, message=failure.message, resumed_from_step=resumed
-            )
+        entry = RestartEntry(
+            time=self.obs.now,
+            reason=failure.reason,
+            message=conditions.bounded(failure.message),
+            resumed_from_step=resumed,
         )
+        new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
         new.next_check_time = self.obs.now + dt.timedelta(seconds=delay)
-        self.decision.requeue_after = delay
+        self.requeue(delay)
         message = (
             f"restart {new.restarts.count}/{recovery.max_restarts} in {delay}s after {failure.reason}: "
             f"{failure.message}; resuming from " + (f"step {resumed}" if resumed is not None else "the start")
@@ -255,57 +343,33 @@ class _Pass:
         self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
         self.transition(Phase.RESTARTING, "Restarting", message, warning=True)
 
-    # -- the phases ---------------------------------------------------------------------------------------
+    # -- guards ----------------------------------------------------------------------------------------------
 
     def run(self) -> Decision:
-        new, obs, spec = self.new, self.obs, self.spec
         self.absorb()
-        if new.phase in api.FINISHED_PHASES:
+        if self.new.phase in api.FINISHED_PHASES:
             return self.decision
-        if spec.suspend:
-            return self.suspend()
-        if new.phase == Phase.SUSPENDED:
-            self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
-        if self.deadline_passed():
-            return self.decision
-        if obs.cluster is None:
-            return self.without_cluster()
-        if new.phase in (None, Phase.PENDING, Phase.SUSPENDED):
-            # Created by an earlier pass whose status write was lost (e.g. the operator restarted in between).
-            new.phase = Phase.PROVISIONING
-        if not obs.cluster.ready:
-            self.condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", obs.cluster.message)
-            if new.phase == Phase.CLUSTER_READY:
-                self.transition(
-                    Phase.PROVISIONING,
-                    "ClusterNotReady",
-                    f"RayCluster not ready: {obs.cluster.message}",
-                    True,
-                )
-            if new.phase == Phase.RUNNING:
-                self.running()  # the job may still be fine (a worker pod restarting) or already lost
-            return self.decision
-        self.condition(
-            conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready"
-        )
-        if new.phase == Phase.PROVISIONING:
-            self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
-        if new.phase == Phase.CLUSTER_READY:
-            self.submit()
-        elif new.phase == Phase.RESTARTING:
-            if new.next_check_time is None or new.next_check_time <= obs.now:
-                self.submit()
-            else:
-                self.decision.requeue_after = (new.next_check_time - obs.now).total_seconds()
-        elif new.phase == Phase.RUNNING:
-            self.running()
-        return self.decision
+        for guard in (
+            self.suspended,
+            self.image_request_changed,
+            self.deadline_passed,
+            self.cluster_deleting,
+            self.pods_cannot_start,
+            self.provisioning_timed_out,
+        ):
+            if guard():
+                return self.decision
+        return self.step()
 
-    def suspend(self) -> Decision:
+    def suspended(self) -> bool:
+        if not self.spec.suspend:
+            if self.new.phase == Phase.SUSPENDED:
+                self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
+            return False
         new = self.new
-        if new.phase == Phase.RUNNING and new.job_submission_id:
+        if new.phase in (Phase.RUNNING, Phase.RESTARTING) and new.job_submission_id:
             self.decision.stop_job = new.job_submission_id
-        if self.obs.cluster is not None:
+        if self.obs.cluster is not None and not self.obs.cluster.deleting:
             self.decision.delete_cluster = True
         self.condition(
             conditions.SUSPENDED, True, "SuspendedBySpec", "spec.suspend is true; checkpoints are kept"
@@ -318,48 +382,149 @@ class _Pass:
             Phase.SUSPENDED, "Suspended", "suspended: job stopped, cluster deleted, checkpoints kept"
         )
         new.next_check_time = None
-        return self.decision
+        self.stop_active()
+        return True
+
+    def image_request_changed(self) -> bool:
+        """A new spec.image (allowed only while no cluster exists) drops the digest pinned for the old one."""
+        image, requested = self.new.image, self.obs.requested_image
+        waiting = self.new.phase not in api.ACTIVE_PHASES
+        if requested and image.requested and image.requested != requested and waiting:
+            if image.digest:
+                self.event(
+                    False,
+                    "ImageRequestChanged",
+                    f"image {requested} requested; the digest pinned for {image.requested} "
+                    f"({image.digest}) is dropped and the next pull is pinned",
+                )
+            self.new.image = api.ImageStatus(requested=requested)
+        return False
 
     def deadline_passed(self) -> bool:
-        deadline, started = self.spec.active_deadline_seconds, self.new.start_time
-        if deadline is None or started is None or (self.obs.now - started).total_seconds() <= deadline:
+        deadline, new = self.spec.active_deadline_seconds, self.new
+        # Runs started before active time was recorded count from their start.
+        since = new.active_since or (new.start_time if new.phase in api.ACTIVE_PHASES else None)
+        active = new.active_seconds + self.seconds_since(since)
+        if deadline is None or active <= deadline:
             return False
-        if self.new.phase == Phase.RUNNING and self.new.job_submission_id:
-            self.decision.stop_job = self.new.job_submission_id
         self.finish(
-            Phase.FAILED, "DeadlineExceeded", f"active for longer than activeDeadlineSeconds ({deadline}s)"
+            Phase.FAILED,
+            "DeadlineExceeded",
+            f"active for {int(active)}s, longer than activeDeadlineSeconds ({deadline}s)",
         )
         return True
 
-    def without_cluster(self) -> Decision:
-        new, obs = self.new, self.obs
-        if new.phase in api.ACTIVE_PHASES:
-            # The cluster vanished under a live run: recreate it where it was (same zone, same name).
-            self.decision.create_cluster = True
-            self.condition(
-                conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared; recreating it"
+    def cluster_deleting(self) -> bool:
+        """A RayCluster being deleted is never used: wait until it is gone, then the phase step recreates."""
+        cluster = self.obs.cluster
+        if cluster is None or not cluster.deleting:
+            return False
+        self.condition(
+            conditions.CLUSTER_READY, False, "ClusterDeleting", "waiting for the old RayCluster to go"
+        )
+        if self.new.phase == Phase.RUNNING:  # deleted under a running job: that attempt is over
+            self.fail_attempt(
+                Failure(False, "ClusterLost", "the RayCluster is being deleted while the job ran")
             )
-            if new.phase == Phase.RUNNING:
-                # A job that somehow outlived its cluster must not write next to the next attempt.
-                self.decision.stop_job = new.job_submission_id
-                self.fail_attempt(
-                    Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran")
+        self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+        return True
+
+    def pods_cannot_start(self) -> bool:
+        problems, cluster = self.obs.pod_problems, self.obs.cluster
+        if cluster is None:
+            return False
+        if not problems:
+            self.condition(conditions.PODS_HEALTHY, True, "PodsStarting", "no pod is stuck starting")
+            return False
+        first = problems[0]
+        message = "; ".join(p.message for p in problems[:3])
+        if not self.condition_is(conditions.PODS_HEALTHY, "False"):
+            self.event(True, first.reason, message)
+        self.condition(conditions.PODS_HEALTHY, False, first.reason, message)
+        since = self.condition_is(conditions.PODS_HEALTHY, "False")
+        limit = self.spec.recovery.pod_error_timeout_seconds
+        if since is not None and self.seconds_since(since.last_transition_time) >= limit:
+            self.finish(Phase.FAILED, first.reason, f"pods could not start for {limit}s: {message}")
+            self.decision.delete_cluster = True  # nothing ran; the GPUs go back whatever cleanupPolicy says
+            return True
+        self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
+        return False
+
+    def provisioning_timed_out(self) -> bool:
+        new, limit = self.new, self.spec.recovery.provisioning_timeout_seconds
+        if new.phase != Phase.PROVISIONING or self.seconds_since(new.phase_transition_time) < limit:
+            return False
+        message = f"the RayCluster was not ready within provisioningTimeoutSeconds ({limit}s)"
+        if self.obs.cluster is not None:
+            message += f": {self.obs.cluster.message}"
+            self.decision.delete_cluster = True
+        if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
+            self.finish(Phase.FAILED, "ProvisioningTimeout", message)
+            return True
+        self.stop_active()
+        self.condition(conditions.PREFLIGHT, False, "ProvisioningTimeout", message)
+        self.condition(conditions.CLUSTER_READY, False, "ProvisioningTimeout", message)
+        new.next_check_time = self.obs.now + dt.timedelta(seconds=self.spec.preflight.recheck_seconds)
+        self.transition(Phase.PENDING, "ProvisioningTimeout", f"{message}; waiting for capacity again", True)
+        self.requeue(self.spec.preflight.recheck_seconds)
+        return True
+
+    # -- the phases ------------------------------------------------------------------------------------------
+
+    def step(self) -> Decision:
+        new, cluster = self.new, self.obs.cluster
+        if new.phase in (None, Phase.PENDING, Phase.SUSPENDED):
+            if cluster is not None:
+                # Intent is recorded before creation, so a cluster here is one being given up (suspend,
+                # provisioning timeout) whose deletion has not started yet.
+                self.decision.delete_cluster = True
+                self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+                return self.decision
+            return self.pending()
+        if cluster is None:
+            return self.without_cluster()
+        if cluster.drift and new.phase in (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING):
+            return self.cluster_modified(cluster.drift)
+        if not cluster.ready:
+            self.condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", cluster.message)
+            if new.phase == Phase.CLUSTER_READY:
+                self.transition(
+                    Phase.PROVISIONING, "ClusterNotReady", f"RayCluster not ready: {cluster.message}", True
                 )
-                self.decision.create_cluster = self.decision.status.phase == Phase.RESTARTING
-            else:
-                self.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")
+            if new.phase == Phase.RUNNING:
+                self.running()  # the job may still be fine (a worker pod restarting) or already lost
             return self.decision
+        self.condition(
+            conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready"
+        )
+        if new.phase == Phase.PROVISIONING:
+            self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
+        if new.phase == Phase.CLUSTER_READY:
+            self.submit()
+        elif new.phase == Phase.RESTARTING:
+            self.restarting()
+        elif new.phase == Phase.RUNNING:
+            self.running()
+        return self.decision
+
+    def pending(self) -> Decision:
+        new, obs = self.new, self.obs
         result = obs.preflight
         if result is None:  # not due for a re-check yet
             if new.next_check_time is not None:
-                self.decision.requeue_after = max((new.next_check_time - obs.now).total_seconds(), 1.0)
+                self.requeue(max((new.next_check_time - obs.now).total_seconds(), 1.0))
             return self.decision
         if result.ok:
             self.condition(conditions.PREFLIGHT, True, result.reason, result.message)
             new.zone = result.zone
             new.next_check_time = None
+            self.start_active()
+            new.image.requested = new.image.requested or obs.requested_image
             self.decision.create_cluster = True
             self.event(False, "PreflightPassed", result.message)
+            self.condition(
+                conditions.CLUSTER_READY, False, "Creating", "RayCluster created; waiting for KubeRay"
+            )
             self.transition(Phase.PROVISIONING, "ClusterCreated", "RayCluster created; waiting for KubeRay")
             return self.decision
         previous = conditions.condition(new.conditions, conditions.PREFLIGHT)
@@ -370,46 +535,175 @@ class _Pass:
             self.finish(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}")
             return self.decision
         new.next_check_time = obs.now + dt.timedelta(seconds=self.spec.preflight.recheck_seconds)
-        new.phase = Phase.PENDING
-        new.message = f"waiting for capacity: {result.message}"
-        self.decision.requeue_after = self.spec.preflight.recheck_seconds
+        # The preflight reason's Warning above already says why.
+        self.transition(Phase.PENDING, "Waiting", f"waiting for capacity: {result.message}", announce=False)
+        self.requeue(self.spec.preflight.recheck_seconds)
         return self.decision
+
+    def without_cluster(self) -> Decision:
+        """No RayCluster although the run is active: created by the glue right after the intent was written
+        (Provisioning), or lost (deleted by hand, namespace trouble): (re)create it in the same zone."""
+        new, obs = self.new, self.obs
+        self.decision.create_cluster = True
+        if obs.action_error:
+            if (
+                not self.condition_is(conditions.CLUSTER_READY, "False")
+                or self.reason_of(conditions.CLUSTER_READY) != "CreateFailed"
+            ):
+                self.event(True, "ClusterCreateFailed", obs.action_error)
+            self.condition(conditions.CLUSTER_READY, False, "CreateFailed", obs.action_error)
+        if new.phase == Phase.RUNNING:
+            self.fail_attempt(Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran"))
+            self.decision.create_cluster = self.decision.status.phase == Phase.RESTARTING
+        elif new.phase != Phase.PROVISIONING and not obs.action_error:
+            self.condition(conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared")
+            self.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")
+        return self.decision
+
+    def cluster_modified(self, drift: str) -> Decision:
+        """A RayCluster edited by hand (fewer workers, another image) cannot run the attempt as recorded:
+        stop the job, delete the cluster, and restart on a fresh one."""
+        self.event(True, "ClusterModified", f"the RayCluster no longer matches the run: {drift}")
+        self.condition(conditions.CLUSTER_READY, False, "ClusterModified", drift)
+        self.decision.delete_cluster = True
+        if self.new.phase == Phase.RESTARTING:
+            if self.new.job_submission_id:
+                self.decision.stop_job = self.new.job_submission_id
+            return self.decision
+        self.fail_attempt(Failure(False, "ClusterModified", drift))
+        return self.decision
+
+    def restarting(self) -> None:
+        new, obs = self.new, self.obs
+        if new.next_check_time is not None and new.next_check_time > obs.now:
+            self.requeue((new.next_check_time - obs.now).total_seconds())
+            return
+        previous = obs.job
+        if new.job_submission_id and (previous is None or previous.status in RAY_ACTIVE_JOB_STATES):
+            # Never two attempts at once: the replaced job must be seen ended (or unknown to Ray) first.
+            if previous is not None:
+                self.decision.stop_job = new.job_submission_id
+            if obs.dashboard_error:
+                self.condition(conditions.JOB_RUNNING, "Unknown", "DashboardUnreachable", obs.dashboard_error)
+            else:
+                self.condition(
+                    conditions.JOB_RUNNING,
+                    False,
+                    "WaitingForPreviousAttempt",
+                    f"attempt {new.attempt} ({new.job_submission_id}) has not ended yet",
+                )
+            self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+            if self.unobservable_too_long():
+                self.fail_attempt(self.unobservable_failure())
+            return
+        self.submit()
 
     def running(self) -> None:
         new, obs, job = self.new, self.obs, self.obs.job
-        if job is None:  # Ray did not answer: the head may be restarting; only the hang timeout decides
+        if job is None:  # Ray did not answer: the head may be restarting; only the timeouts decide
             if obs.dashboard_error:
-                self.condition(conditions.JOB_RUNNING, "Unknown", "DashboardUnreachable", obs.dashboard_error)
-            self.check_hang()
+                # A submission still owed keeps its reason, so that Ray's "no such job" later means resubmit.
+                reason = self.reason_of(conditions.JOB_RUNNING) if self.awaiting_submission() else None
+                self.condition(
+                    conditions.JOB_RUNNING, "Unknown", reason or "DashboardUnreachable", obs.dashboard_error
+                )
+            self.check_liveness()
             return
         if job.status is None:
+            if self.condition_is(conditions.JOB_RUNNING, "Unknown") and self.awaiting_submission():
+                self.resubmit()
+                return
             self.fail_attempt(
                 Failure(False, "JobLost", f"Ray no longer knows job {job.submission_id} (head restarted?)")
             )
-        elif job.status in ("PENDING", "RUNNING"):
-            self.check_hang()
+        elif job.status in RAY_ACTIVE_JOB_STATES:
+            self.condition(conditions.JOB_RUNNING, True, job.status.capitalize(), job.message or job.status)
+            self.check_liveness()
         elif job.status == "SUCCEEDED":
             step = new.progress.step if new.progress else None
             self.finish(Phase.SUCCEEDED, "Completed", f"training finished at step {step}")
         else:
             self.fail_attempt(classify(job.message, job.logs_tail, obs.progress, job.start_time))
 
-    def check_hang(self) -> None:
+    def awaiting_submission(self) -> bool:
+        """The attempt was recorded but Ray has never reported its job: the submission is still owed."""
+        found = conditions.condition(self.new.conditions, conditions.JOB_RUNNING)
+        return found is not None and found.reason in ("Submitted", "SubmissionFailed")
+
+    def resubmit(self) -> None:
         new, obs = self.new, self.obs
-        if obs.storage_error is not None:
-            return  # progress cannot be seen: stopping a job that may be healthy would cost its work
-        job_start = obs.job.start_time if obs.job else None
-        submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
-        progressed = new.progress.updated_at if obs.progress else None
-        marks = [t for t in (progressed, job_start, submitted and submitted.last_transition_time) if t]
-        last_sign_of_life = max(marks) if marks else None
-        timeout = self.spec.recovery.hang_timeout_seconds
-        if last_sign_of_life is not None and (obs.now - last_sign_of_life).total_seconds() > timeout:
-            if new.job_submission_id:
-                self.decision.stop_job = new.job_submission_id
+        limit = self.spec.recovery.setup_timeout_seconds
+        if self.seconds_since(new.attempt_time) > limit:
             self.fail_attempt(
-                Failure(False, "Hang", f"no progress for more than hangTimeoutSeconds ({timeout}s)")
+                Failure(
+                    False, "SubmissionFailed", f"Ray did not take the job within {limit}s: {obs.action_error}"
+                )
             )
+            return
+        if obs.action_error:
+            found = conditions.condition(new.conditions, conditions.JOB_RUNNING)
+            if found is None or found.reason != "SubmissionFailed":
+                self.event(True, "SubmissionFailed", obs.action_error)
+            self.condition(conditions.JOB_RUNNING, "Unknown", "SubmissionFailed", obs.action_error)
+        self.decision.submit_attempt = new.attempt  # the same submission id: Ray takes it at most once
+        self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+
+    def attempt_progress(self) -> ProgressRecord | None:
+        """The progress record of the current attempt, if it wrote one (older trainers name no submission)."""
+        record, new = self.obs.progress, self.new
+        if record is None:
+            return None
+        if record.submission_id is not None:
+            return record if record.submission_id == new.job_submission_id else None
+        return record if new.attempt_time is None or record.updated_at >= new.attempt_time else None
+
+    def check_liveness(self) -> None:
+        """Setup timeout until the attempt's first training record (heartbeats keep it alive), then the hang
+        timeout; neither while progress cannot be read, but a run that can be observed neither in S3 nor in
+        Ray for longer than the hang timeout is restarted."""
+        new, obs, recovery = self.new, self.obs, self.spec.recovery
+        if obs.storage_error is not None:
+            if obs.job is None and self.unobservable_too_long():
+                self.fail_attempt(self.unobservable_failure())
+            return
+        record = self.attempt_progress()
+        started = obs.job.start_time if obs.job else None
+        if record is not None and record.phase != "starting":
+            quiet, limit, reason = (
+                self.seconds_since(record.updated_at),
+                recovery.hang_timeout_seconds,
+                "Hang",
+            )
+            what = f"no progress for more than hangTimeoutSeconds ({limit}s) after step {record.step}"
+        else:
+            marks = [t for t in (new.attempt_time, started, record.updated_at if record else None) if t]
+            quiet = self.seconds_since(max(marks)) if marks else 0.0
+            limit, reason = recovery.setup_timeout_seconds, "SetupTimeout"
+            stage = f" (last stage: {record.stage})" if record and record.stage else " (no heartbeat yet)"
+            what = f"no trainer heartbeat for more than setupTimeoutSeconds ({limit}s) before step 1{stage}"
+        if quiet > limit:
+            self.fail_attempt(Failure(False, reason, what))
+        else:
+            self.requeue(max(limit - quiet, 1.0))
+
+    def unobservable_too_long(self) -> bool:
+        bound = self.spec.recovery.hang_timeout_seconds
+        storage = self.condition_is(conditions.STORAGE_READABLE, "False")
+        dashboard = conditions.condition(self.new.conditions, conditions.JOB_RUNNING)
+        dashboard_down = dashboard is not None and dashboard.reason == "DashboardUnreachable"
+        if storage is None or not dashboard_down or dashboard is None:
+            return False
+        since = max(storage.last_transition_time, dashboard.last_transition_time)
+        return self.seconds_since(since) > bound
+
+    def unobservable_failure(self) -> Failure:
+        bound = self.spec.recovery.hang_timeout_seconds
+        return Failure(
+            False,
+            "Unobservable",
+            f"neither progress in S3 nor the job in Ray could be read for more than {bound}s: "
+            f"{self.obs.storage_error}; {self.obs.dashboard_error}",
+        )
 
 
 def _round(value: float | None, digits: int) -> float | None:

@@ -1,9 +1,14 @@
-"""What the trainer left in S3, read with boto3 alone: progress, complete checkpoints; and run.json."""
+"""What the trainer left in S3, read with boto3 alone: progress, complete checkpoints; and run.json.
+
+The boto3 client is built with connect and read timeouts (handlers.py), so a slow or unreachable bucket
+costs one run's pass a bounded time.
+"""
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
 
@@ -23,6 +28,12 @@ from fsdp_trainer.contract import (
 CHECKPOINT_DIR_PREFIX = "checkpoint_"
 
 
+@dataclass(frozen=True)
+class StoredCheckpoint:
+    ref: CheckpointRef
+    fingerprint: str | None  # the resume fingerprint of the run that wrote it
+
+
 def split_s3_uri(uri: str) -> tuple[str, str]:
     parsed = urlparse(uri)
     if parsed.scheme != "s3" or not parsed.netloc:
@@ -38,6 +49,8 @@ class RunStorage:
         self.uri = uri
         self.bucket, prefix = split_s3_uri(self.uri)
         self.prefix = prefix.rstrip("/") + "/"
+        # Manifests never change once written (a checkpoint directory is never reused): read each once.
+        self._manifests: dict[str, CheckpointManifest | None] = {}
 
     def _get_json(self, key: str) -> Any | None:
         try:
@@ -53,7 +66,16 @@ class RunStorage:
         except ValidationError:
             return None  # written by an incompatible trainer; the status says no progress rather than lie
 
-    def complete_checkpoints(self) -> list[CheckpointRef]:
+    def _manifest(self, directory: str) -> CheckpointManifest | None:
+        if directory not in self._manifests:
+            raw = self._get_json(f"{self.prefix}{directory}/{MANIFEST_FILE}")
+            try:
+                self._manifests[directory] = CheckpointManifest.model_validate(raw)
+            except ValidationError:
+                self._manifests[directory] = None
+        return self._manifests[directory]
+
+    def complete_checkpoints(self) -> list[StoredCheckpoint]:
         """Checkpoints with a manifest, DCP metadata and every file at its size, oldest first."""
         listing: dict[str, dict[str, int]] = defaultdict(dict)
         paginator = self.s3.get_paginator("list_objects_v2")
@@ -63,20 +85,24 @@ class RunStorage:
                 directory, _, name = relative.partition("/")
                 if directory.startswith(CHECKPOINT_DIR_PREFIX) and name:
                     listing[directory][name] = obj["Size"]
+        for gone in self._manifests.keys() - listing.keys():  # pruned by the trainer
+            del self._manifests[gone]
         found = []
         for directory, files in listing.items():
-            if MANIFEST_FILE not in files:
-                continue
-            raw = self._get_json(f"{self.prefix}{directory}/{MANIFEST_FILE}")
-            try:
-                manifest = CheckpointManifest.model_validate(raw)
-            except ValidationError:
-                continue
-            if checkpoint_is_complete(manifest, files):
-                found.append(
-                    CheckpointRef(uri=f"{self.uri}/{directory}", step=manifest.step, time=manifest.created_at)
+            manifest = self._manifest(directory) if MANIFEST_FILE in files else None
+            if manifest is not None and checkpoint_is_complete(manifest, files):
+                ref = CheckpointRef(
+                    uri=f"{self.uri}/{directory}", step=manifest.step, time=manifest.created_at
                 )
-        return sorted(found, key=lambda ref: (ref.step, ref.time))
+                found.append(StoredCheckpoint(ref, manifest.fingerprint))
+        return sorted(found, key=lambda stored: (stored.ref.step, stored.ref.time))
+
+    def read_run_record(self) -> RunRecord | None:
+        raw = self._get_json(self.prefix + RUN_RECORD_FILE)
+        try:
+            return None if raw is None else RunRecord.model_validate(raw)
+        except ValidationError:
+            return None
 
     def write_run_record(self, record: RunRecord) -> str:
         key = self.prefix + RUN_RECORD_FILE

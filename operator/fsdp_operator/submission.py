@@ -14,15 +14,16 @@ from typing import Any
 
 import fsdp_trainer
 from fsdp_operator import api
-from fsdp_operator.builder import RunRef
+from fsdp_operator.builder import RunRef, ray_cluster_name
 from fsdp_trainer.contract import TrainerConfig
 
 TRAINER_PACKAGE = Path(fsdp_trainer.__file__).resolve().parent
 
 
-def submission_id(run: RunRef, attempt: int) -> str:
-    """Deterministic per attempt: a replayed event or a restarted operator finds the job it submitted."""
-    return f"{run.name}-{run.uid[:8]}-{attempt}"
+def submission_prefix(run: RunRef) -> str:
+    """Submission ids are `<prefix>-<attempt>`: deterministic per attempt, so a replayed event or a restarted
+    operator finds the job it submitted; unique per run object (uid), whatever its name."""
+    return f"{ray_cluster_name(run.name)}-{run.uid[:8]}"
 
 
 def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -> TrainerConfig:

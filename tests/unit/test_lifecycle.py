@@ -105,10 +105,17 @@ def test_retryable_failure_restarts_from_the_latest_checkpoint_after_backoff() -
         spec(), status, Observation(now=NOW + dt.timedelta(seconds=10), generation=1, cluster=READY)
     )
     assert early.submit_attempt is None
-    due = reconcile(
-        spec(), status, Observation(now=NOW + dt.timedelta(seconds=31), generation=1, cluster=READY)
+    # Attempt 1's job has not been seen ended: it is stopped and waited for, never run beside attempt 2.
+    later = NOW + dt.timedelta(seconds=31)
+    still_running = JobObservation("run-0f1e2d3c-1", "RUNNING")
+    waiting = reconcile(
+        spec(), status, Observation(now=later, generation=1, cluster=READY, job=still_running)
     )
+    assert waiting.submit_attempt is None and waiting.stop_job == "run-0f1e2d3c-1"
+    ended = JobObservation("run-0f1e2d3c-1", "FAILED")
+    due = reconcile(spec(), status, Observation(now=later, generation=1, cluster=READY, job=ended))
     assert due.submit_attempt == 2 and due.status.phase == api.Phase.RUNNING
+    assert due.status.job_submission_id == "run-2"  # recorded in the status before it is submitted
 
 
 def test_permanent_failure_fails_without_using_restarts() -> None:

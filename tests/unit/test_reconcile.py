@@ -83,25 +83,26 @@ def test_preflight_is_only_due_when_waiting_without_a_cluster() -> None:
     assert needs_preflight(spec(), suspended, cluster_exists=False, now=NOW)
 
 
-def test_ready_cluster_gets_the_first_attempt_submitted() -> None:
+def test_ready_cluster_gets_the_first_attempt_recorded_then_submitted() -> None:
     status = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING)
-    decision = reconcile(spec(), status, obs(cluster=READY))
-    assert decision.submit_attempt == 1 and decision.status.attempt == 1
-    assert decision.status.phase == api.Phase.RUNNING and decision.status.start_time == NOW
-    assert conditions.is_true(decision.status.conditions, conditions.CLUSTER_READY)
-    assert conditions.is_true(decision.status.conditions, conditions.JOB_RUNNING)
+    decision = reconcile(spec(), status, obs(cluster=READY, submission_prefix="run-0f1e2d3c"))
+    new = decision.status
+    assert decision.submit_attempt == 1 and new.attempt == 1 and new.job_submission_id == "run-0f1e2d3c-1"
+    assert new.phase == api.Phase.RUNNING and new.attempt_time == NOW
+    assert conditions.is_true(new.conditions, conditions.CLUSTER_READY)
+    submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
+    assert submitted is not None and (submitted.status, submitted.reason) == ("Unknown", "Submitted")
     assert [e.reason for e in decision.events] == ["ClusterReady", "JobSubmitted"]
-    # If Ray cannot take the job, the run stays ClusterReady (the glue falls back to this status).
-    fallback = decision.status_if_submit_fails
-    assert fallback is not None and fallback.phase == api.Phase.CLUSTER_READY and fallback.attempt == 0
-    assert [e.reason for e in decision.events_if_submit_fails] == ["ClusterReady"]
 
 
-def test_existing_cluster_after_lost_status_write_is_adopted_not_duplicated() -> None:
+def test_a_cluster_where_none_should_be_is_deleted_not_adopted() -> None:
+    # The intent (Provisioning) is written before any cluster is created, so a cluster beside a waiting run is
+    # one that is being given up (suspend, provisioning timeout).
     decision = reconcile(
         spec(), api.FSDPTrainingRunStatus(), obs(cluster=ClusterObservation(False, "starting"))
     )
-    assert not decision.create_cluster and decision.status.phase == api.Phase.PROVISIONING
+    assert decision.delete_cluster and not decision.create_cluster and decision.submit_attempt is None
+    assert decision.status.phase is None
 
 
 def test_vanished_cluster_of_an_active_run_is_recreated() -> None:

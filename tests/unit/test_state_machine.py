@@ -1,0 +1,352 @@
+"""The (phase, observation) -> (phase, actions) table for the cases that break a shared, busy cluster.
+
+Each test is one row: a status, what a pass observed, and the decision the operator must take.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from fsdp_operator import api, builder, conditions, preflight
+from fsdp_operator.jobs import JobObservation, job_not_found
+from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, reconcile
+from fsdp_operator.statuspatch import merge_patch
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry
+
+NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
+READY = ClusterObservation(ready=True, message="")
+JOB_ID = "run-0f1e2d3c-1"
+
+
+def spec(**extra: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, **extra}
+    )
+
+
+def status(phase: api.Phase = api.Phase.RUNNING, **extra: Any) -> api.FSDPTrainingRunStatus:
+    fields: dict[str, Any] = {
+        "phase": phase,
+        "attempt": 1,
+        "job_submission_id": JOB_ID,
+        "attempt_time": NOW - dt.timedelta(minutes=10),
+        "start_time": NOW - dt.timedelta(minutes=12),
+        "active_since": NOW - dt.timedelta(minutes=12),
+        **extra,
+    }
+    return api.FSDPTrainingRunStatus(**fields)
+
+
+def observe(ago: float = 0, **fields: Any) -> Observation:
+    base: dict[str, Any] = {"cluster": READY, "submission_prefix": "run-0f1e2d3c"}
+    return Observation(now=NOW + dt.timedelta(seconds=ago), generation=1, **{**base, **fields})
+
+
+def job(state: str | None, started_minutes_ago: float = 9) -> JobObservation:
+    return JobObservation(JOB_ID, state, start_time=NOW - dt.timedelta(minutes=started_minutes_ago))
+
+
+def record(phase: str = "training", seconds_ago: float = 30, **extra: Any) -> ProgressRecord:
+    fields: dict[str, Any] = {
+        "run_name": "run",
+        "phase": phase,
+        "submission_id": JOB_ID,
+        "step": 20 if phase != "starting" else 0,
+        "max_steps": 100,
+        "updated_at": NOW - dt.timedelta(seconds=seconds_ago),
+        **extra,
+    }
+    return ProgressRecord(**fields)
+
+
+def condition(decision: Any, type_: str) -> api.Condition:
+    found = conditions.condition(decision.status.conditions, type_)
+    assert found is not None, f"no {type_} condition"
+    return found
+
+
+# -- intent before side effect -----------------------------------------------------------------------------
+
+
+def test_a_job_ray_never_took_is_submitted_again_with_the_same_id_not_counted_as_lost() -> None:
+    first = reconcile(spec(), status(api.Phase.CLUSTER_READY, attempt=0, job_submission_id=None), observe())
+    assert first.submit_attempt == 1
+    # The operator died (or Ray refused) before the job reached Ray: the next pass finds no such job.
+    again = reconcile(
+        spec(), first.status, observe(10, job=job(None), action_error="ConnectionError: refused")
+    )
+    assert again.submit_attempt == 1 and again.status.attempt == 1 and again.status.restarts.count == 0
+    assert again.status.job_submission_id == first.status.job_submission_id
+    assert condition(again, conditions.JOB_RUNNING).reason == "SubmissionFailed"
+    seen = reconcile(spec(), again.status, observe(20, job=job("RUNNING")))
+    assert seen.submit_attempt is None and condition(seen, conditions.JOB_RUNNING).status == "True"
+    # Once Ray has reported it, losing it is JobLost (a restart).
+    lost = reconcile(spec(), seen.status, observe(30, job=job(None)))
+    assert lost.status.phase == api.Phase.RESTARTING and lost.status.restarts.history[-1].reason == "JobLost"
+
+
+def test_the_replaced_attempt_must_have_ended_before_the_next_is_submitted() -> None:
+    restarting = status(api.Phase.RESTARTING, next_check_time=NOW - dt.timedelta(seconds=1))
+    for previous in (job("RUNNING"), job("PENDING")):
+        decision = reconcile(spec(), restarting, observe(job=previous))
+        assert decision.submit_attempt is None and decision.stop_job == JOB_ID
+    unknown = reconcile(spec(), restarting, observe(dashboard_error="ReadTimeout"))
+    assert unknown.submit_attempt is None  # cannot tell whether it still runs
+    assert condition(unknown, conditions.JOB_RUNNING).reason == "DashboardUnreachable"
+    ended = reconcile(spec(), restarting, observe(job=job("STOPPED")))
+    assert ended.submit_attempt == 2 and ended.status.job_submission_id == "run-0f1e2d3c-2"
+
+
+def test_status_patch_clears_nested_fields_and_is_empty_when_nothing_changed() -> None:
+    old = {"phase": "Running", "progress": {"step": 120, "loss": 2.31, "mfu": 0.4}, "zone": "a"}
+    new = {"phase": "Running", "progress": {"step": 0}, "zone": "a"}
+    assert merge_patch(old, new) == {"progress": {"step": 0, "loss": None, "mfu": None}}
+    assert merge_patch(new, new) == {}
+    assert merge_patch({"conditions": [1, 2]}, {"conditions": [2]}) == {"conditions": [2]}
+
+
+# -- bounded waits and liveness ----------------------------------------------------------------------------
+
+
+def test_dashboard_outage_is_unknown_and_clears_when_ray_answers_again() -> None:
+    down = reconcile(
+        spec(), status(), observe(dashboard_error="ReadTimeout: read timed out", progress=record())
+    )
+    assert condition(down, conditions.JOB_RUNNING).status == "Unknown"
+    back = reconcile(spec(), down.status, observe(30, job=job("RUNNING"), progress=record()))
+    assert (condition(back, conditions.JOB_RUNNING).status, back.status.phase) == ("True", api.Phase.RUNNING)
+
+
+def test_slow_setup_with_heartbeats_is_not_a_hang_but_silence_is_a_setup_timeout() -> None:
+    run_spec = spec(recovery={"hangTimeoutSeconds": 600, "setupTimeoutSeconds": 900})
+    long_setup = status(attempt_time=NOW - dt.timedelta(minutes=31))
+    heartbeat = record("starting", seconds_ago=20, stage="downloading-model")
+    alive = reconcile(run_spec, long_setup, observe(job=job("RUNNING", 31), progress=heartbeat))
+    assert alive.status.phase == api.Phase.RUNNING and alive.stop_job is None
+    assert alive.status.progress.stage == "downloading-model"
+    silent = record("starting", seconds_ago=1000, stage="loading-checkpoint")
+    stuck = reconcile(run_spec, long_setup, observe(job=job("RUNNING", 31), progress=silent))
+    assert stuck.status.restarts.history[-1].reason == "SetupTimeout" and stuck.stop_job == JOB_ID
+    assert "loading-checkpoint" in stuck.status.restarts.history[-1].message
+
+
+def test_hang_counts_from_the_attempts_own_training_records_only() -> None:
+    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    # The previous attempt's record (another submission) is old, but this attempt is still setting up.
+    previous_attempt = record(seconds_ago=3600, submission_id="run-0f1e2d3c-0")
+    fresh = reconcile(run_spec, status(), observe(job=job("RUNNING"), progress=previous_attempt))
+    assert fresh.status.phase == api.Phase.RUNNING
+    hung = reconcile(run_spec, status(), observe(job=job("RUNNING"), progress=record(seconds_ago=700)))
+    assert hung.status.restarts.history[-1].reason == "Hang"
+
+
+def test_neither_s3_nor_ray_readable_for_longer_than_the_bound_restarts() -> None:
+    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    blind = observe(storage_read=True, storage_error="s3: timeout", dashboard_error="ReadTimeout")
+    first = reconcile(run_spec, status(), blind)
+    assert first.status.phase == api.Phase.RUNNING and first.stop_job is None
+    later = reconcile(run_spec, first.status, observe(601, **_fields(blind)))
+    assert later.status.restarts.history[-1].reason == "Unobservable"
+
+
+def _fields(obs: Observation) -> dict[str, Any]:
+    return {
+        "storage_read": obs.storage_read,
+        "storage_error": obs.storage_error,
+        "dashboard_error": obs.dashboard_error,
+    }
+
+
+def test_ray_reports_an_unknown_job_only_for_its_own_404() -> None:
+    assert job_not_found(404, "Job r-1 does not exist", "r-1")
+    proxy_404 = (
+        '{"kind":"Status","status":"Failure","message":"services \\"x-head-svc\\" not found","code":404}'
+    )
+    assert not job_not_found(404, proxy_404, "r-1")
+    assert not job_not_found(500, "error 404 in a message", "r-1")
+
+
+# -- clusters ------------------------------------------------------------------------------------------------
+
+
+def test_a_cluster_being_deleted_is_never_used() -> None:
+    deleting = ClusterObservation(ready=False, message="", deleting=True)
+    unsuspended = status(api.Phase.SUSPENDED, job_submission_id=None)
+    decision = reconcile(spec(), unsuspended, observe(cluster=deleting))
+    assert not decision.create_cluster and decision.submit_attempt is None and decision.requeue_after
+    provisioning = status(api.Phase.PROVISIONING, attempt=0, job_submission_id=None)
+    decision = reconcile(spec(), provisioning, observe(cluster=deleting))
+    assert decision.submit_attempt is None and not decision.create_cluster
+
+
+def test_a_cluster_edited_by_hand_is_replaced_and_the_attempt_restarted() -> None:
+    drifted = ClusterObservation(ready=True, message="", drift="gpu-workers.replicas 1 (want 2)")
+    decision = reconcile(spec(), status(), observe(cluster=drifted, job=job("RUNNING")))
+    assert decision.delete_cluster and decision.stop_job == JOB_ID
+    assert decision.status.restarts.history[-1].reason == "ClusterModified"
+    assert "ClusterModified" in [e.reason for e in decision.events]
+
+
+def test_cluster_drift_compares_what_the_run_needs() -> None:
+    run = builder.RunRef("run", "ns", "uid-1")
+    desired = builder.build_raycluster(spec(), run, "img@sha256:" + "a" * 64, "us-west-2a")
+    assert builder.cluster_drift(desired, desired) is None
+    edited = {
+        "spec": {
+            **desired["spec"],
+            "workerGroupSpecs": [{**desired["spec"]["workerGroupSpecs"][0], "replicas": 1}],
+        }
+    }
+    assert "replicas 1 (want 2)" in (builder.cluster_drift(desired, edited) or "")
+
+
+def test_provisioning_past_its_deadline_deletes_the_cluster_and_waits_again() -> None:
+    stuck = status(
+        api.Phase.PROVISIONING,
+        attempt=0,
+        job_submission_id=None,
+        phase_transition_time=NOW - dt.timedelta(seconds=901),
+    )
+    waiting = ClusterObservation(ready=False, message="HeadPodReady=False")
+    decision = reconcile(spec(), stuck, observe(cluster=waiting))
+    assert decision.delete_cluster and decision.status.phase == api.Phase.PENDING
+    assert condition(decision, conditions.PREFLIGHT).reason == "ProvisioningTimeout"
+    assert decision.status.active_since is None and decision.status.next_check_time is not None
+    failing = reconcile(spec(preflight={"onInsufficientCapacity": "Fail"}), stuck, observe(cluster=waiting))
+    assert failing.status.phase == api.Phase.FAILED and failing.delete_cluster
+
+
+def test_pods_that_cannot_pull_show_at_once_and_fail_the_run_after_the_bound() -> None:
+    pulling = (PodProblem("ImagePullBackOff", "pod r-head: ImagePullBackOff: Back-off pulling image"),)
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    waiting = ClusterObservation(ready=False, message="")
+    first = reconcile(spec(), provisioning, observe(cluster=waiting, pod_problems=pulling))
+    assert condition(first, conditions.PODS_HEALTHY).reason == "ImagePullBackOff"
+    assert first.status.phase == api.Phase.PROVISIONING and [e.reason for e in first.events] == [
+        "ImagePullBackOff"
+    ]
+    later = reconcile(spec(), first.status, observe(301, cluster=waiting, pod_problems=pulling))
+    assert later.status.phase == api.Phase.FAILED and later.delete_cluster
+    assert condition(later, conditions.FAILED).reason == "ImagePullBackOff"
+
+
+# -- finishing, restarts, deadlines -------------------------------------------------------------------------
+
+
+def test_a_failed_run_is_finished_and_not_succeeded_so_kubectl_wait_returns() -> None:
+    decision = reconcile(spec(recovery={"maxRestarts": 0}), status(), observe(job=job("FAILED")))
+    assert condition(decision, conditions.FINISHED).status == "True"
+    assert condition(decision, conditions.SUCCEEDED).status == "False"
+    done = reconcile(spec(), status(), observe(job=job("SUCCEEDED")))
+    assert (condition(done, conditions.FINISHED).status, condition(done, conditions.SUCCEEDED).status) == (
+        "True",
+        "True",
+    )
+
+
+def test_restart_history_in_status_keeps_the_last_ten() -> None:
+    old = [RestartEntry(time=NOW - dt.timedelta(hours=i), reason="JobFailed") for i in range(10, 0, -1)]
+    many = status(restarts={"count": 10, "history": old})
+    decision = reconcile(spec(recovery={"maxRestarts": 20}), many, observe(job=job("FAILED")))
+    history = decision.status.restarts.history
+    assert len(history) == 10 and history[-1].time == NOW and decision.status.restarts.count == 11
+    with pytest.raises(ValueError, match="max_restarts|maxRestarts"):
+        spec(recovery={"maxRestarts": 1000})
+
+
+def test_the_deadline_counts_active_time_not_time_suspended() -> None:
+    resumed = status(active_seconds=3000, active_since=NOW - dt.timedelta(seconds=500))
+    within = reconcile(
+        spec(activeDeadlineSeconds=3600), resumed, observe(job=job("RUNNING"), progress=record())
+    )
+    assert within.status.phase == api.Phase.RUNNING
+    past = reconcile(
+        spec(activeDeadlineSeconds=3400), resumed, observe(job=job("RUNNING"), progress=record())
+    )
+    assert (
+        past.status.phase == api.Phase.FAILED
+        and condition(past, conditions.FAILED).reason == "DeadlineExceeded"
+    )
+    suspended = reconcile(spec(suspend=True), resumed, observe(job=job("RUNNING")))
+    assert suspended.status.active_seconds == 3500 and suspended.status.active_since is None
+
+
+def test_a_new_image_while_suspended_drops_the_old_pin() -> None:
+    pinned = status(
+        api.Phase.SUSPENDED,
+        image={"requested": "repo/ray:old", "digest": "repo/ray@sha256:" + "a" * 64, "consistent": True},
+    )
+    decision = reconcile(
+        spec(image="repo/ray:new"), pinned, observe(cluster=None, requested_image="repo/ray:new")
+    )
+    assert decision.status.image.digest is None and decision.status.image.requested == "repo/ray:new"
+    assert "ImageRequestChanged" in [e.reason for e in decision.events]
+
+
+def test_a_changed_digest_is_announced_once() -> None:
+    pinned = status(image={"requested": "r:1", "digest": "r@sha256:" + "a" * 64, "consistent": True})
+    other = ("r@sha256:" + "b" * 64,)
+    first = reconcile(spec(), pinned, observe(job=job("RUNNING"), pod_image_ids=other))
+    again = reconcile(spec(), first.status, observe(job=job("RUNNING"), pod_image_ids=other))
+    assert [e.reason for e in first.events] == ["ImageChanged"] and again.events == []
+
+
+def test_checkpoints_of_another_configuration_fail_the_run_before_submission() -> None:
+    ckpt = (CheckpointRef(uri="s3://b/p/ns/run/checkpoint_1", step=10, time=NOW),)
+    ready = status(api.Phase.CLUSTER_READY, attempt=0, job_submission_id=None)
+    other = observe(checkpoints=ckpt, latest_checkpoint_fingerprint="aaaa", expected_fingerprint="bbbb")
+    decision = reconcile(spec(), ready, other)
+    assert decision.submit_attempt is None and decision.status.phase == api.Phase.FAILED
+    assert condition(decision, conditions.FAILED).reason == "CheckpointMismatch"
+    same = observe(checkpoints=ckpt, latest_checkpoint_fingerprint="bbbb", expected_fingerprint="bbbb")
+    assert reconcile(spec(), ready, same).submit_attempt == 1
+    assert (
+        reconcile(
+            spec(checkpoint={"storagePath": "s3://b/p", "resume": "never"}), ready, other
+        ).submit_attempt
+        == 1
+    )
+
+
+# -- names ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-ft", "1st-run", "a" * 70, "a." * 126 + "a", "x"])
+def test_every_accepted_run_name_gets_a_valid_distinct_child_name(name: str) -> None:
+    child = builder.ray_cluster_name(name)
+    assert len(child) <= 40 and child[0].isalpha() and child[-1].isalnum()
+    assert all(c.isalnum() or c == "-" for c in child) and child == child.lower()
+    assert builder.ray_cluster_name(name + "0") != child
+    label = builder.label_value(name)
+    assert len(label) <= 63 and label[-1].isalnum()
+    manifest = builder.build_raycluster(spec(), builder.RunRef(name, "ns", "u"), "img", None)
+    assert manifest["metadata"]["annotations"][builder.ANNOTATION_RUN] == name
+
+
+def test_dotted_and_undotted_names_do_not_share_a_cluster() -> None:
+    assert builder.ray_cluster_name("qwen2.5-ft") != builder.ray_cluster_name("qwen2-5-ft")
+
+
+# -- capacity ------------------------------------------------------------------------------------------------
+
+
+def _competitor(name: str, created: str, admitted: bool, zone: str | None = None, waiting: int = 2) -> Any:
+    return preflight.Competitor(name, created, "g6.12xlarge", admitted, zone, waiting)
+
+
+def test_runs_competing_for_nodes_are_admitted_in_creation_order_and_reserve_their_slots() -> None:
+    mine = spec(cluster={"workers": 2, "zone": "us-west-2a"})
+    earlier = _competitor("ns/a", "2026-11-30T10:00:00Z", admitted=False)
+    assert preflight.first_in_line(mine, "2026-11-30T11:00:00Z", [earlier]) is not None
+    assert preflight.first_in_line(mine, "2026-11-30T09:00:00Z", [earlier]) is None
+    free = [preflight.NodeFree(f"n{i}", "us-west-2a", 4, 1) for i in range(2)]
+    assert preflight.check_nodes(mine, free).ok
+    admitted = _competitor("ns/a", "2026-11-30T10:00:00Z", admitted=True, zone="us-west-2a", waiting=2)
+    reserved = preflight.reservations([admitted], "g6.12xlarge")
+    result = preflight.check_nodes(mine, free, reserved)
+    assert not result.ok and result.reason == "InsufficientCapacity"
