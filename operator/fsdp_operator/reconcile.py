@@ -116,8 +116,10 @@ def needs_preflight(
 
 
 def job_to_observe(status: FSDPTrainingRunStatus) -> str | None:
-    """The submission whose state the next pass needs: the running one, or the one a restart replaces."""
-    return status.job_submission_id if status.phase in (Phase.RUNNING, Phase.RESTARTING) else None
+    """The submission whose state the next pass needs: the running one, one recorded but not yet seen in Ray,
+    or the one a restart replaces."""
+    watched = (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING)
+    return status.job_submission_id if status.phase in watched else None
 
 
 def submission_id(prefix: str, attempt: int) -> str:
@@ -270,8 +272,10 @@ class _Pass:
         self.decision.submit_attempt = new.attempt
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
         message = f"attempt {new.attempt} submitted" + (f", resuming from step {resumed}" if resumed else "")
+        # The phase moves to Running once Ray reports the job; until then the submission is owed.
         self.condition(conditions.JOB_RUNNING, "Unknown", "Submitted", f"{message}; waiting for Ray")
-        self.transition(Phase.RUNNING, "JobSubmitted", message)
+        self.event(False, "JobSubmitted", message)
+        new.message = message
 
     def checkpoint_mismatch(self) -> str | None:
         obs, latest = self.obs, self.obs.checkpoints[-1] if self.obs.checkpoints else None
@@ -290,11 +294,7 @@ class _Pass:
 
     def finish(self, phase: Phase, reason: str, message: str) -> None:
         succeeded = phase == Phase.SUCCEEDED
-        if (
-            not succeeded
-            and self.new.phase in (Phase.RUNNING, Phase.RESTARTING)
-            and self.new.job_submission_id
-        ):
+        if not succeeded and self.new.phase in api.ACTIVE_PHASES and self.new.job_submission_id:
             self.decision.stop_job = self.new.job_submission_id  # a no-op for a job that ended itself
         if not succeeded:
             self.condition(conditions.FAILED, True, reason, message)
@@ -367,7 +367,7 @@ class _Pass:
                 self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
             return False
         new = self.new
-        if new.phase in (Phase.RUNNING, Phase.RESTARTING) and new.job_submission_id:
+        if new.phase in api.ACTIVE_PHASES and new.job_submission_id:
             self.decision.stop_job = new.job_submission_id
         if self.obs.cluster is not None and not self.obs.cluster.deleting:
             self.decision.delete_cluster = True
@@ -499,7 +499,9 @@ class _Pass:
         )
         if new.phase == Phase.PROVISIONING:
             self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
-        if new.phase == Phase.CLUSTER_READY:
+        if self.awaiting_submission():
+            self.confirm_submission()
+        elif new.phase == Phase.CLUSTER_READY:
             self.submit()
         elif new.phase == Phase.RESTARTING:
             self.restarting()
@@ -602,17 +604,10 @@ class _Pass:
         new, obs, job = self.new, self.obs, self.obs.job
         if job is None:  # Ray did not answer: the head may be restarting; only the timeouts decide
             if obs.dashboard_error:
-                # A submission still owed keeps its reason, so that Ray's "no such job" later means resubmit.
-                reason = self.reason_of(conditions.JOB_RUNNING) if self.awaiting_submission() else None
-                self.condition(
-                    conditions.JOB_RUNNING, "Unknown", reason or "DashboardUnreachable", obs.dashboard_error
-                )
+                self.condition(conditions.JOB_RUNNING, "Unknown", "DashboardUnreachable", obs.dashboard_error)
             self.check_liveness()
             return
         if job.status is None:
-            if self.condition_is(conditions.JOB_RUNNING, "Unknown") and self.awaiting_submission():
-                self.resubmit()
-                return
             self.fail_attempt(
                 Failure(False, "JobLost", f"Ray no longer knows job {job.submission_id} (head restarted?)")
             )
@@ -626,26 +621,32 @@ class _Pass:
             self.fail_attempt(classify(job.message, job.logs_tail, obs.progress, job.start_time))
 
     def awaiting_submission(self) -> bool:
-        """The attempt was recorded but Ray has never reported its job: the submission is still owed."""
-        found = conditions.condition(self.new.conditions, conditions.JOB_RUNNING)
-        return found is not None and found.reason in ("Submitted", "SubmissionFailed")
+        """The attempt is recorded but Ray has not reported its job yet: the submission is owed."""
+        owed = self.new.phase in (Phase.CLUSTER_READY, Phase.RESTARTING) and self.new.job_submission_id
+        return bool(owed) and self.reason_of(conditions.JOB_RUNNING) in ("Submitted", "SubmissionFailed")
 
-    def resubmit(self) -> None:
-        new, obs = self.new, self.obs
+    def confirm_submission(self) -> None:
+        """Running once Ray reports the recorded job; else submit it again under the same id (Ray takes an id
+        at most once), within setupTimeoutSeconds."""
+        new, obs, job = self.new, self.obs, self.obs.job
+        if job is not None and job.status is not None:
+            message = f"attempt {new.attempt}: Ray job {job.submission_id} is {job.status}"
+            self.transition(Phase.RUNNING, "JobRunning", message)
+            self.running()
+            return
         limit = self.spec.recovery.setup_timeout_seconds
+        error = obs.action_error or obs.dashboard_error
         if self.seconds_since(new.attempt_time) > limit:
             self.fail_attempt(
-                Failure(
-                    False, "SubmissionFailed", f"Ray did not take the job within {limit}s: {obs.action_error}"
-                )
+                Failure(False, "SubmissionFailed", f"Ray did not take the job within {limit}s: {error}")
             )
             return
-        if obs.action_error:
-            found = conditions.condition(new.conditions, conditions.JOB_RUNNING)
-            if found is None or found.reason != "SubmissionFailed":
-                self.event(True, "SubmissionFailed", obs.action_error)
-            self.condition(conditions.JOB_RUNNING, "Unknown", "SubmissionFailed", obs.action_error)
-        self.decision.submit_attempt = new.attempt  # the same submission id: Ray takes it at most once
+        if error:
+            if self.reason_of(conditions.JOB_RUNNING) != "SubmissionFailed":
+                self.event(True, "SubmissionFailed", error)
+            self.condition(conditions.JOB_RUNNING, "Unknown", "SubmissionFailed", error)
+        if job is not None:  # Ray answered and has no such job: submit (again)
+            self.decision.submit_attempt = new.attempt
         self.requeue(STILL_ENDING_REQUEUE_SECONDS)
 
     def attempt_progress(self) -> ProgressRecord | None:

@@ -89,13 +89,13 @@ def keys_under(s3: Any, prefix: str) -> set[str]:
     return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
 
 
-def checkpoint_steps_in_s3(s3: Any, name: str) -> set[int]:
-    manifests = [k for k in keys_under(s3, f"runs/{name}/") if k.endswith("/fsdp_manifest.json")]
+def checkpoint_steps_in_s3(s3: Any, namespace: str, name: str) -> set[int]:
+    manifests = [k for k in keys_under(s3, f"runs/{namespace}/{name}/") if k.endswith("/fsdp_manifest.json")]
     return {json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read())["step"] for k in manifests}
 
 
-def run_record(s3: Any, name: str) -> RunRecord:
-    body = s3.get_object(Bucket=BUCKET, Key=f"runs/{name}/run.json")["Body"].read()
+def run_record(s3: Any, namespace: str, name: str) -> RunRecord:
+    body = s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/run.json")["Body"].read()
     return RunRecord.model_validate_json(body)
 
 
@@ -115,7 +115,7 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     status = run["status"]
     conditions = conditions_of(run)
-    for passed in ("Preflight", "ClusterReady", "Succeeded"):
+    for passed in ("Preflight", "ClusterReady", "PodsHealthy", "Succeeded", "Finished"):
         assert conditions[passed]["status"] == "True", conditions[passed]
     assert conditions["JobRunning"]["status"] == "False" and conditions["JobRunning"]["reason"] == "Completed"
     assert status["progress"]["step"] == 40 and status["progress"]["loss"] < 5.5  # ln(260) = 5.56 at random
@@ -125,19 +125,19 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
 
     # Every checkpoint the status lists exists, complete, in S3.
     listed = {c["step"] for c in status["checkpoints"]["recent"]}
-    assert status["checkpoints"]["latest"]["step"] == 40 and listed <= checkpoint_steps_in_s3(s3, name)
+    assert status["checkpoints"]["latest"]["step"] == 40 and listed <= checkpoint_steps_in_s3(s3, namespace, name)
 
     # The digest is what the pods ran (KWOK records imageID as a kubelet would).
     pods = kubectl_json("get", "pods", "-n", namespace, "-l", f"ray.io/cluster={status['rayClusterName']}")
     image_ids = {cs["imageID"] for p in pods["items"] for cs in p["status"]["containerStatuses"]}
     assert image_ids == {status["image"]["digest"]} and status["image"]["consistent"] is True
 
-    record = run_record(s3, name)
+    record = run_record(s3, namespace, name)
     assert record.phase == "Succeeded" and record.image_digest == status["image"]["digest"]
     assert record.trainer_package_sha256 == status["record"]["packageSha256"]
     assert record.versions.torch and record.versions.torch.startswith("2.13")
     assert [c.step for c in record.checkpoints][-1] == 40
-    assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{name}/model"
+    assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{namespace}/{name}/model"
 
 
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
@@ -156,10 +156,10 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     assert restart["reason"] in ("JobFailed", "TrainerFailed") and restart["resumedFromStep"] == 10
     assert status["progress"]["step"] == 40
     # Nothing was lost: the checkpoint resumed from is still there with the later ones (keep: 3).
-    assert {20, 30, 40} <= checkpoint_steps_in_s3(s3, name)
+    assert {20, 30, 40} <= checkpoint_steps_in_s3(s3, namespace, name)
     events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     assert "Restarting" in {e["reason"] for e in events["items"]}
-    assert run_record(s3, name).restarts[0].resumed_from_step == 10
+    assert run_record(s3, namespace, name).restarts[0].resumed_from_step == 10
 
 
 def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_checkpoint(
@@ -182,7 +182,7 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     # The hung job was stopped, not left holding the workers.
     client = JobSubmissionClient(local_cluster.ray_dashboard_url)
     assert str(client.get_job_status(first)) in ("STOPPED", "JobStatus.STOPPED")
-    assert run_record(s3, name).restarts[0].reason == "Hang"
+    assert run_record(s3, namespace, name).restarts[0].reason == "Hang"
 
 
 def test_operator_restarted_mid_run_submits_no_second_job(
@@ -240,7 +240,7 @@ def test_suspend_then_unsuspend_continues_from_the_checkpoint(
     )
     suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
     wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
-    saved = checkpoint_steps_in_s3(s3, name)
+    saved = checkpoint_steps_in_s3(s3, namespace, name)
     assert saved, "suspending must keep the checkpoints"
 
     kubectl(
@@ -249,7 +249,7 @@ def test_suspend_then_unsuspend_continues_from_the_checkpoint(
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     assert run["status"]["attempt"] == 2 and run["status"]["progress"]["step"] == 80
     latest_before = suspended["status"]["checkpoints"]["latest"]["step"]
-    progress = json.loads(s3.get_object(Bucket=BUCKET, Key=f"runs/{name}/progress.json")["Body"].read())
+    progress = json.loads(s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/progress.json")["Body"].read())
     assert progress["resumedFromStep"] >= latest_before
 
 
@@ -267,5 +267,5 @@ def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
         lambda: str(client.get_job_status(submission)) in ("STOPPED", "JobStatus.STOPPED"),
         timeout=60,
     )
-    assert checkpoint_steps_in_s3(s3, name), "deleting the run must leave its checkpoints"
-    assert run_record(s3, name).run_name == name
+    assert checkpoint_steps_in_s3(s3, namespace, name), "deleting the run must leave its checkpoints"
+    assert run_record(s3, namespace, name).run_name == name

@@ -114,7 +114,11 @@ def test_retryable_failure_restarts_from_the_latest_checkpoint_after_backoff() -
     assert waiting.submit_attempt is None and waiting.stop_job == "run-0f1e2d3c-1"
     ended = JobObservation("run-0f1e2d3c-1", "FAILED")
     due = reconcile(spec(), status, Observation(now=later, generation=1, cluster=READY, job=ended))
-    assert due.submit_attempt == 2 and due.status.phase == api.Phase.RUNNING
+    assert due.submit_attempt == 2 and due.status.phase == api.Phase.RESTARTING
+    confirmed = reconcile(
+        spec(), due.status, Observation(now=later, generation=1, cluster=READY, job=job("RUNNING"))
+    )
+    assert confirmed.status.phase == api.Phase.RUNNING and confirmed.submit_attempt is None
     assert due.status.job_submission_id == "run-2"  # recorded in the status before it is submitted
 
 

@@ -88,7 +88,8 @@ def test_ready_cluster_gets_the_first_attempt_recorded_then_submitted() -> None:
     decision = reconcile(spec(), status, obs(cluster=READY, submission_prefix="run-0f1e2d3c"))
     new = decision.status
     assert decision.submit_attempt == 1 and new.attempt == 1 and new.job_submission_id == "run-0f1e2d3c-1"
-    assert new.phase == api.Phase.RUNNING and new.attempt_time == NOW
+    # Running once Ray reports the job; until then the phase stays and the submission is owed.
+    assert new.phase == api.Phase.CLUSTER_READY and new.attempt_time == NOW
     assert conditions.is_true(new.conditions, conditions.CLUSTER_READY)
     submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
     assert submitted is not None and (submitted.status, submitted.reason) == ("Unknown", "Submitted")
