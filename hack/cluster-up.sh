@@ -17,7 +17,7 @@ fi
 start=$(date +%s)
 "$root/hack/build-tools.sh"
 require_free_ports "$APISERVER_PORT" "$S3_PORT" "$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" "$RAY_CLIENT_PORT" \
-  "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
+  "$RAY_DASHBOARD_AGENT_PORT" "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
   { log "stop what holds these ports, or move ours with the variables in hack/lib.sh"; exit 1; }
 rm -rf "$STATE/logs"
 mkdir -p "$STATE/logs" "$STATE/pids"
@@ -34,6 +34,7 @@ mkdir -p "$RAY_TMP"
   start_daemon ray "$VENV/bin/ray" start --head --block \
   --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
   --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
+  --dashboard-agent-listen-port "$RAY_DASHBOARD_AGENT_PORT" \
   --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 
 log "starting S3/EC2 server (moto) on 127.0.0.1:$S3_PORT"
@@ -49,6 +50,8 @@ kwokctl create cluster --name "$CLUSTER_NAME" --runtime binary \
   --kube-scheduler-binary "$root/bin/kube-scheduler" \
   --kwok-controller-binary "$root/bin/kwok" \
   --config "$root/hack/cluster/kwok.yaml" --kubeconfig "$STATE/kubeconfig" \
+  --kube-audit-policy "$root/hack/cluster/audit-policy.yaml" \
+  --extra-args kube-apiserver=audit-log-maxsize=50 --extra-args kube-apiserver=audit-log-maxbackup=2 \
   --wait 5m >"$STATE/logs/kwokctl.log" 2>&1
 
 export KUBECONFIG=$STATE/kubeconfig

@@ -4,17 +4,21 @@
 CACHE=${FSDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fsdp-operator} # builds, kept between clones
 VENV=${FSDP_VENV:-$CACHE/venv}
 STATE=${FSDP_STATE_DIR:-$root/.local-cluster} # pids, logs, kubeconfig, env file of the running cluster
-# Ray puts unix sockets under its temp dir; keep the path short (108-byte limit) and unique per checkout.
-RAY_TMP=/tmp/fsdp-ray-$(printf '%s' "$root" | sha1sum | cut -c1-8)
+# Ray puts unix sockets under its temp dir; keep the path short (108-byte limit) and unique per checkout
+# (FSDP_RAY_TMP moves it, for a second cluster from the same checkout).
+RAY_TMP=${FSDP_RAY_TMP:-/tmp/fsdp-ray-$(printf '%s' "$root" | sha1sum | cut -c1-8)}
 CLUSTER_NAME=${CLUSTER_NAME:-fsdp-local}
 APISERVER_PORT=${APISERVER_PORT:-36443}
 S3_PORT=${S3_PORT:-36900}
 RAY_GCS_PORT=${RAY_GCS_PORT:-36379}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-36265}
 RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-36001}
+RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-36365} # Ray's default, 52365, would be shared by two heads
 KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-36080}
 KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-36081}
 export KWOK_WORKDIR=$STATE/kwok
+# kwokctl writes the apiserver's audit log here (hack/cluster/audit-policy.yaml), rotated at 50 MB, 2 kept.
+APISERVER_AUDIT_LOG=$KWOK_WORKDIR/clusters/$CLUSTER_NAME/logs/audit.log
 export PATH="$root/bin:$VENV/bin:$PATH"
 
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
@@ -58,7 +62,7 @@ dump_logs() {
   local file
   for file in "$KWOK_WORKDIR/clusters/$CLUSTER_NAME"/logs/*.log "$RAY_TMP"/session_latest/logs/dashboard.log \
     "$STATE"/logs/*.log; do
-    [[ -e $file ]] || continue
+    [[ -e $file && $file != "${APISERVER_AUDIT_LOG%.log}"* ]] || continue
     printf -- '--- last lines of %s ---\n' "$file" >&2
     tail -n 20 "$file" >&2
   done
@@ -74,5 +78,6 @@ export AWS_DEFAULT_REGION=us-west-2
 export RAY_DASHBOARD_URL=http://127.0.0.1:$RAY_DASHBOARD_PORT
 export RAY_GCS_ADDRESS=127.0.0.1:$RAY_GCS_PORT
 export FSDP_LOCAL_CLUSTER_STATE=$STATE
+export APISERVER_AUDIT_LOG=$APISERVER_AUDIT_LOG
 ENV
 }
