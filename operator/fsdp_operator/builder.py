@@ -13,6 +13,7 @@ from fsdp_trainer.contract import EfaPolicy
 RAY_VERSION = "2.58.0"
 LABEL_RUN = f"{api.GROUP}/run"  # the run's name, hashed when longer than a label value may be
 ANNOTATION_RUN = f"{api.GROUP}/run-name"  # the run's full name, always
+ANNOTATION_IMAGE = f"{api.GROUP}/image"  # the image the cluster was built with (a tag before the first pull)
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "fsdp-operator"
 LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
@@ -202,7 +203,7 @@ def build_raycluster(
             "name": ray_cluster_name(run.name),
             "namespace": run.namespace,
             "labels": labels,
-            "annotations": {ANNOTATION_RUN: run.name},
+            "annotations": {ANNOTATION_RUN: run.name, ANNOTATION_IMAGE: image},
             "ownerReferences": [owner_reference(run)],
         },
         "spec": {

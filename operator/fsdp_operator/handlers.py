@@ -371,7 +371,10 @@ def _observe_cluster(
             f"RayCluster {raycluster['metadata']['name']} exists and is not owned by this run; "
             "rename the run or delete that RayCluster"
         )
-    drift = builder.cluster_drift(_desired_cluster(ctx, run, spec, status), raycluster)
+    # Compared with what it was built from: pinning the digest after the first pull is not a change.
+    built_with = (raycluster["metadata"].get("annotations") or {}).get(builder.ANNOTATION_IMAGE)
+    desired = builder.build_raycluster(spec, run, built_with, status.zone) if built_with else None
+    drift = builder.cluster_drift(desired or _desired_cluster(ctx, run, spec, status), raycluster)
     return observe_cluster(raycluster, drift)
 
 
@@ -599,20 +602,21 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         settings.watching.client_timeout = 330
         settings.watching.inactivity_timeout = 600
 
-    @kopf.index(*resource, registry=registry)
+    @kopf.index(*resource, id="runs", registry=registry)
     def runs(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
 
-    @kopf.index(*ray_clusters, labels=ours, registry=registry)
+    @kopf.index(*ray_clusters, labels=ours, id="rayclusters", registry=registry)
     def rayclusters(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
 
-    @kopf.index("", "v1", "pods", labels=ours, registry=registry)
+    @kopf.index("", "v1", "pods", labels=ours, id="ray_pods", registry=registry)
     def ray_pods(body: kopf.Body, **_: Any) -> Any:
         cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
         return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
 
     def indexes_of(kwargs: Mapping[str, Any]) -> Indexes:
+        # kopf hands each index to handlers as a keyword argument named by the index's id.
         return Indexes(
             runs=kwargs.get("runs"), rayclusters=kwargs.get("rayclusters"), ray_pods=kwargs.get("ray_pods")
         )

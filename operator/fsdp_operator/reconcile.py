@@ -557,7 +557,7 @@ class _Pass:
         if new.phase == Phase.RUNNING:
             self.fail_attempt(Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran"))
             self.decision.create_cluster = self.decision.status.phase == Phase.RESTARTING
-        elif new.phase != Phase.PROVISIONING and not obs.action_error:
+        elif self.condition_is(conditions.CLUSTER_READY, "True") and not obs.action_error:
             self.condition(conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared")
             self.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")
         return self.decision
@@ -565,7 +565,8 @@ class _Pass:
     def cluster_modified(self, drift: str) -> Decision:
         """A RayCluster edited by hand (fewer workers, another image) cannot run the attempt as recorded:
         stop the job, delete the cluster, and restart on a fresh one."""
-        self.event(True, "ClusterModified", f"the RayCluster no longer matches the run: {drift}")
+        if self.reason_of(conditions.CLUSTER_READY) != "ClusterModified":
+            self.event(True, "ClusterModified", f"the RayCluster no longer matches the run: {drift}")
         self.condition(conditions.CLUSTER_READY, False, "ClusterModified", drift)
         self.decision.delete_cluster = True
         if self.new.phase == Phase.RESTARTING:

@@ -107,10 +107,11 @@ def test_a_cluster_where_none_should_be_is_deleted_not_adopted() -> None:
 
 
 def test_vanished_cluster_of_an_active_run_is_recreated() -> None:
-    status = api.FSDPTrainingRunStatus(phase=api.Phase.CLUSTER_READY, zone="us-west-2b")
+    ready = conditions.set_condition([], conditions.CLUSTER_READY, True, "RayClusterReady", "", NOW, 3)
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.CLUSTER_READY, zone="us-west-2b", conditions=ready)
     decision = reconcile(spec(), status, obs(cluster=None))
     assert decision.create_cluster and decision.status.zone == "us-west-2b"
-    assert decision.events[0].type == "Warning"
+    assert [(e.type, e.reason) for e in decision.events] == [("Warning", "ClusterRecreated")]
 
 
 def test_suspend_deletes_the_cluster() -> None:
