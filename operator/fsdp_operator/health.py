@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -84,21 +84,25 @@ class Health:
             ok, why = self.ready()
             return web.Response(status=200 if ok else 503, text=why + "\n")
 
+        async def probing_the_pool(_: web.Application) -> AsyncIterator[None]:
+            probe = asyncio.create_task(self.probe_pool_forever(), name="handler pool probe")
+            yield
+            probe.cancel()
+
         app = web.Application()
         app.router.add_get("/healthz", healthz)
         app.router.add_get("/readyz", readyz)
+        app.cleanup_ctx.append(probing_the_pool)
         return app
 
 
 async def serve(health: Health, host: str, port: int) -> web.AppRunner:
-    """Starts the probe server and the pool probe; both stop with the returned runner's cleanup()."""
-    pool_probe = asyncio.create_task(health.probe_pool_forever(), name="handler pool probe")
+    """Starts the probe server, which sends its no-ops through the pool until the runner's cleanup()."""
     runner = web.AppRunner(health.app(), access_log=None)
-
-    async def stop_pool_probe(_: web.Application) -> None:
-        pool_probe.cancel()
-
-    runner.app.on_cleanup.append(stop_pool_probe)
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError:
+        await runner.cleanup()
+        raise
     return runner
