@@ -148,13 +148,14 @@ class BlackHoleProxy:
 
     async def _handle(self, connection: _Connection) -> None:
         try:
-            reader, connection.client = await asyncio.open_connection(sock=connection.sock)
-            if not connection.black_holed:
-                await self._forward(connection, reader)
-            if connection.black_holed:
-                while await reader.read(_CHUNK):  # read and ignore until the client gives up
-                    pass
-                await asyncio.Future()  # never answer, never close: only close() ends this
+            with contextlib.suppress(ConnectionError):  # the client reset: nothing left to hold open
+                reader, connection.client = await asyncio.open_connection(sock=connection.sock)
+                if not connection.black_holed:
+                    await self._forward(connection, reader)
+                if connection.black_holed:
+                    while await reader.read(_CHUNK):  # read and ignore until the client gives up
+                        pass
+                    await self._loop.create_future()  # never answer, never close: only close() ends this
         finally:
             self._connections.discard(connection)
             connection.close()
