@@ -67,7 +67,10 @@ class Settings(BaseSettings):
     health_port: int = Field(
         default=8080, ge=0, le=65535, description="Port of /healthz and /readyz; 0 serves no probes."
     )
-    health_bind_address: str = Field(default="0.0.0.0", description="Address the probe server listens on.")
+    health_bind_address: str = Field(
+        default="127.0.0.1",
+        description="Address of the probe server; the chart sets 0.0.0.0 so that the kubelet reaches it.",
+    )
     worker_threads: int = Field(
         default=32, ge=1, le=512, description="Threads that run handlers (each run's pass holds one)."
     )

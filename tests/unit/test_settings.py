@@ -68,6 +68,7 @@ def test_leader_election_and_probe_defaults(monkeypatch: pytest.MonkeyPatch) -> 
     settings = Settings()
     assert settings.leader_election and settings.lease_name == "fsdp-operator"
     assert settings.health_port == 8080 and settings.worker_threads == 32
+    assert settings.health_bind_address == "127.0.0.1"  # loopback outside a pod; the chart opens it up
 
 
 @pytest.mark.parametrize(
