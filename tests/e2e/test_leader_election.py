@@ -7,12 +7,14 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import boto3
 import pytest
+import yaml
 from ray.job_submission import JobSubmissionClient
 
 from tests.harness import (
@@ -23,10 +25,12 @@ from tests.harness import (
     example,
     free_port,
     kubectl,
+    kubectl_json,
     rayclusters,
     wait_for_phase,
     wait_until,
 )
+from tests.netproxy import BlackHoleProxy
 
 BUCKET = "fsdp-e2e"
 CORPUS = "data/stdlib-docstrings.jsonl"
@@ -89,27 +93,37 @@ def s3(local_cluster: LocalCluster) -> Any:
 
 
 @pytest.fixture
-def replicas(
+def start_replica(
     namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
-) -> Iterator[list[Replica]]:
-    """Two replicas as the demo runs the operator (jobs to the local Ray head, on CPU), electing in the test's
-    namespace; the first is started first, so it is normally the one elected."""
+) -> Iterator[Callable[..., Replica]]:
+    """Starts replicas as the demo runs the operator (jobs to the local Ray head, on CPU), electing in the
+    test's namespace; stops them all at the end and prints their logs."""
     env = {
         "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
         "FSDP_OPERATOR_DASHBOARD_URL": local_cluster.ray_dashboard_url,
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
     }
-    pair = [Replica(name, namespace, env, tmp_path / f"{name}.log") for name in ("replica-a", "replica-b")]
-    for replica in pair:
+    started: list[Replica] = []
+
+    def start(name: str, **extra_env: str) -> Replica:
+        replica = Replica(name, namespace, {**env, **extra_env}, tmp_path / f"{name}.log")
         replica.process.start()
+        started.append(replica)
+        return replica
+
     try:
-        yield pair
+        yield start
     finally:
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
-        for replica in pair:
+        for replica in started:
             replica.process.stop()
             print(f"--- {replica.name} log ---\n{replica.log()[-6000:]}")
+
+
+@pytest.fixture
+def replicas(start_replica: Callable[..., Replica]) -> list[Replica]:
+    return [start_replica("replica-a"), start_replica("replica-b")]
 
 
 def elected(namespace: str, replicas: list[Replica]) -> tuple[Replica, Replica]:
@@ -194,3 +208,39 @@ def test_stopped_leader_releases_the_lease_so_the_standby_takes_over_at_once(
     assert "released lease" in leader.log()
     # The Lease was handed over, not left to expire: well under its 15 s duration after the exit.
     assert took_over < 5
+
+
+def test_leader_cut_off_from_the_apiserver_stops_acting_before_the_standby_starts(
+    namespace: str, start_replica: Callable[..., Replica], local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    apiserver = urlparse(kubectl_json("config", "view", "--minify")["clusters"][0]["cluster"]["server"])
+    with BlackHoleProxy("127.0.0.1", apiserver.port or 443) as proxy:
+        # The first replica reaches the apiserver only through the proxy; it is started alone, so it leads.
+        config = yaml.safe_load(Path(local_cluster.kubeconfig).read_text())
+        for cluster in config["clusters"]:
+            cluster["cluster"]["server"] = f"https://127.0.0.1:{proxy.port}"
+        via_proxy = tmp_path / "kubeconfig-via-proxy"
+        via_proxy.write_text(yaml.safe_dump(config))
+        cut_off = start_replica("replica-a", KUBECONFIG=str(via_proxy))
+        wait_until("replica-a to lead", lambda: "leader, handlers" in cut_off.probe("/readyz")[1], timeout=60)
+        standby = start_replica("replica-b")
+        wait_until("replica-b to stand by", lambda: standby.probe("/readyz")[0] == 200, timeout=60)
+        assert holder_replica(namespace, [cut_off, standby]) is cut_off
+
+        proxy.black_hole()  # the leader's requests now hang: it can no longer renew the Lease
+        cut = time.monotonic()
+        process = cut_off.process.process
+        assert process
+        wait_until("the cut-off leader to exit", lambda: process.poll() is not None, timeout=30, interval=0.1)
+        exited = time.monotonic() - cut
+        assert holder_replica(namespace, [cut_off, standby]) is not standby, "two leaders at once"
+        wait_until(
+            "the standby to take the Lease",
+            lambda: holder_replica(namespace, [cut_off, standby]) is standby,
+            timeout=TAKEOVER_LIMIT,
+            interval=0.1,
+        )
+        took_over = time.monotonic() - cut
+    print(f"leader cut off: it exited after {exited:.1f}s, the standby took the Lease after {took_over:.1f}s")
+    assert process.returncode == 1 and "leadership lost (lease not renewed" in cut_off.log()
+    assert exited < took_over < TAKEOVER_LIMIT
