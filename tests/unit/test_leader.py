@@ -151,10 +151,10 @@ def test_unreachable_apiserver_is_a_failed_try_not_a_crash() -> None:
 
 @pytest.fixture
 def fast_election(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Election timings scaled down 20x, so a renew deadline passes in half a second."""
-    monkeypatch.setattr(leader, "RENEW_INTERVAL", 0.25)
+    """Election timings scaled down 10x (renewals 25x), so a renew deadline passes in a second."""
+    monkeypatch.setattr(leader, "RENEW_INTERVAL", 0.2)
     monkeypatch.setattr(leader, "RETRY_PERIOD", 0.1)
-    monkeypatch.setattr(leader, "RENEW_DEADLINE", 0.5)
+    monkeypatch.setattr(leader, "RENEW_DEADLINE", 1.0)
     monkeypatch.setattr(leader, "WATCHDOG_TICK", 0.02)
 
 
@@ -199,18 +199,18 @@ def test_holder_that_keeps_renewing_keeps_acting() -> None:
 def test_holder_stops_acting_at_the_renew_deadline_when_the_apiserver_is_unreachable() -> None:
     store = FakeLeases()
     lost, after = lead(store, meanwhile=lambda: setattr(store, "unreachable", True))
-    assert lost and "not renewed" in lost[0] and after < 0.5 + 0.2
+    assert lost and "not renewed" in lost[0] and after < 1.0 + 0.5
 
 
 @fast
 def test_holder_stops_acting_at_the_deadline_even_while_a_call_hangs() -> None:
     store = FakeLeases()
-    lost, after = lead(store, meanwhile=lambda: setattr(store, "after_read", lambda: time.sleep(1.5)))
-    assert lost and "not renewed" in lost[0] and after < 0.5 + 0.2
+    lost, after = lead(store, meanwhile=lambda: setattr(store, "after_read", lambda: time.sleep(3)))
+    assert lost and "not renewed" in lost[0] and after < 1.0 + 0.5
 
 
 @fast
 def test_holder_stops_acting_at_once_when_another_holds_the_lease() -> None:
     store = FakeLeases()
     lost, after = lead(store, meanwhile=lambda: setattr(store, "current", lease("usurper", version="99")))
-    assert lost == ["lease taken by usurper"] and after < 0.5
+    assert lost == ["lease taken by usurper"] and after < 1.0
