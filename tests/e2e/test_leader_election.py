@@ -47,6 +47,7 @@ class Replica:
         replica_env = {
             **env,
             "POD_NAME": name,
+            "FSDP_OPERATOR_LEADER_ELECTION": "true",
             "FSDP_OPERATOR_LEASE_NAMESPACE": namespace,
             "FSDP_OPERATOR_HEALTH_PORT": str(self.port),
             "FSDP_OPERATOR_HEALTH_BIND_ADDRESS": "127.0.0.1",
