@@ -100,7 +100,7 @@ def claimed_spec(lease: Lease | None, identity: str, now: dt.datetime) -> client
     return client.V1LeaseSpec(
         holder_identity=identity,
         lease_duration_seconds=LEASE_DURATION,
-        acquire_time=kept_acquire_time or micro_time(now),
+        acquire_time=micro_time(kept_acquire_time or now),
         renew_time=micro_time(now),
         lease_transitions=transitions,
     )
@@ -167,9 +167,8 @@ class Elector:
     ) -> None:
         self.store, self.identity = store, identity
         self.clock, self.wall_clock = clock, wall_clock
-        self.seen_version: str | None = (
-            None  # the Lease's resourceVersion when this candidate last saw it change
-        )
+        # The Lease's resourceVersion when this candidate last saw it change, and when (on its own clock).
+        self.seen_version: str | None = None
         self.seen_at = 0.0
         self.last_contact: float | None = None  # when the apiserver last answered (standby readiness)
         self.renewed_at = 0.0  # when the last successful acquisition or renewal began (its write came later)

@@ -49,8 +49,12 @@ def test_renewal_keeps_acquire_time_and_takeover_counts_a_transition() -> None:
 
 
 def test_times_always_carry_microseconds_as_micro_time_needs() -> None:
-    on_the_second = claimed_spec(None, "me", NOW.replace(microsecond=0))
-    assert client.ApiClient().sanitize_for_serialization(on_the_second.renew_time).endswith(".000001+00:00")
+    """The apiserver refuses a MicroTime without six fractional digits, and isoformat() drops a zero one."""
+    on_the_second = NOW.replace(microsecond=0)
+    acquired = claimed_spec(None, "me", on_the_second)
+    renewed = claimed_spec(Lease("me", 15, on_the_second, 0, "1"), "me", NOW)
+    for sent in (acquired.acquire_time, acquired.renew_time, renewed.acquire_time):
+        assert client.ApiClient().sanitize_for_serialization(sent).endswith(".000001+00:00")
 
 
 class FakeLeases:
