@@ -88,45 +88,32 @@ def write_checkpoint(
     return directory
 
 
-def test_resume_scans_storage_when_the_latest_reported_checkpoint_is_incomplete(tmp_path: Path) -> None:
+def test_resume_skips_an_incomplete_newest_checkpoint_in_storage(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_checkpoint(run, 8)
     write_checkpoint(run, 16)
-    latest = write_checkpoint(run, 24, complete=False)
-    (run / "checkpoint_manager_snapshot.json").write_text("{}")  # Ray's own file: not a checkpoint
-    found = find_resume_point(
-        Location.parse(str(run)), "auto", "s2", FINGERPRINT, latest_reported=Location.parse(str(latest))
-    )
+    write_checkpoint(run, 24, complete=False)  # a save that never finished
+    (run / "checkpoint_manager_snapshot.json").write_text("{}")  # not a checkpoint directory
+    found = find_resume_point(Location.parse(str(run)), "auto", "s2", FINGERPRINT)
     assert found is not None and found.manifest is not None and found.manifest.step == 16
-
-
-def test_resume_prefers_a_newer_complete_checkpoint_than_rays_latest(tmp_path: Path) -> None:
-    # A job stopped (suspend) after step 20's checkpoint was complete in storage but before Ray registered it.
-    run = tmp_path / "run"
-    reported = write_checkpoint(run, 10)
-    write_checkpoint(run, 20)
-    found = find_resume_point(
-        Location.parse(str(run)), "auto", "s2", FINGERPRINT, latest_reported=Location.parse(str(reported))
-    )
-    assert found is not None and found.manifest is not None and found.manifest.step == 20
 
 
 def test_resume_never_uses_only_this_submissions_checkpoints(tmp_path: Path) -> None:
     run = tmp_path / "run"
     write_checkpoint(run, 24, submission="earlier")
-    assert find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT, None) is None
+    assert find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT) is None
     write_checkpoint(run, 8, submission="now")  # an in-job retry of this submission
-    found = find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT, None)
+    found = find_resume_point(Location.parse(str(run)), "never", "now", FINGERPRINT)
     assert found is not None and found.manifest is not None and found.manifest.step == 8
 
 
 def test_an_explicit_uri_is_used_when_the_run_has_none_of_its_own(tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other-run", 40)
     run = Location.parse(str(tmp_path / "run"))
-    found = find_resume_point(run, str(other), "s1", FINGERPRINT, None)
+    found = find_resume_point(run, str(other), "s1", FINGERPRINT)
     assert found is not None and found.location.path == str(other)
     write_checkpoint(tmp_path / "run", 8)
-    own = find_resume_point(run, str(other), "s1", FINGERPRINT, None)
+    own = find_resume_point(run, str(other), "s1", FINGERPRINT)
     assert own is not None and own.manifest is not None and own.manifest.step == 8, (
         "own progress wins on retry"
     )
@@ -135,7 +122,7 @@ def test_an_explicit_uri_is_used_when_the_run_has_none_of_its_own(tmp_path: Path
 def test_an_incomplete_explicit_uri_is_a_config_error(tmp_path: Path) -> None:
     broken = write_checkpoint(tmp_path / "other-run", 40, complete=False)
     with pytest.raises(ConfigError, match="not a complete checkpoint"):
-        find_resume_point(Location.parse(str(tmp_path / "run")), str(broken), "s1", FINGERPRINT, None)
+        find_resume_point(Location.parse(str(tmp_path / "run")), str(broken), "s1", FINGERPRINT)
 
 
 @pytest.mark.parametrize("theirs", ["fedcba9876543210", None], ids=["other-config", "no-fingerprint"])
@@ -146,7 +133,7 @@ def test_checkpoints_of_another_configuration_are_refused_not_loaded(
     write_checkpoint(run, 8)
     write_checkpoint(run, 16, fingerprint=theirs)
     with pytest.raises(ConfigError) as refused:
-        find_resume_point(Location.parse(str(run)), "auto", "s2", FINGERPRINT, None)
+        find_resume_point(Location.parse(str(run)), "auto", "s2", FINGERPRINT)
     message = str(refused.value)
     assert "another configuration" in message and FINGERPRINT in message
     assert (theirs or "none") in message
@@ -155,7 +142,7 @@ def test_checkpoints_of_another_configuration_are_refused_not_loaded(
 
 def test_an_explicit_uri_from_another_configuration_is_the_users_choice(tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other-run", 40, fingerprint="fedcba9876543210")
-    found = find_resume_point(Location.parse(str(tmp_path / "run")), str(other), "s1", FINGERPRINT, None)
+    found = find_resume_point(Location.parse(str(tmp_path / "run")), str(other), "s1", FINGERPRINT)
     assert found is not None and found.location.path == str(other)
 
 

@@ -87,6 +87,7 @@ def test_relative_local_paths_become_absolute(tmp_path: Path, monkeypatch: pytes
         (["--model.source", "Qwen/Qwen2.5-1.5B"], "exactly one of model.source"),
         (["--network.efa", "required"], "needs GPU workers"),
         (["--training.warmup-steps", "100", "--training.max-steps", "100"], "warmupSteps"),
+        (["--fsdp.mixed-precision", "fp16"], "fp16 needs loss scaling"),
     ],
 )
 def test_inconsistent_configs_are_config_errors(argv: list[str], message: str) -> None:

@@ -29,6 +29,8 @@ def test_attention_term_grows_with_sequence_length() -> None:
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA A10G", 125e12),
         ("NVIDIA L40S", 362e12),
+        ("NVIDIA L40", 181e12),  # not the L4's figure
+        ("NVIDIA H200 NVL", 835e12),  # not the SXM part's
     ],
 )
 def test_peak_flops_by_device_name(device: str, peak: float) -> None:

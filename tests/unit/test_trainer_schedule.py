@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdp_trainer.contract import Schedule, TrainingSpec
-from fsdp_trainer.optim import build_optimizer, build_scheduler, lr_factor
+from fsdp_trainer.optim import build_optimizer, build_scheduler, clip_gradients, lr_factor
 
 
 def spec(**fields: object) -> TrainingSpec:
@@ -64,3 +64,18 @@ def test_weight_decay_applies_to_matrices_only() -> None:
     decayed, plain = build_optimizer(model, spec(weight_decay=0.1)).param_groups
     assert decayed["weight_decay"] == 0.1 and [p.ndim for p in decayed["params"]] == [2]
     assert plain["weight_decay"] == 0.0 and all(p.ndim == 1 for p in plain["params"])
+
+
+def test_without_clipping_an_overflowed_gradient_is_reported_not_turned_into_nan() -> None:
+    finite, overflowed = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))
+    finite.grad, overflowed.grad = torch.full((3,), 2.0), torch.tensor([math.inf, 1.0])
+    norm = clip_gradients([finite, overflowed], max_norm=0)
+    assert math.isinf(float(norm))
+    assert torch.equal(finite.grad, torch.full((3,), 2.0)), "clipping disabled leaves gradients as they are"
+
+
+def test_clipping_scales_gradients_to_the_maximum_norm() -> None:
+    weight = torch.nn.Parameter(torch.zeros(2))
+    weight.grad = torch.tensor([3.0, 4.0])
+    assert float(clip_gradients([weight], max_norm=1.0)) == pytest.approx(5.0)
+    assert float(torch.linalg.vector_norm(weight.grad)) == pytest.approx(1.0, rel=1e-5)

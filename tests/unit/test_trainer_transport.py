@@ -42,6 +42,14 @@ ip-10-0-1-5:88:121 [0] NCCL INFO Channel 00/0 : 7[3] -> 0[0] [receive] via NET/L
 ip-10-0-1-5:88:121 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
 """
 
+# p5 with PXN: the proxy rank follows the device, "/0(8)/GDRDMA".
+PXN_GDR_LOG = """\
+ip-10-1-2-3:77:99 [1] NCCL INFO NET/OFI Selected provider is efa, fabric is efa (found 32 nics)
+ip-10-1-2-3:77:99 [1] NCCL INFO Using network Libfabric
+ip-10-1-2-3:77:101 [1] NCCL INFO Channel 02/0 : 1[1] -> 9[1] [send] via NET/Libfabric/0(0)/GDRDMA
+ip-10-1-2-3:77:101 [1] NCCL INFO Channel 03/0 : 9[1] -> 1[1] [receive] via NET/Libfabric/2(8)/GDRDMA
+"""
+
 # Older plugin wording: "Selected Provider", "AWS Libfabric".
 OLD_PLUGIN_LOG = """\
 0: ip-10-1-14-81:6158:9214 [2] NCCL INFO NET/OFI Selected Provider is efa (found 4 nics)
@@ -83,12 +91,13 @@ def parse(text: str) -> RankTransport:
     [
         (EFA_GDR_LOG, {Transport.EFA_GPUDIRECT}),
         (EFA_LOG, {Transport.EFA}),
+        (PXN_GDR_LOG, {Transport.EFA_GPUDIRECT}),
         (OLD_PLUGIN_LOG, {Transport.EFA_GPUDIRECT}),
         (SOCKET_LOG, {Transport.SOCKET}),
         (LIBFABRIC_TCP_LOG, {Transport.SOCKET}),
         (INTRA_NODE_LOG, set()),
     ],
-    ids=["efa-gdr", "efa", "old-plugin", "socket", "libfabric-tcp", "intra-node"],
+    ids=["efa-gdr", "efa", "pxn-gdr", "old-plugin", "socket", "libfabric-tcp", "intra-node"],
 )
 def test_network_channels_are_classified(log: str, channels: set[Transport]) -> None:
     assert parse(log).network_channels == channels

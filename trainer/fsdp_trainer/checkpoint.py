@@ -1,10 +1,11 @@
 """Checkpoints: DCP shards of model + optimizer, with scheduler, data position and step, per-rank RNG files,
 and our manifest, which is written last and makes a checkpoint usable.
 
-Saving: every rank `dcp.save`s into a fresh local directory; the directories are persisted side by side into
-`<storage>/<run>/<name>/` (through `ray.train.report` under Ray, so Ray's CheckpointConfig keeps K); once
-every rank has persisted, rank 0 checks that storage holds every file at its size and writes the manifest.
-A crash anywhere before that leaves a checkpoint without a manifest, which resumption never picks.
+Saving (CheckpointSaver): the state is staged into host memory while training waits; writing the DCP shards,
+uploading them into `<run prefix>/<name>/`, and the manifest follow in the background. Rank 0 writes the
+manifest only once every rank's files are in storage at their sizes; a crash anywhere before that leaves a
+checkpoint without a manifest, which resumption never picks. Checkpoints are not reported to Ray Train:
+resumption scans storage, and `prune` keeps the newest `keep` complete ones.
 """
 
 from __future__ import annotations
@@ -15,12 +16,17 @@ import os
 import random
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from pydantic import ValidationError
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -59,7 +65,7 @@ class AppState(Stateful):
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        scheduler: torch.optim.lr_scheduler.LambdaLR,
         train: TrainState,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
@@ -74,6 +80,13 @@ class AppState(Stateful):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restores weights, optimizer moments, schedule position and loop position. Hyperparameters come
+        from this run's configuration, not the checkpoint: a learning rate or weight decay changed between
+        submissions applies from the first resumed step."""
+        configured = [
+            {key: value for key, value in group.items() if key != "params"}
+            for group in self.optimizer.param_groups
+        ]
         set_state_dict(
             self.model,
             self.optimizer,
@@ -81,6 +94,13 @@ class AppState(Stateful):
             optim_state_dict=state_dict["optimizer"],
         )
         self.scheduler.load_state_dict(state_dict["scheduler"])
+        for group, settings in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(settings)
+        scheduler = self.scheduler
+        scheduler.base_lrs = [group["initial_lr"] for group in self.optimizer.param_groups]
+        for group, factor in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+            group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
+        scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr() reads it
         for key, value in state_dict["train"].items():
             setattr(self.train, key, value)
 
@@ -163,21 +183,15 @@ def run_checkpoints(run: Location) -> list[Candidate]:
     return [inspect(d) for d in run.list_dirs() if d.name.startswith(CHECKPOINT_PREFIX)]
 
 
-def find_resume_point(
-    run: Location, resume: str, submission_id: str, fingerprint: str, latest_reported: Location | None
-) -> Candidate | None:
-    """Where to start: this run's newest complete checkpoint, from a scan of the run directory plus Ray's
-    latest reported one (a job stopped mid-report can leave a newer complete checkpoint that Ray never
-    registered, and Ray's latest may be incomplete); with resume=never only checkpoints of this submission
-    count (in-job retries); failing those, an explicit resume URI, which must be complete.
+def find_resume_point(run: Location, resume: str, submission_id: str, fingerprint: str) -> Candidate | None:
+    """Where to start: this run's newest complete checkpoint in storage; with resume=never only checkpoints
+    of this submission count (in-job retries); failing those, an explicit resume URI, which must be complete.
 
     A checkpoint of the run's own prefix is used only when its manifest carries `fingerprint` (the run's
     TrainerConfig.resume_fingerprint()): another model, data or seed under the same prefix is a ConfigError,
     never a silent resume into the wrong run. An explicit URI is the user's deliberate choice and exempt."""
     own_only = submission_id if resume == RESUME_NEVER else None
     candidates = run_checkpoints(run)
-    if latest_reported is not None and all(c.location.uri != latest_reported.uri for c in candidates):
-        candidates.append(inspect(latest_reported))
     found = newest_complete(candidates, own_only)
     if found is not None:
         require_fingerprint(run, found, fingerprint)
@@ -224,86 +238,174 @@ def prune(run: Location, keep: int) -> None:
 # Saving and loading
 
 
-class Persist(Protocol):
-    """Puts one rank's local checkpoint directory into storage under the given name (a collective)."""
+@dataclass(frozen=True)
+class SaveIdentity:
+    """What every manifest of this attempt records besides the step."""
 
-    def __call__(self, local_dir: str, name: str, metrics: dict[str, Any]) -> None: ...
-
-
-def ray_persist(local_dir: str, name: str, metrics: dict[str, Any]) -> None:
-    """Ray Train uploads each rank's directory into the same checkpoint and tracks it (keep K, resume)."""
-    import ray.train
-
-    ray.train.report(
-        metrics, checkpoint=ray.train.Checkpoint.from_directory(local_dir), checkpoint_dir_name=name
-    )
-
-
-def direct_persist(run: Location) -> Persist:
-    """Without Ray (torchrun): every rank copies its files into the checkpoint directory itself."""
-
-    def persist(local_dir: str, name: str, metrics: dict[str, Any]) -> None:
-        run.child(name).upload_from(local_dir)
-
-    return persist
-
-
-@dataclass
-class SaveContext:
-    run: Location
     run_name: str
     submission_id: str
     fingerprint: str
-    rank: int
     world_size: int
     versions: Versions
-    gather: Callable[[Any], list[Any]]
-    barrier: Callable[[], None]
 
 
-def save(
-    context: SaveContext,
-    app_state: AppState,
-    name: str,
-    loss: float | None,
-    persist: Persist,
-) -> CheckpointManifest | None:
-    """Saves a checkpoint on every rank; rank 0 returns the manifest it wrote."""
-    local_dir = tempfile.mkdtemp(prefix="fsdp-checkpoint-")
-    try:
-        dcp_save({"app": app_state}, checkpoint_id=local_dir)
-        save_rng(local_dir, context.rank)
-        local_files = {entry.name: entry.stat().st_size for entry in os.scandir(local_dir) if entry.is_file()}
-        all_files = {name: size for files in context.gather(local_files) for name, size in files.items()}
+@dataclass(frozen=True)
+class SaveResult:
+    """One finished save: rank 0's manifest (None on other ranks) and how long training was blocked."""
+
+    manifest: CheckpointManifest | None
+    blocked_seconds: float
+
+
+class CheckpointSaver:
+    """Saves checkpoints with the training step blocked only while the state is copied off the device.
+
+    `start` stages model, optimizer, scheduler and loop position into host memory (DCP's DefaultStager, pinned
+    on CUDA, reused between saves) and returns; a background thread then writes the DCP shards to local disk
+    (`dcp.save`), uploads this rank's files, and gathers every rank's file list, which also tells rank 0 that
+    every rank's files are in storage. Rank 0 then checks storage holds every file at its size, writes the
+    manifest last, prunes, and tells the other ranks. A crash before the manifest leaves a checkpoint that
+    resumption never picks (a crash while a save is in flight resumes from the checkpoint before it).
+
+    The background collectives run on a gloo group of their own, so they never interleave with training's.
+    At most one save is in flight: `start` and `wait` first finish the previous one.
+    """
+
+    def __init__(
+        self,
+        run: Location,
+        identity: SaveIdentity,
+        rank: int,
+        keep: int,
+        device: torch.device,
+        asynchronous: bool = True,
+    ) -> None:
+        self.run, self.identity, self.rank, self.keep = run, identity, rank, keep
+        self.asynchronous = asynchronous
+        self.group = dist.new_group(backend="gloo")  # a collective: every rank builds it at the same point
+        on_cuda = device.type == "cuda"
+        self.stager = DefaultStager(
+            StagingOptions(
+                use_pinned_memory=on_cuda,
+                use_shared_memory=False,
+                use_async_staging=False,  # staging is the part training waits for, by design
+                use_non_blocking_copy=False,
+            )
+        )
+        self._pending: _BackgroundSave | None = None
+
+    def start(self, app_state: AppState, name: str, loss: float | None) -> float:
+        """Begins a save of the current state; returns the seconds training was blocked (including waiting
+        for the previous save, and the whole save when not asynchronous)."""
+        started = time.perf_counter()
+        self.wait()
+        local_dir = tempfile.mkdtemp(prefix="fsdp-checkpoint-")
+        save_rng(local_dir, self.rank)
+        staged = self.stager.stage({"app": app_state.state_dict()})
+        if isinstance(staged, Future):  # only with use_async_staging, which this stager does not use
+            staged = staged.result()
         train = app_state.train
-        persist(local_dir, name, {"step": train.step, "loss": loss, "tokens_seen": train.tokens_seen})
-        context.barrier()  # every rank's files are in storage
-    finally:
-        shutil.rmtree(local_dir, ignore_errors=True)
-    if context.rank != 0:
-        return None
-    location = context.run.child(name)
-    stored = location.list_files()
-    missing = {n: size for n, size in all_files.items() if stored.get(n) != size}
-    if missing:
-        raise OSError(f"checkpoint {location.uri} is missing or has wrong sizes for {sorted(missing)}")
-    manifest = CheckpointManifest(
-        run_name=context.run_name,
-        step=train.step,
-        loss=loss,
-        tokens_seen=train.tokens_seen,
-        world_size=context.world_size,
-        created_at=dt.datetime.now(dt.UTC),
-        versions=context.versions,
-        files=all_files,
-        submission_id=context.submission_id,
-        fingerprint=context.fingerprint,
-    )
-    location.child(MANIFEST_FILE).write_text(manifest.to_json())
-    log.info(
-        "checkpoint step %d complete at %s (%d bytes)", train.step, location.uri, sum(all_files.values())
-    )
-    return manifest
+        manifest = CheckpointManifest(
+            run_name=self.identity.run_name,
+            step=train.step,
+            loss=loss,
+            tokens_seen=train.tokens_seen,
+            world_size=self.identity.world_size,
+            created_at=dt.datetime.now(dt.UTC),
+            versions=self.identity.versions,
+            files={},
+            submission_id=self.identity.submission_id,
+            fingerprint=self.identity.fingerprint,
+        )
+        self._pending = _BackgroundSave(lambda: self._complete(staged, local_dir, name, manifest))
+        if not self.asynchronous:
+            self.wait()
+        return time.perf_counter() - started
+
+    def wait(self) -> SaveResult | None:
+        """Finishes the save in flight (if any): when it returns, on any rank, the checkpoint is complete
+        (manifest written). Raises what the save raised."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        started = time.perf_counter()
+        manifest = pending.result()
+        return SaveResult(manifest, time.perf_counter() - started)
+
+    def close(self) -> None:
+        self.stager.close()
+
+    def _complete(
+        self, staged: dict[str, Any], local_dir: str, name: str, manifest: CheckpointManifest
+    ) -> CheckpointManifest | None:
+        location = self.run.child(name)
+        try:
+            failure: str | None = None
+            local_files: dict[str, int] = {}
+            try:
+                dcp_save(staged, checkpoint_id=local_dir, process_group=self.group)
+                local_files = {e.name: e.stat().st_size for e in os.scandir(local_dir) if e.is_file()}
+                location.upload_from(local_dir)
+            except Exception as error:  # every rank must still reach the gather below, or the others hang
+                failure = f"rank {self.rank}: {type(error).__name__}: {error}"
+            gathered: list[Any] = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(gathered, (local_files, failure), group=self.group)
+        finally:
+            shutil.rmtree(local_dir, ignore_errors=True)
+        failures = [failed for _, failed in gathered if failed]
+        if failures:
+            raise OSError(f"checkpoint {location.uri} failed: {'; '.join(failures)}")
+        outcome: list[Any] = [None]
+        if self.rank == 0:
+            try:
+                outcome[0] = self._finalise(location, manifest, gathered)
+            except Exception as error:  # the other ranks wait for the outcome below
+                outcome[0] = f"{type(error).__name__}: {error}"
+        # Every rank learns that the manifest is written, so wait() anywhere means "complete".
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if isinstance(outcome[0], str):
+            raise OSError(f"checkpoint {location.uri} failed: {outcome[0]}")
+        return outcome[0] if self.rank == 0 else None
+
+    def _finalise(
+        self, location: Location, manifest: CheckpointManifest, gathered: list[Any]
+    ) -> CheckpointManifest:
+        """Rank 0: every file in storage at its size, then the manifest, then pruning."""
+        all_files = {file: size for files, _ in gathered for file, size in files.items()}
+        stored = location.list_files()
+        missing = {file: size for file, size in all_files.items() if stored.get(file) != size}
+        if missing:
+            raise OSError(f"missing or wrong sizes in storage for {sorted(missing)}")
+        manifest = manifest.model_copy(update={"files": all_files})
+        location.child(MANIFEST_FILE).write_text(manifest.to_json())
+        size = sum(all_files.values())
+        log.info("checkpoint step %d complete at %s (%d bytes)", manifest.step, location.uri, size)
+        prune(self.run, self.keep)
+        return manifest
+
+
+class _BackgroundSave:
+    """A daemon thread and its outcome: a save stuck in a collective with a dead peer must not keep the
+    process from exiting (concurrent.futures' workers are joined at exit)."""
+
+    def __init__(self, work: Callable[[], CheckpointManifest | None]) -> None:
+        self._work = work
+        self._manifest: CheckpointManifest | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="checkpoint-save", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._manifest = self._work()
+        except BaseException as error:  # handed to the training thread by result()
+            self._error = error
+
+    def result(self) -> CheckpointManifest | None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._manifest
 
 
 def load(

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from fsdp_trainer.contract import EfaPolicy, TrainerConfig
+from fsdp_trainer.contract import EfaPolicy, Precision, TrainerConfig
 from fsdp_trainer.errors import ConfigError
 
 DESCRIPTION = """FSDP2 fine-tuning on Ray Train.
@@ -202,6 +202,11 @@ def check(config: TrainerConfig) -> None:
         raise ConfigError("set exactly one of model.source and model.fromConfig")
     if config.network.efa == EfaPolicy.REQUIRED and config.gpus_per_worker == 0:
         raise ConfigError("network.efa=required needs GPU workers (CPU training uses gloo over TCP)")
+    if config.fsdp.mixed_precision == Precision.FP16:
+        raise ConfigError(
+            "fsdp.mixedPrecision fp16 needs loss scaling, which this trainer does not do (fp16 gradients "
+            "underflow to zero without it); use bf16 (Ampere and newer: A10G, L4, A100, H100) or fp32"
+        )
     if config.training.warmup_steps >= config.training.max_steps and config.training.warmup_steps > 0:
         raise ConfigError("training.warmupSteps must be below training.maxSteps")
 

@@ -137,7 +137,11 @@ class TrainingSpec(ContractModel):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm; 0 disables it.")
     seed: int = Field(default=0, ge=0, description="Seed for initialisation, data order and dropout.")
-    log_every: int = Field(default=1, ge=1, description="Steps between metric records.")
+    log_every: int = Field(
+        default=10,
+        ge=1,
+        description="Steps between metric records; each costs a host sync and two small all-reduces.",
+    )
 
 
 class DataSpec(ContractModel):
@@ -306,6 +310,11 @@ class ProgressRecord(ContractModel):
     step_time_seconds: float | None = None
     mfu: float | None = None
     peak_memory_bytes: int | None = None
+    checkpoint_blocked_seconds: float | None = Field(
+        default=None,
+        description="Seconds the latest checkpoint held training up (staging the state off the device); "
+        "writing and uploading it continue in the background.",
+    )
     tokens_seen: int = 0
     world_size: int = 1
     resumed_from_step: int | None = None

@@ -30,7 +30,7 @@ def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
     """Trains to the end (Ray Train restarts the workers up to maxFailures times, resuming from the latest
     checkpoint); returns the process exit code."""
     import ray
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
 
     if not ray.is_initialized():
@@ -47,9 +47,8 @@ def run_with_ray(config: TrainerConfig, submission_id: str) -> int:
         name=config.run_name,
         storage_path=config.run_uri().removesuffix(f"/{config.run_name}"),  # Ray appends name
         failure_config=FailureConfig(max_failures=config.max_failures),
-        # Ray counts a checkpoint when it is reported, before its manifest exists; one extra keeps `keep`
-        # complete ones while the newest is being completed.
-        checkpoint_config=CheckpointConfig(num_to_keep=config.checkpoint.keep + 1),
+        # No checkpoint_config: the workers save, upload and prune checkpoints themselves, in the background
+        # (checkpoint.CheckpointSaver), and resumption scans storage; nothing is reported to Ray.
         worker_runtime_env={"env_vars": worker_environment(config)},
     )
     trainer = TorchTrainer(

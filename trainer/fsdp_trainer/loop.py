@@ -7,7 +7,6 @@ import datetime as dt
 import logging
 import math
 import os
-import resource
 import tempfile
 import time
 from dataclasses import dataclass
@@ -17,22 +16,21 @@ import torch
 import torch.distributed as dist
 from pydantic import BaseModel
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from fsdp_trainer import checkpoint, data, distributed, model, optim, parallelize, transport
 from fsdp_trainer.contract import (
     MODEL_DIR,
     Precision,
-    ProgressRecord,
     SetupStage,
     TrainerConfig,
     Transport,
     TransportReport,
 )
 from fsdp_trainer.errors import ConfigError, classify
-from fsdp_trainer.metrics import flops_per_token, model_flops_utilisation, peak_flops
+from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
 from fsdp_trainer.storage import Location
+from fsdp_trainer.telemetry import MetricsProcessor, Throughput
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +70,11 @@ def train_loop(config: dict[str, Any]) -> None:
             worker.progress.flush_history()
         raise
     finally:
+        if worker.saver is not None:
+            worker.saver.close()
         if worker.progress is not None:
             worker.progress.close()
         distributed.stop(runtime)
-
-
-@dataclass
-class Interval:
-    """Step timings since the last metric record."""
-
-    start: float
-    steps: int = 0
-
-    def reset(self) -> None:
-        self.start, self.steps = time.perf_counter(), 0
 
 
 @dataclass
@@ -100,10 +89,10 @@ class Session:
     dtype: torch.dtype
     datasets: data.Datasets
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LambdaLR
     app_state: checkpoint.AppState
     layout: data.BatchLayout
-    flops_per_token: float
+    throughput: Throughput
 
     @property
     def state(self) -> checkpoint.TrainState:
@@ -119,6 +108,7 @@ class Worker:
         self.progress: ProgressWriter | None = None  # rank 0 only
         self.versions = versions()
         self.evaluated_at_step: int | None = None
+        self.saver: checkpoint.CheckpointSaver | None = None
 
     def run(self) -> None:
         session = self.setup()
@@ -195,7 +185,13 @@ class Worker:
             layout=data.BatchLayout(
                 runtime.world_size, training.micro_batch_size, training.grad_accumulation
             ),
-            flops_per_token=flops_per_token(shape, training.sequence_length),
+            throughput=Throughput(
+                tokens_per_step=runtime.world_size
+                * training.micro_batch_size
+                * training.grad_accumulation
+                * training.sequence_length,
+                flops_per_token=flops_per_token(shape, training.sequence_length),
+            ),
         )
 
     def stage(self, stage: SetupStage) -> None:
@@ -204,21 +200,22 @@ class Worker:
 
     def train(self, session: Session) -> None:
         config, runtime, training, state = self.config, self.runtime, self.config.training, session.state
-        save_context = checkpoint.SaveContext(
+        saver = checkpoint.CheckpointSaver(
             self.run_location,
-            config.run_name,
-            self.submission_id,
-            config.resume_fingerprint(),
+            checkpoint.SaveIdentity(
+                config.run_name,
+                self.submission_id,
+                config.resume_fingerprint(),
+                runtime.world_size,
+                self.versions,
+            ),
             runtime.rank,
-            runtime.world_size,
-            self.versions,
-            distributed.all_gather,
-            dist.barrier,
+            config.checkpoint.keep,
+            runtime.device,
         )
-        persist = (
-            checkpoint.ray_persist
-            if runtime.launcher == "ray"
-            else checkpoint.direct_persist(self.run_location)
+        self.saver = saver
+        metrics = MetricsProcessor(
+            runtime, self.progress, session.throughput, training.log_every, training.max_steps
         )
         fault = Fault.from_env()
         first_step = state.step + 1
@@ -226,39 +223,33 @@ class Worker:
             self.stage(SetupStage.COMPILING)
         elif self.progress is not None:
             self.progress.write(phase="training", stage=None)
-        interval = Interval(time.perf_counter())
-        last_loss: float | None = None
         session.lm.train()
         for step in range(first_step, training.max_steps + 1):
             if fault is not None and fault.due(runtime.rank, step):
+                saver.wait()  # tests know which checkpoint a resume must use: the last one is complete
                 fault.trigger()
             learning_rate = float(session.scheduler.get_last_lr()[0])
-            loss_sum, grad_norm = self.optimizer_step(session)
+            loss, grad_norm = self.optimizer_step(session)
             state.step = step
             state.data_position += session.layout.samples_per_step
-            state.tokens_seen += session.layout.samples_per_step * training.sequence_length
-            interval.steps += 1
+            state.tokens_seen += session.throughput.tokens_per_step
             if step == first_step and config.fsdp.compile and self.progress is not None:
                 self.progress.write(phase="training", stage=None)
-
-            if step % training.log_every == 0 or step == training.max_steps:
-                last_loss = distributed.mean(float(loss_sum), runtime.device)
-                self.record_metrics(session, interval, last_loss, learning_rate, grad_norm)
-                interval.reset()
+            metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
             if config.data.eval_every and step % config.data.eval_every == 0:
-                self.evaluate(session)
+                metrics.exclude(self.evaluate(session))
             if step % config.checkpoint.every_steps == 0 or step == training.max_steps:
                 name = checkpoint.checkpoint_name(step, session.attempt_id)
-                checkpoint.save(save_context, session.app_state, name, last_loss, persist)
+                blocked = saver.start(session.app_state, name, metrics.last_loss)
+                log.info("checkpoint step %d: training blocked %.3f s", step, blocked)
+                metrics.exclude(blocked)
                 if self.progress is not None:
+                    self.progress.update(checkpoint_blocked_seconds=blocked)
                     self.progress.flush_history()
-                    if runtime.launcher != "ray":  # Ray's CheckpointConfig keeps K otherwise
-                        checkpoint.prune(self.run_location, config.checkpoint.keep)
-                interval.reset()  # checkpoint time is not step time
 
-    def optimizer_step(self, session: Session) -> tuple[torch.Tensor, float]:
-        """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the global
-        gradient norm (before clipping)."""
+    def optimizer_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
+        norm before clipping, as device tensors (reading them is the metrics processor's host sync)."""
         training, device, state = self.config.training, self.runtime.device, session.state
         loss_sum = torch.zeros((), device=device)
         for micro_step in range(training.grad_accumulation):
@@ -269,41 +260,15 @@ class Worker:
             loss = session.lm(input_ids=batch, labels=batch).loss / training.grad_accumulation
             loss.backward()
             loss_sum += loss.detach()
-        max_norm = training.max_grad_norm if training.max_grad_norm > 0 else math.inf  # inf: measure only
-        grad_norm = torch.nn.utils.clip_grad_norm_(session.lm.parameters(), max_norm)
+        grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
         session.optimizer.step()
         session.scheduler.step()
         session.optimizer.zero_grad(set_to_none=True)
-        full_norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
-        return loss_sum, float(full_norm)
-
-    def record_metrics(
-        self, session: Session, interval: Interval, loss: float, learning_rate: float, grad_norm: float
-    ) -> None:
-        runtime, state = self.runtime, session.state
-        elapsed = time.perf_counter() - interval.start
-        tokens_per_step = session.layout.samples_per_step * self.config.training.sequence_length
-        tokens_per_second = tokens_per_step * interval.steps / elapsed
-        per_device = tokens_per_second / runtime.world_size
-        memory = distributed.maximum(_peak_memory(runtime.device), runtime.device)  # a collective: all ranks
-        if self.progress is None:
-            return
-        device_name = torch.cuda.get_device_name(runtime.device) if runtime.device.type == "cuda" else "cpu"
-        record = self.progress.update(
-            step=state.step,
-            loss=loss,
-            learning_rate=learning_rate,
-            grad_norm=grad_norm,
-            tokens_per_second=tokens_per_second,
-            tokens_per_second_per_device=per_device,
-            step_time_seconds=elapsed / interval.steps,
-            mfu=model_flops_utilisation(per_device, session.flops_per_token, peak_flops(device_name)),
-            peak_memory_bytes=int(memory),
-            tokens_seen=state.tokens_seen,
-        )
-        log.info("%s", _summary(record))
+        return loss_sum, grad_norm
 
     def finish(self, session: Session) -> None:
+        if self.saver is not None:
+            self.saver.wait()  # the last checkpoint is complete before the run says it finished
         if self.evaluated_at_step != session.state.step:
             self.evaluate(session)
         exported = None
@@ -350,7 +315,6 @@ class Worker:
                     config.checkpoint.resume,
                     self.submission_id,
                     config.resume_fingerprint(),
-                    _latest_reported(runtime),
                 )
                 chosen = None if found is None else found.location.uri
             except ConfigError as error:
@@ -373,11 +337,13 @@ class Worker:
         log.info("resumed from %s at step %d", chosen, app_state.train.step)
         return app_state.train.step
 
-    def evaluate(self, session: Session) -> None:
-        """Held-out loss and perplexity, averaged over ranks (nothing to do without held-out data)."""
+    def evaluate(self, session: Session) -> float:
+        """Held-out loss and perplexity, averaged over ranks (nothing to do without held-out data); returns
+        the seconds it took."""
         samples, lm, runtime = session.datasets.eval, session.lm, self.runtime
         if samples is None:
-            return
+            return 0.0
+        started = time.perf_counter()
         self.evaluated_at_step = session.state.step
         batches = data.eval_batch_indices(
             len(samples),
@@ -398,6 +364,7 @@ class Worker:
         if self.progress is not None:
             log.info("eval loss %.4f perplexity %.2f", eval_loss, perplexity)
             self.progress.update(eval_loss=eval_loss, eval_perplexity=perplexity)
+        return time.perf_counter() - started
 
     def export(self, session: Session) -> str:
         """A consolidated Hugging Face model (safetensors) at <storage>/<run>/model/: the full state dict is
@@ -421,27 +388,13 @@ class Worker:
                 shell.save_pretrained(local_dir)
                 if session.tokenizer is not None:
                     session.tokenizer.save_pretrained(local_dir)
-                destination.delete_dir()
-                destination.upload_from(local_dir)
+                destination.replace_with(local_dir)
             log.info("exported the model to %s", destination.uri)
         dist.barrier()
         return destination.uri
 
 
 # ----------------------------------------------------------------------------------------------------------
-
-
-def _latest_reported(runtime: distributed.Runtime) -> Location | None:
-    if runtime.launcher != "ray":
-        return None
-    import ray.train
-
-    latest = ray.train.get_checkpoint()
-    if latest is None:
-        return None
-    # Ray gives the path inside its filesystem; rebuild a URI our storage layer understands.
-    scheme = "s3://" if type(latest.filesystem).__name__ == "S3FileSystem" else ""
-    return Location.parse(scheme + latest.path)
 
 
 def _probe_bandwidth(size_mb: int, device: torch.device, iterations: int = 5) -> float | None:
@@ -465,16 +418,11 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_memory(device: torch.device) -> float:
-    if device.type == "cuda":
-        return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
-
-
 @dataclass(frozen=True)
 class Fault:
     """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S,marker=PATH[,action=exit|hang]"): at step S, once, rank R
-    dies (exit) or stops making progress while its process stays alive (hang)."""
+    dies (exit) or stops making progress while its process stays alive (hang), after the checkpoint save in
+    flight (if any) is complete."""
 
     rank: int
     step: int
@@ -507,14 +455,3 @@ class Fault:
                 time.sleep(3600)
         logging.shutdown()
         os._exit(17)
-
-
-def _summary(record: ProgressRecord) -> str:
-    parts = [f"step {record.step}/{record.max_steps}", f"loss {record.loss:.4f}"]
-    if record.learning_rate is not None:
-        parts.append(f"lr {record.learning_rate:.3g}")
-    if record.tokens_per_second is not None:
-        parts.append(f"{record.tokens_per_second:,.0f} tok/s")
-    if record.mfu is not None:
-        parts.append(f"MFU {record.mfu:.1%}")
-    return " | ".join(parts)

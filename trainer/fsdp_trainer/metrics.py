@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 # Dense (no sparsity) bf16 tensor-core peaks from the vendors' spec sheets, FLOP/s. MFU uses the spec value
 # by convention, so it stays comparable across reports; measured matmul peaks are lower (an H200 here
-# reached about 790e12 in a bf16 matmul loop, 80 % of spec). Matched by substring of the CUDA device name,
-# longest key first, so "H100 PCIe" wins over "H100".
+# reached about 790e12 in a bf16 matmul loop, 80 % of spec). Keys are matched as whole words of the CUDA
+# device name, longest first, so "H100 PCIe" wins over "H100" and "L4" never matches an "L40".
 PEAK_BF16_FLOPS: dict[str, float] = {
     "B200": 2250e12,
+    "H200 NVL": 835e12,
     "H200": 989e12,
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
@@ -18,6 +20,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
     "A100": 312e12,
     "A800": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 125e12,  # AWS publishes no figure; this is NVIDIA's A10 spec, the same GA102 part
     "A10": 125e12,
@@ -28,7 +31,7 @@ PEAK_BF16_FLOPS: dict[str, float] = {
 
 def peak_flops(device_name: str) -> float | None:
     for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
-        if key in device_name:
+        if re.search(rf"(?<!\w){re.escape(key)}(?!\w)", device_name):
             return PEAK_BF16_FLOPS[key]
     return None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -31,14 +32,28 @@ def lr_factor(steps_taken: int, spec: TrainingSpec) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
-    """Weight decay on matrices only: biases and norm weights are not decayed."""
+    """Weight decay on matrices only: biases and norm weights are not decayed. On CUDA the fused kernel
+    (one launch for all parameters, torchtitan's default); elsewhere torch's foreach implementation."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS)
+    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=on_cuda or None)
+
+
+def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clips the gradients to `max_norm` (0 disables clipping) and returns their total norm before clipping,
+    as a tensor (a DTensor under FSDP; reading it is a collective). Without clipping the gradients are left
+    untouched: scaling by max_norm / norm with an infinite max_norm would turn an overflowed norm into NaN
+    gradients (inf / inf)."""
+    with_grads = [p for p in parameters if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads if p.grad is not None])
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+    return norm
 
 
 def build_scheduler(

@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard) in torchtitan's order: activation checkpointing, torch.compile, then one FSDP group
 per decoder layer, then the root (which keeps the embeddings, the final norm and the output projection,
-so a tied embedding stays in one group)."""
+so a tied embedding stays in one group, and is not resharded after forward)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,6 @@ def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype:
             mp_policy=mp_policy,
             offload_policy=offload,
         )
-    return fully_shard(
-        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload
-    )
+    # The root's reshard_after_forward is left to FSDP (None): it keeps the root's parameters (embeddings,
+    # final norm, tied output head) after forward, since backward starts with them; True gathers them again.
+    return fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)

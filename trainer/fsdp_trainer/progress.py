@@ -1,8 +1,10 @@
 """The progress record the operator reads (progress.json next to the checkpoints) and its history.
 
-Rank 0 rewrites progress.json at every logging interval and at start, end and failure. Each record also goes
-to the attempt's history, metrics/<attempt>.jsonl, which is flushed at checkpoints and at the end: a crash
-loses at most the history since the last checkpoint, which is also the training that will be redone.
+Rank 0 makes a record at every setup stage, every logging interval, and at the end or failure; a
+background thread stores the newest one in progress.json (at most once a second; at once for phase
+changes), so storage never delays a training step. Each record also goes to the attempt's history,
+metrics/<attempt>.jsonl, which is flushed at checkpoints and at the end: a crash loses at most the history
+since the last checkpoint, which is also the training that will be redone.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def utc_now() -> dt.datetime:
 
 
 HEARTBEAT_SECONDS = 10.0  # the operator needs a sign of life at least every 30 s while the job sets up
-STORE_INTERVAL_SECONDS = 5.0  # at most one routine store per interval: progress.json is a status, not a log
+STORE_INTERVAL_SECONDS = 1.0  # at most one routine store per second, whatever logEvery: a status, not a log
 
 
 class ProgressWriter:

@@ -85,6 +85,20 @@ class Location:
         self._make_dir(self.path)
         pafs.copy_files(local_dir, self.path, source_filesystem=_LOCAL, destination_filesystem=self.fs)
 
+    def replace_with(self, local_dir: str) -> None:
+        """Makes this directory hold exactly `local_dir`'s files: the new files are uploaded over the old
+        ones first and only then are files the new set lacks deleted, so a failed upload never leaves less
+        than the previous content."""
+        previous = self.list_files()
+        self.upload_from(local_dir)
+        new = {
+            os.path.relpath(os.path.join(root, name), local_dir)
+            for root, _, names in os.walk(local_dir)
+            for name in names
+        }
+        for stale in sorted(set(previous) - new):
+            self.fs.delete_file(self.child(stale).path)
+
     def _make_dir(self, path: str) -> None:
         """Local directories must exist before writing; object stores have none (creating one would leave
         an empty "dir/" marker object for every reader to skip)."""

@@ -9,6 +9,7 @@ NCCL_DEBUG_FILE. Line shapes seen in real logs ("host:pid:tid [dev] NCCL INFO ..
     NCCL INFO Using network Libfabric                                          (older: "AWS Libfabric")
     NCCL INFO NET/Socket : Using [0]eth0:10.1.2.3<0>
     NCCL INFO Channel 03/0 : 11[3] -> 3[3] [receive] via NET/Libfabric/3/GDRDMA
+    NCCL INFO Channel 02/0 : 1[1] -> 9[1] [send] via NET/Libfabric/0(0)/GDRDMA        (PXN: proxy rank 0)
     NCCL INFO Channel 00/0 : 1[0] -> 0[0] [send] via NET/Socket/0
     NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read                  (intra-node: no network)
 """
@@ -25,7 +26,8 @@ from fsdp_trainer.contract import EfaPolicy, NetworkSpec, Transport, TransportRe
 from fsdp_trainer.errors import TransportError
 
 NCCL_LOG_DIR = "/tmp"
-_CHANNEL = re.compile(r"via NET/(?P<net>[A-Za-z][A-Za-z ]*?)/\d+(?P<gdr>/GDRDMA)?")
+# PXN channels name the proxy rank after the device: "via NET/Libfabric/0(1)/GDRDMA".
+_CHANNEL = re.compile(r"via NET/(?P<net>[A-Za-z][A-Za-z ]*?)/\d+(?:\(\d+\))?(?P<gdr>/GDRDMA)?")
 _USING_NETWORK = re.compile(r"Using network (?P<net>[A-Za-z][A-Za-z ]*?)\s*$")
 _OFI_PROVIDER = re.compile(r"NET/OFI Selected provider is (?P<provider>[\w-]+)", re.IGNORECASE)
 _NCCL_VERSION = re.compile(r"NCCL version (?P<version>[\w.+-]+)")

@@ -1,0 +1,134 @@
+"""FSDP2 and checkpoint state in one CPU process (a one-rank gloo group): the root keeps its parameters after
+forward, an asynchronous checkpoint holds the state of its own step while training goes on, a failed save is
+never resumable, and a resumed run takes its hyperparameters from its own configuration."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fsdp_trainer import checkpoint, optim, parallelize
+from fsdp_trainer.contract import FsdpSpec, TrainingSpec, Versions
+from fsdp_trainer.storage import Location
+
+FINGERPRINT = "0123456789abcdef"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group() -> Iterator[None]:
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def sharded_app(spec: TrainingSpec) -> checkpoint.AppState:
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=1), "cpu")
+    parallelize.parallelize(model, FsdpSpec(), mesh, torch.float32)
+    optimizer = optim.build_optimizer(model, spec)
+    scheduler = optim.build_scheduler(optimizer, spec)
+    return checkpoint.AppState(model, optimizer, scheduler, checkpoint.TrainState())
+
+
+def train_step(app: checkpoint.AppState) -> None:
+    batch = torch.randint(0, 64, (2, 16))
+    app.model(input_ids=batch, labels=batch).loss.backward()
+    app.optimizer.step()
+    app.scheduler.step()
+    app.optimizer.zero_grad()
+    app.train.step += 1
+
+
+def weights(app: checkpoint.AppState) -> dict[str, torch.Tensor]:
+    return {name: p.full_tensor().detach().clone() for name, p in app.model.named_parameters()}
+
+
+def saver(run: Path) -> checkpoint.CheckpointSaver:
+    identity = checkpoint.SaveIdentity("run", "job-1", FINGERPRINT, 1, Versions())
+    return checkpoint.CheckpointSaver(Location.parse(str(run)), identity, 0, 3, torch.device("cpu"))
+
+
+def test_the_root_keeps_its_parameters_after_forward_and_the_blocks_reshard() -> None:
+    app = sharded_app(TrainingSpec())
+    train_step(app)  # the first forward runs FSDP's lazy initialisation, which settles the root
+    root_group = app.model._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    block = app.model.model.layers[0]  # type: ignore[union-attr,index]
+    block_group = block._get_fsdp_state()._fsdp_param_group  # type: ignore[operator]
+    assert root_group.post_forward_mesh_info is None, "the root would all-gather embeddings again in backward"
+    assert block_group.post_forward_mesh_info is not None, "FULL_SHARD blocks free their parameters"
+
+
+def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path: Path) -> None:
+    app = sharded_app(TrainingSpec(learning_rate=1e-2))
+    train_step(app)
+    at_save = weights(app)
+    checkpoints = saver(tmp_path)
+    checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    for _ in range(3):  # the save is in flight: these steps change the weights it is writing
+        train_step(app)
+    result = checkpoints.wait()
+    checkpoints.close()
+    assert result is not None and result.manifest is not None
+    assert (result.manifest.step, result.manifest.fingerprint) == (1, FINGERPRINT)
+    assert not all(torch.equal(at_save[name], now) for name, now in weights(app).items())
+
+    found = checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT)
+    assert found is not None
+    restored = sharded_app(TrainingSpec(learning_rate=1e-2))
+    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    assert restored.train.step == 1
+    for name, tensor in weights(restored).items():
+        torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0)
+
+
+def test_a_save_that_fails_midway_leaves_nothing_resumable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = sharded_app(TrainingSpec())
+    train_step(app)
+    real_upload = Location.upload_from
+
+    def upload_then_lose_the_connection(self: Location, local_dir: str) -> None:
+        real_upload(self, local_dir)  # every shard arrives, yet the save does not finish
+        raise OSError("connection reset")
+
+    monkeypatch.setattr(Location, "upload_from", upload_then_lose_the_connection)
+    checkpoints = saver(tmp_path)
+    checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    with pytest.raises(OSError, match="connection reset"):
+        checkpoints.wait()
+    checkpoints.close()
+    assert any(tmp_path.glob("checkpoint_*/.metadata")), "the shards are there"
+    assert checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT) is None
+
+
+def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Path) -> None:
+    first = TrainingSpec(learning_rate=1e-3, weight_decay=0.0, max_steps=10, warmup_steps=0)
+    app = sharded_app(first)
+    train_step(app)
+    train_step(app)
+    checkpoints = saver(tmp_path)
+    checkpoints.start(app, checkpoint.checkpoint_name(2, "a"), loss=4.0)
+    checkpoints.wait()
+    checkpoints.close()
+
+    changed = first.model_copy(update={"learning_rate": 5e-3, "weight_decay": 0.1})
+    resumed = sharded_app(changed)
+    found = checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT)
+    assert found is not None
+    checkpoint.load(found.location, resumed, 0, 0, reseed=0, barrier=dist.barrier)
+    expected = 5e-3 * optim.lr_factor(2, changed)
+    assert resumed.scheduler.get_last_lr() == pytest.approx([expected, expected])
+    assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([expected, expected])
+    assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [0.1, 0.0]
+    assert resumed.optimizer.state, "the AdamW moments were restored"

@@ -1,0 +1,78 @@
+"""The metrics processor: records only every logEvery steps (no host sync or collective in between), tokens/s
+that time outside training steps does not lower, and records that reach the progress writer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdp_trainer import distributed, telemetry
+from fsdp_trainer.progress import ProgressWriter
+from fsdp_trainer.storage import Location
+from fsdp_trainer.telemetry import MetricsProcessor, Throughput
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Stands in for the two all-reduces of a logging step (one rank: the value is the result)."""
+    calls: list[str] = []
+
+    def mean(value: float, device: torch.device) -> float:
+        calls.append("mean")
+        return value
+
+    def maximum(value: float, device: torch.device) -> float:
+        calls.append("max")
+        return value
+
+    monkeypatch.setattr(telemetry.distributed, "mean", mean)
+    monkeypatch.setattr(telemetry.distributed, "maximum", maximum)
+    return calls
+
+
+def processor(tmp_path: Path, clock: Clock, log_every: int = 10) -> tuple[MetricsProcessor, ProgressWriter]:
+    runtime = distributed.Runtime("single", 0, 1, 0, 1, torch.device("cpu"))
+    writer = ProgressWriter(Location.parse(str(tmp_path)), "a", run_name="r", phase="training", max_steps=30)
+    metrics = MetricsProcessor(runtime, writer, Throughput(1000, 6e6), log_every, max_steps=30, clock=clock)
+    return metrics, writer
+
+
+def step(metrics: MetricsProcessor, clock: Clock, number: int, seconds: float = 0.5) -> object:
+    clock.now += seconds
+    return metrics.step_done(number, torch.tensor(2.0), torch.tensor(1.5), 1e-4, number * 1000)
+
+
+def test_only_logging_steps_sync_and_reduce(tmp_path: Path, collectives: list[str]) -> None:
+    clock = Clock()
+    metrics, writer = processor(tmp_path, clock)
+    records = [step(metrics, clock, n) for n in range(1, 21)]
+    writer.close()
+    assert [n for n, record in enumerate(records, start=1) if record is not None] == [10, 20]
+    assert collectives == ["mean", "max", "mean", "max"], "two all-reduces per record, none in between"
+
+
+def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
+    tmp_path: Path, collectives: list[str]
+) -> None:
+    clock = Clock()
+    metrics, writer = processor(tmp_path, clock, log_every=4)
+    for n in range(1, 4):
+        step(metrics, clock, n)
+    clock.now += 30.0  # an evaluation or a checkpoint stall
+    metrics.exclude(30.0)
+    record = step(metrics, clock, 4)
+    writer.close()
+    assert record is not None
+    assert record.step_time_seconds == pytest.approx(0.5)
+    assert record.tokens_per_second == pytest.approx(2000.0)
+    assert (record.loss, record.grad_norm, record.tokens_seen) == (2.0, 1.5, 4000)

@@ -1,0 +1,120 @@
+"""The metrics processor: the training loop's only host synchronisations and its only metric collectives
+happen here, once per logging interval; records go to the background progress writer."""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_trainer import distributed
+from fsdp_trainer.contract import ProgressRecord
+from fsdp_trainer.metrics import model_flops_utilisation, peak_flops
+from fsdp_trainer.progress import ProgressWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """What one optimizer step is worth, for tokens/s and MFU."""
+
+    tokens_per_step: int
+    flops_per_token: float
+
+
+class MetricsProcessor:
+    """Collects each step's loss and gradient norm as device tensors and turns them into a progress record
+    every `log_every` steps (and at the last step). Steps in between cost no host sync and no collective.
+
+    Time spent outside training steps (evaluation, the blocking part of a checkpoint) is `exclude`d, so it
+    never lowers the reported tokens/s or MFU. The peak-memory counter is reset after every record, so each
+    record shows the peak of its own interval.
+    """
+
+    def __init__(
+        self,
+        runtime: distributed.Runtime,
+        progress: ProgressWriter | None,
+        throughput: Throughput,
+        log_every: int,
+        max_steps: int,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.runtime, self.progress, self.throughput = runtime, progress, throughput
+        self.log_every, self.max_steps, self.clock = log_every, max_steps, clock
+        self.interval_start = clock()
+        self.interval_steps = 0
+        self.last_loss: float | None = None
+        device = runtime.device
+        self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+        _reset_peak_memory(device)
+
+    def due(self, step: int) -> bool:
+        return step % self.log_every == 0 or step == self.max_steps
+
+    def step_done(
+        self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, learning_rate: float, tokens_seen: int
+    ) -> ProgressRecord | None:
+        """Counts a finished step; on logging steps, reduces and records it (every rank must call this)."""
+        self.interval_steps += 1
+        if not self.due(step):
+            return None
+        device = self.runtime.device
+        self.last_loss = distributed.mean(float(loss), device)
+        norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        memory = distributed.maximum(_peak_memory(device), device)
+        elapsed = self.clock() - self.interval_start
+        tokens_per_second = self.throughput.tokens_per_step * self.interval_steps / elapsed
+        per_device = tokens_per_second / self.runtime.world_size
+        record = None
+        if self.progress is not None:
+            record = self.progress.update(
+                phase="training",
+                step=step,
+                loss=self.last_loss,
+                learning_rate=learning_rate,
+                grad_norm=float(norm),
+                tokens_per_second=tokens_per_second,
+                tokens_per_second_per_device=per_device,
+                step_time_seconds=elapsed / self.interval_steps,
+                mfu=model_flops_utilisation(per_device, self.throughput.flops_per_token, self.peak_flops),
+                peak_memory_bytes=int(memory),
+                tokens_seen=tokens_seen,
+            )
+            log.info("%s", summary(record))
+        _reset_peak_memory(device)
+        self.interval_start, self.interval_steps = self.clock(), 0
+        return record
+
+    def exclude(self, seconds: float) -> None:
+        """Time inside the interval that was not spent training."""
+        self.interval_start += seconds
+
+
+def _peak_memory(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+
+
+def _reset_peak_memory(device: torch.device) -> None:
+    """CUDA's counter only: a process's peak RSS cannot be reset."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def summary(record: ProgressRecord) -> str:
+    parts = [f"step {record.step}/{record.max_steps}", f"loss {record.loss:.4f}"]
+    if record.learning_rate is not None:
+        parts.append(f"lr {record.learning_rate:.3g}")
+    if record.tokens_per_second is not None:
+        parts.append(f"{record.tokens_per_second:,.0f} tok/s")
+    if record.mfu is not None:
+        parts.append(f"MFU {record.mfu:.1%}")
+    return " | ".join(parts)
