@@ -51,6 +51,7 @@ async def run(settings: Settings) -> int:
         settings.execution.executor = executor
 
     state = health.Health(executor=executor, operator_started=asyncio.Event())
+    ticking = asyncio.create_task(state.tick_forever(), name="event loop ticks")
     probes = None
     if settings.health_port:
         address = (settings.health_bind_address, settings.health_port)
@@ -65,6 +66,7 @@ async def run(settings: Settings) -> int:
             return 0
         return await lead_when_elected(settings, registry, state, executor)
     finally:
+        ticking.cancel()
         if probes:
             await probes.cleanup()
 
@@ -105,7 +107,9 @@ async def lead_when_elected(
     if terminated.is_set():  # stopped during the winning call: hand the Lease straight back
         await asyncio.to_thread(elector.release)
         return 0
-    leadership = leader.Leadership(elector, on_lost=lambda why: exit_now(f"leadership lost ({why})")).start()
+    leadership = leader.Leadership(
+        elector, on_lost=lambda why: exit_now(f"leadership lost ({why})"), unable_to_act=state.loop_stall
+    ).start()
     state.leading = True
     exit_code = 0
     try:

@@ -5,6 +5,8 @@ handler in one thread pool, so a pool whose threads all hang (on a call without 
 a no-op submitted to that pool that has not run within `pool_timeout` fails the check, and the kubelet
 restarts the container.
 /readyz (readiness): the leader once kopf has started; a standby while it can reach the apiserver.
+A leader whose event loop stalls longer than LOOP_STALL_LIMIT gives up leadership without waiting for the
+kubelet (see `loop_stall`), since a frozen loop runs no watch, timer or handler.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from aiohttp import web
 POOL_TIMEOUT = 10.0  # a no-op waiting longer than this in the handler pool means the pool is stuck
 POOL_PROBE_INTERVAL = 2.0  # how often a no-op is sent through the pool
 APISERVER_SILENCE = 15.0  # a standby is ready while the apiserver answered it within this many seconds
+LOOP_TICK = 1.0  # how often the event loop records that it runs
+LOOP_STALL_LIMIT = 10.0  # a loop that has not ticked for this long is stuck
 
 
 def liveness(pool_waiting_for: float, pool_timeout: float) -> tuple[bool, str]:
@@ -54,6 +58,18 @@ class Health:
     last_apiserver_contact: Callable[[], float | None] = lambda: None
     operator_started: asyncio.Event | None = None  # kopf's ready_flag
     pool_probe_sent_at: float | None = None  # set while a no-op waits in the pool
+    loop_ticked_at: float | None = None  # when the event loop last ran `tick_forever`
+
+    def loop_stall(self) -> str | None:
+        """Why the event loop counts as stuck, or None while it ticks (or before it started ticking)."""
+        ticked = self.loop_ticked_at
+        stalled_for = 0.0 if ticked is None else self.clock() - ticked
+        return f"event loop stalled for {stalled_for:.0f}s" if stalled_for > LOOP_STALL_LIMIT else None
+
+    async def tick_forever(self) -> None:
+        while True:
+            self.loop_ticked_at = self.clock()
+            await asyncio.sleep(LOOP_TICK)
 
     def live(self) -> tuple[bool, str]:
         sent = self.pool_probe_sent_at

@@ -233,12 +233,18 @@ class Leadership:
     """Keeps the Lease while the operator acts, from two threads that do not depend on the event loop.
 
     The renewer renews every RENEW_INTERVAL (every RETRY_PERIOD after a failure). The watchdog calls `on_lost`
-    once RENEW_DEADLINE has passed since the last successful renewal began, even while a call hangs; the
-    renewer calls it at once when it finds another candidate holding the Lease.
+    once RENEW_DEADLINE has passed since the last successful renewal began, even while a call hangs, or as
+    soon as `unable_to_act` gives a reason (a frozen event loop); the renewer calls it at once when it finds
+    another candidate holding the Lease.
     """
 
-    def __init__(self, elector: Elector, on_lost: Callable[[str], None]) -> None:
-        self.elector, self.on_lost = elector, on_lost
+    def __init__(
+        self,
+        elector: Elector,
+        on_lost: Callable[[str], None],
+        unable_to_act: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.elector, self.on_lost, self.unable_to_act = elector, on_lost, unable_to_act
         self.stopping = threading.Event()
         self.threads = [
             threading.Thread(target=self._renew, name="lease-renewer", daemon=True),
@@ -273,6 +279,9 @@ class Leadership:
 
     def _watch(self) -> None:
         while not self.stopping.wait(WATCHDOG_TICK):
-            if self._time_left() < 0:
-                self.on_lost(f"lease not renewed for {RENEW_DEADLINE:g}s")
+            why = self.unable_to_act()
+            if why is None and self._time_left() < 0:
+                why = f"lease not renewed for {RENEW_DEADLINE:g}s"
+            if why is not None:
+                self.on_lost(why)
                 return

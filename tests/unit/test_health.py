@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +13,7 @@ import pytest
 
 from fsdp_operator import health
 from fsdp_operator.health import Health, liveness, readiness
-from tests.harness import free_port
+from tests.harness import free_port, wait_until
 
 
 @pytest.mark.parametrize(
@@ -101,3 +102,29 @@ def test_readyz_follows_the_role() -> None:
             await runner.cleanup()
 
     assert asyncio.run(scenario()) == [503, 200, 503, 200]
+
+
+def test_a_frozen_event_loop_is_seen_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(health, "LOOP_TICK", 0.02)
+    monkeypatch.setattr(health, "LOOP_STALL_LIMIT", 0.3)
+    state = Health(executor=ThreadPoolExecutor(1))
+    assert state.loop_stall() is None  # not ticking yet: nothing to judge
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    try:
+        ticking = asyncio.run_coroutine_threadsafe(state.tick_forever(), loop)
+        time.sleep(0.5)
+        assert state.loop_stall() is None  # ticking along
+        loop.call_soon_threadsafe(time.sleep, 1.5)  # a handler that blocks the loop
+        time.sleep(0.9)
+        assert (state.loop_stall() or "").startswith("event loop stalled for")
+        assert wait_until(
+            "the loop to tick again", lambda: state.loop_stall() is None, timeout=5, interval=0.05
+        )
+        ticking.cancel()
+        concurrent.futures.wait([ticking], timeout=5)
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join(timeout=5)
+        loop.close()

@@ -162,7 +162,12 @@ def fast_election(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(leader, "WATCHDOG_TICK", 0.02)
 
 
-def lead(store: FakeLeases, meanwhile: Callable[[], None], watch_for: float = 2.0) -> tuple[list[str], float]:
+def lead(
+    store: FakeLeases,
+    meanwhile: Callable[[], None],
+    watch_for: float = 2.0,
+    unable_to_act: Callable[[], str | None] = lambda: None,
+) -> tuple[list[str], float]:
     """Acquires, keeps renewing, runs `meanwhile`; returns why the holder stopped acting, and when."""
     (a,) = candidates(store, time.monotonic, "a")
     assert a.try_acquire_or_renew()
@@ -177,7 +182,7 @@ def lead(store: FakeLeases, meanwhile: Callable[[], None], watch_for: float = 2.
         lost.append(why)
         stopped.set()
 
-    leadership = Leadership(a, on_lost).start()
+    leadership = Leadership(a, on_lost, unable_to_act).start()
     meanwhile()
     stopped.wait(watch_for)
     leadership.stop()
@@ -218,3 +223,14 @@ def test_holder_stops_acting_at_once_when_another_holds_the_lease() -> None:
     store = FakeLeases()
     lost, after = lead(store, meanwhile=lambda: setattr(store, "current", lease("usurper", version="99")))
     assert lost == ["lease taken by usurper"] and after < 1.0
+
+
+@fast
+def test_holder_that_cannot_act_stops_at_once_though_it_could_renew() -> None:
+    frozen: list[str] = []
+    lost, after = lead(
+        FakeLeases(),
+        meanwhile=lambda: frozen.append("event loop stalled for 10s"),
+        unable_to_act=lambda: frozen[0] if frozen else None,
+    )
+    assert lost == ["event loop stalled for 10s"] and after < 0.5
