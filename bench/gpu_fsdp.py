@@ -1,14 +1,22 @@
-"""GPU benchmark: our FSDP2 per-worker loop against a plain eager loop on the same model, in one run.
+"""GPU benchmark: our per-worker loop against baseline A, side by side in one process, offline.
 
-Runs without Ray (the loop's single-process / torchrun path): a Qwen2.5-1.5B-shaped model initialised from
-its config, bf16 compute, synthetic tokens, sequence 2048. Prints tokens/s, MFU and peak memory of both and
-their ratio as one JSON document (also written to --output).
+Baseline A (bench/trainer_baseline.py) is a minimal FSDP2 loop with our parallelisation, optimizer and data
+layout and nothing else (no Ray, no progress records, no checkpoints), so the ratio isolates our overhead.
+Both run a Qwen2.5-1.5B-shaped model initialised from its config, bf16 compute, synthetic tokens,
+sequence 2048, micro-batch 4, `--warmup-steps` steps left out and `--steps` measured, with one host sync per
+step on both sides (our loop logs every step here; baseline A reads its loss). Each is run without and with
+per-block torch.compile.
 
-    python bench/gpu_fsdp.py                          # one GPU
-    torchrun --nproc-per-node 8 bench/gpu_fsdp.py     # FSDP over 8 GPUs (the eager baseline runs on rank 0)
-    python bench/gpu_fsdp.py --tiny                   # a seconds-long smoke run, CPU is fine
+Reported per loop: tokens/s/GPU at p10/p50/p90 over the measured steps, MFU against the spec-sheet bf16 peak
+(fsdp_trainer.metrics) and against a bf16 matmul peak measured here, peak memory over the measured steps
+(counter reset after warm-up), and for our loop the seconds one checkpoint blocked training (saved at the
+last step: the model, AdamW moments and loop state, ~18.5 GB for this shape). Baseline B (torchtitan) is not
+run: it has no Qwen2 model and is not installed on the offline machine.
 
-MFU here uses the spec-sheet bf16 peak (fsdp_trainer.metrics.PEAK_BF16_FLOPS), like the trainer's records.
+    python bench/gpu_fsdp.py                   # one GPU, torch + transformers, no Ray, no network
+    python bench/gpu_fsdp.py --tiny            # a seconds-long smoke run, CPU is fine
+
+Writes the JSON summary to $OUT/gpu_fsdp.json when OUT is set, and to --output when given.
 """
 
 from __future__ import annotations
@@ -26,17 +34,18 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "trainer"))
+sys.path[:0] = [str(REPO / "bench"), str(REPO / "trainer")]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from fsdp_trainer.contract import ProgressRecord, TrainerConfig, TrainingSpec  # noqa: E402
+from fsdp_trainer import distributed, model  # noqa: E402
+from fsdp_trainer.contract import ModelSpec, ProgressRecord, TrainerConfig  # noqa: E402
 from fsdp_trainer.loop import LoopInput, train_loop  # noqa: E402
-from fsdp_trainer.metrics import flops_per_token, model_flops_utilisation, peak_flops  # noqa: E402
-from fsdp_trainer.model import model_shape  # noqa: E402
-from fsdp_trainer.optim import build_optimizer  # noqa: E402
+from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
+from fsdp_trainer.model import AutoModelForCausalLM  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
+from trainer_baseline import run_baseline  # noqa: E402
 
 # Qwen2.5-1.5B's shape (config.json of the published model): 1,543,714,304 parameters.
 QWEN25_15B: dict[str, Any] = {
@@ -67,14 +76,16 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per loop (default 30)")
-    parser.add_argument(
-        "--warmup-steps", type=int, default=5, help="steps left out of the averages (default 5)"
-    )
+    parser.add_argument("--steps", type=int, default=50, help="measured steps per loop (default 50)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before measuring (default 10)")
     parser.add_argument("--sequence-length", type=int, default=2048)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--activation-checkpointing", choices=["none", "full", "selective"], default="none")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (FSDP loop)")
+    parser.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default="both",
+        help="per-block torch.compile (default both)",
+    )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences: a smoke run")
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
     args = parser.parse_args()
@@ -84,134 +95,164 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def fsdp_loop(args: argparse.Namespace, model_config: dict[str, Any], storage: str) -> dict[str, Any]:
-    """Our per-worker loop as the trainer runs it, reading its figures back from its own progress history."""
-    config = TrainerConfig.model_validate(
+def trainer_config(args: argparse.Namespace, storage: str, compile_blocks: bool) -> TrainerConfig:
+    return TrainerConfig.model_validate(
         {
             "run_name": "bench",
             "gpus_per_worker": 1 if torch.cuda.is_available() else 0,
-            "model": {"from_config": model_config},
-            "fsdp": {"activation_checkpointing": args.activation_checkpointing, "compile": args.compile},
+            "model": {"from_config": TINY if args.tiny else QWEN25_15B},
+            "fsdp": {"mixed_precision": "bf16", "compile": compile_blocks},
             "training": {
-                "max_steps": args.steps,
+                "max_steps": args.warmup_steps + args.steps,
                 "micro_batch_size": args.micro_batch_size,
                 "sequence_length": args.sequence_length,
                 "learning_rate": 1e-4,
                 "log_every": 1,
             },
             "data": {"source": "synthetic", "eval_fraction": 0},
-            "checkpoint": {"storage_path": storage, "every_steps": args.steps, "export_model": False},
-            "network": {"bandwidth_probe_mb": 256 if torch.cuda.is_available() else 1},
+            # One checkpoint, at the last step: its blocking time is measured, its writing finishes after.
+            "checkpoint": {
+                "storage_path": storage,
+                "every_steps": 1_000_000,
+                "keep": 1,
+                "export_model": False,
+            },
+            "network": {"bandwidth_probe_mb": 0},
         }
     )
+
+
+def percentiles(values: list[float]) -> dict[str, float]:
+    deciles = statistics.quantiles(values, n=10, method="inclusive")
+    return {"p10": deciles[0], "p50": statistics.median(values), "p90": deciles[-1]}
+
+
+def figures(
+    tokens_per_second: list[float], flops: float, spec_peak: float | None, matmul_peak: float | None
+) -> dict[str, Any]:
+    spread = percentiles(tokens_per_second)
+    median = spread["p50"]
+    return {
+        "tokens_per_second_per_gpu": spread,
+        "mfu_spec_peak": median * flops / spec_peak if spec_peak else None,
+        "mfu_measured_matmul_peak": median * flops / matmul_peak if matmul_peak else None,
+    }
+
+
+def our_loop(config: TrainerConfig, warmup: int) -> dict[str, Any]:
     started = time.perf_counter()
     train_loop(LoopInput(trainer=config, submission_id="bench").model_dump(mode="json"))
     wall = time.perf_counter() - started
-    if int(os.environ.get("RANK", "0")) != 0:
-        return {}  # rank 0 wrote the records
-    run = Location.parse(storage).child("bench")
-    history = [
+    run = Location.parse(config.run_uri())
+    records = [
         ProgressRecord.model_validate_json(line)
-        for path in run.child("metrics").list_files()
-        for line in run.child("metrics", path).read_text().splitlines()
+        for name in run.child("metrics").list_files()
+        for line in run.child("metrics", name).read_text().splitlines()
     ]
-    steady = [
-        r for r in history if r.phase == "training" and r.step > args.warmup_steps and r.tokens_per_second
-    ]
-    final = history[-1]
+    measured = [r for r in records if r.phase == "training" and r.step > warmup and r.tokens_per_second]
+    blocked = [r.checkpoint_blocked_seconds for r in records if r.checkpoint_blocked_seconds is not None]
     return {
-        "tokens_per_second": statistics.median(r.tokens_per_second or 0.0 for r in steady),
-        "tokens_per_second_per_device": statistics.median(
-            r.tokens_per_second_per_device or 0.0 for r in steady
-        ),
-        "mfu": statistics.median(r.mfu for r in steady) if all(r.mfu is not None for r in steady) else None,
-        "step_time_seconds": statistics.median(r.step_time_seconds or 0.0 for r in steady),
-        "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in steady),
-        "final_loss": final.loss,
-        "bus_bandwidth_gbps": final.transport.bus_bandwidth_gbps if final.transport else None,
-        "transport": final.transport.observed if final.transport else None,
-        "wall_seconds_including_setup": wall,
+        "tokens_per_second": [r.tokens_per_second_per_device or 0.0 for r in measured],
+        "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in measured),
+        "checkpoint_blocked_seconds": blocked[-1] if blocked else None,
+        "wall_seconds_including_setup_and_checkpoint": wall,
     }
 
 
-def eager_loop(args: argparse.Namespace, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The same model and optimizer without FSDP: fp32 weights, bf16 autocast, one device."""
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if torch.cuda.is_available()
-        else torch.device("cpu")
-    )
-    settings = dict(model_config)
-    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
-    model.config.use_cache = False
-    optimizer = build_optimizer(model, TrainingSpec(learning_rate=1e-4))
-    tokens = args.micro_batch_size * args.sequence_length
-    generator = torch.Generator().manual_seed(0)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(args.steps):
-        batch = torch.randint(
-            0, config.vocab_size, (args.micro_batch_size, args.sequence_length), generator=generator
-        )
-        batch = batch.to(device)
-        start = time.perf_counter()
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        float(loss.detach())  # waits for the device
-        times.append(time.perf_counter() - start)
-    step_time = statistics.median(times[args.warmup_steps :])
-    per_second = tokens / step_time
-    peak = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
-    flops = flops_per_token(model_shape(model), args.sequence_length)
+def baseline_a(config: TrainerConfig, warmup: int) -> dict[str, Any]:
+    runtime = distributed.start(use_gpu=config.gpus_per_worker > 0)
+    try:
+        result = run_baseline(config, runtime, time.time(), reset_memory_after=warmup)
+    finally:
+        distributed.stop(runtime)
+    step_seconds = result["window_step_seconds"][warmup:]
     return {
-        "tokens_per_second": per_second,
-        "mfu": model_flops_utilisation(per_second, flops, peak),
-        "step_time_seconds": step_time,
-        "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-        "final_loss": float(loss.detach()),
+        "tokens_per_second": [result["tokens_per_step"] / seconds for seconds in step_seconds],
+        "peak_memory_bytes": result["peak_memory_bytes"],
     }
+
+
+def matmul_peak_flops(device: torch.device, seconds: float = 3.0) -> float | None:
+    """bf16 dense matmul throughput measured here: the ceiling a training step can approach."""
+    if device.type != "cuda":
+        return None
+    size = 8192
+    left = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    right = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(5):
+        left @ right
+    torch.cuda.synchronize(device)
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(10):
+            left @ right
+        torch.cuda.synchronize(device)
+        count += 10
+    return 2 * size**3 * count / (time.perf_counter() - started)
+
+
+def release_memory() -> None:
+    gc.collect()  # the previous loop's model and optimizer are garbage now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
     args = parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    model_config = TINY if args.tiny else QWEN25_15B
-    # One directory for all ranks of this launch (the loop's storage path, shared as S3 would be).
-    launch = os.environ.get("TORCHELASTIC_RUN_ID", str(os.getpid()))
-    storage = os.path.join(tempfile.gettempdir(), f"bench-fsdp-{launch}")
-    fsdp = fsdp_loop(args, model_config, storage)
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    shutil.rmtree(storage, ignore_errors=True)
-    gc.collect()  # the FSDP model and optimizer are garbage now: free their memory for the baseline
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    eager = eager_loop(args, model_config)
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    spec_peak = peak_flops(device_name)
+    matmul_peak = matmul_peak_flops(device)
+    flops = model_flops_per_token(TINY if args.tiny else QWEN25_15B, args.sequence_length)
+    loops: dict[str, Any] = {}
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    for compile_blocks in modes:
+        label = "compiled" if compile_blocks else "eager"
+        storage = tempfile.mkdtemp(prefix="bench-fsdp-")
+        try:
+            config = trainer_config(args, storage, compile_blocks)
+            ours = our_loop(config, args.warmup_steps)
+            release_memory()
+            baseline = baseline_a(config, args.warmup_steps)
+            release_memory()
+        finally:
+            shutil.rmtree(storage, ignore_errors=True)
+        ours_figures = figures(ours.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
+        baseline_figures = figures(baseline.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
+        loops[label] = {
+            "ours": {**ours_figures, **ours},
+            "baseline_a": {**baseline_figures, **baseline},
+            "ours_over_baseline_a_p50": ours_figures["tokens_per_second_per_gpu"]["p50"]
+            / baseline_figures["tokens_per_second_per_gpu"]["p50"],
+        }
     summary = {
-        "device": device,
-        "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+        "device": device_name,
         "torch": torch.__version__,
         "model": "tiny qwen2" if args.tiny else "Qwen2.5-1.5B shape (random init)",
         "sequence_length": args.sequence_length,
         "micro_batch_size": args.micro_batch_size,
-        "steps": args.steps,
-        "fsdp2_loop": fsdp,
-        "eager_baseline": eager,
-        "fsdp_over_eager_tokens_per_second_per_device": fsdp["tokens_per_second_per_device"]
-        / eager["tokens_per_second"],
+        "warmup_steps": args.warmup_steps,
+        "measured_steps": args.steps,
+        "flops_per_token": flops,
+        "spec_peak_flops": spec_peak,
+        "measured_matmul_peak_flops": matmul_peak,
+        "loops": loops,
+        "baseline_b_torchtitan": "not run: torchtitan has no Qwen2 model and is not installed offline",
     }
     text = json.dumps(summary, indent=2)
     print(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu_fsdp.json").write_text(text + "\n")
     if args.output:
         args.output.write_text(text + "\n")
+
+
+def model_flops_per_token(from_config: dict[str, Any], sequence_length: int) -> float:
+    """As the trainer counts them, from a weightless (meta-device) copy of the model."""
+    spec = ModelSpec(from_config=from_config)
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(model.model_config(spec, 0, lambda: None))
+    return flops_per_token(model.model_shape(shell), sequence_length)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,345 @@
+"""Trainer benchmarks on CPU (gloo, 2 ranks), each a ratio measured side by side in one run, written to
+docs/benchmarks.md (between the trainer markers) and as JSON to --output.
+
+1. Our Ray Train entrypoint (`python -m fsdp_trainer` on a Ray head of this script's own, exactly as the
+   operator submits it) against baseline A (bench/trainer_baseline.py under torchrun: the same model,
+   parallelisation, optimizer and batch, nothing else): median step time ratio; start-up (launch to first
+   step) reported separately.
+2. Checkpoints (bench/trainer_checkpoint.py under torchrun, ~30M parameters): training blocked per
+   checkpoint with the asynchronous saver as a fraction of the synchronous save; save-to-durable throughput
+   against a plain boto3 upload of the same bytes to the same S3 (a moto server on loopback).
+3. A resubmitted job (the same run name, more steps): time from launch to its first step after the
+   restore, and the share of it spent loading the checkpoint, from the job's own setup-stage records.
+
+    python bench/trainer_cpu.py [--rounds 2] [--output results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "trainer")]
+
+import boto3  # noqa: E402
+from tests.harness import free_port, wait_until  # noqa: E402
+
+from fsdp_trainer.contract import METRICS_DIR, ProgressRecord, TrainerConfig  # noqa: E402
+from fsdp_trainer.storage import Location  # noqa: E402
+
+DOC = REPO / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- trainer-cpu:begin -->", "<!-- trainer-cpu:end -->"
+BIN = Path(sys.executable).parent
+SINGLE_MACHINE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+STEPS = 60
+LOG_EVERY = 10
+MODEL: dict[str, Any] = {
+    "model_type": "qwen2",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": True,
+}
+
+
+def trainer_config(run_name: str, storage: str, max_steps: int = STEPS) -> dict[str, Any]:
+    return {
+        "runName": run_name,
+        "namespace": "bench",
+        "workers": 2,
+        "cpusPerWorker": 1,
+        "model": {"fromConfig": MODEL},
+        "training": {
+            "maxSteps": max_steps,
+            "microBatchSize": 4,
+            "sequenceLength": 128,
+            "logEvery": LOG_EVERY,
+            "seed": 1,
+        },
+        "data": {"source": "synthetic", "evalFraction": 0},
+        "checkpoint": {"storagePath": storage, "everySteps": 50, "exportModel": False},
+        "network": {"bandwidthProbeMb": 1},
+    }
+
+
+class Services:
+    """A moto S3 server and a Ray head on loopback, stopped by pid."""
+
+    def __init__(self, workdir: Path) -> None:
+        s3_port, ray_port, client_port = free_port(), free_port(), free_port()
+        self.endpoint = f"http://127.0.0.1:{s3_port}"
+        self.env = {
+            **os.environ,
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-west-2",
+            "RAY_ADDRESS": f"127.0.0.1:{ray_port}",
+            "PYTHONPATH": str(REPO / "trainer"),
+            "HF_HUB_OFFLINE": "1",
+            "RAY_DEDUP_LOGS": "0",
+            **SINGLE_MACHINE_RAY,
+        }
+        os.environ.update({k: v for k, v in self.env.items() if k.startswith("AWS_")})
+        self.processes = [
+            subprocess.Popen(
+                [BIN / "moto_server", "-H", "127.0.0.1", "-p", str(s3_port)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            ),
+        ]  # fmt: skip
+        ray_log = (workdir / "ray-head.log").open("wb")
+        self.processes.append(
+            subprocess.Popen(
+                [BIN / "ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={ray_port}",
+                 f"--ray-client-server-port={client_port}", "--num-cpus=2", "--include-dashboard=false",
+                 "--disable-usage-stats", "--block"],
+                env=self.env, stdout=ray_log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        )  # fmt: skip
+        self.bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        wait_until("the S3 server", self._s3_answers, timeout=30, interval=0.3)
+        boto3.client("s3").create_bucket(
+            Bucket=self.bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
+        )
+        wait_until(
+            "the Ray head",
+            lambda: "Ray runtime started" in (workdir / "ray-head.log").read_text(),
+            timeout=120,
+        )
+
+    def _s3_answers(self) -> bool:
+        try:
+            boto3.client("s3").list_buckets()
+        except Exception:
+            return False
+        return True
+
+    @property
+    def storage(self) -> str:
+        return f"s3://{self.bucket}/runs"
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+                try:
+                    process.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+
+
+def history(services: Services, run_name: str) -> list[list[ProgressRecord]]:
+    config = TrainerConfig.model_validate(trainer_config(run_name, services.storage))
+    metrics = Location.parse(config.run_uri()).child(METRICS_DIR)
+    return [
+        [ProgressRecord.model_validate_json(line) for line in metrics.child(name).read_text().splitlines()]
+        for name in sorted(metrics.list_files())
+    ]
+
+
+def run_ours(services: Services, run_name: str, max_steps: int = STEPS) -> tuple[float, list[ProgressRecord]]:
+    """Launches the entrypoint as the operator's Ray job does; returns the launch time and the records of
+    the attempt it made."""
+    launched = time.time()
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_trainer", "--config",
+         json.dumps(trainer_config(run_name, services.storage, max_steps)), "--submission-id", run_name],
+        env=services.env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"trainer run {run_name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return launched, history(services, run_name)[-1]
+
+
+def ours_figures(launched: float, records: list[ProgressRecord]) -> dict[str, Any]:
+    windows = [
+        r for r in records if r.phase == "training" and r.step_time_seconds and r.step % LOG_EVERY == 0
+    ]
+    first_step = next(r for r in records if r.phase == "training" and r.step > 0)
+    return {
+        "window_step_seconds": [r.step_time_seconds for r in windows],
+        # The first record after step 1 is at the first logging step; its interval's mean step time
+        # tells when step 1 ended.
+        "startup_seconds": first_step.updated_at.timestamp()
+        - launched
+        - (first_step.step - 1) * (first_step.step_time_seconds or 0.0),
+    }
+
+
+def run_baseline(services: Services, workdir: Path, run_name: str) -> dict[str, Any]:
+    output = workdir / f"{run_name}.json"
+    config = TrainerConfig.model_validate(trainer_config(run_name, services.storage)).model_dump_json()
+    subprocess.run(
+        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}",
+         REPO / "bench" / "trainer_baseline.py", "--config", config, "--output", output],
+        env={**services.env, "BENCH_LAUNCHED_AT": str(time.time())}, check=True, capture_output=True,
+        timeout=600,
+    )  # fmt: skip
+    return dict(json.loads(output.read_text()))
+
+
+def run_checkpoint_bench(services: Services, workdir: Path) -> dict[str, Any]:
+    output = workdir / "checkpoint.json"
+    subprocess.run(
+        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}",
+         REPO / "bench" / "trainer_checkpoint.py", "--storage", f"s3://{services.bucket}/checkpoint-bench",
+         "--output", output],
+        env=services.env, check=True, capture_output=True, timeout=600,
+    )  # fmt: skip
+    return dict(json.loads(output.read_text()))
+
+
+def resubmission_figures(launched: float, records: list[ProgressRecord]) -> dict[str, Any]:
+    """Launch to the first resumed step, and the loading-checkpoint stage's share of it."""
+    stages = [(r.stage, r.updated_at.timestamp()) for r in records if r.phase == "starting"]
+    loading_started = next(t for stage, t in stages if stage == "loading-checkpoint")
+    training = next(r for r in records if r.phase == "training")  # written once the checkpoint is loaded
+    first_step = next(r for r in records if r.phase == "training" and r.step > (training.step or 0))
+    first_step_done = first_step.updated_at.timestamp() - (first_step.step - training.step - 1) * (
+        first_step.step_time_seconds or 0
+    )
+    to_first_step = first_step_done - launched
+    loading = training.updated_at.timestamp() - loading_started
+    return {
+        "resumed_from_step": training.resumed_from_step,
+        "launch_to_first_step_seconds": to_first_step,
+        "loading_checkpoint_seconds": loading,
+        "loading_share": loading / to_first_step,
+    }
+
+
+def summarise(results: dict[str, Any]) -> str:
+    ours, baseline = results["ours"], results["baseline"]
+    ratio = results["step_time_ratio"]
+    checkpoints = results["checkpoint"]
+    resubmitted = results["resubmission"]
+    mb = checkpoints["bytes"] / 1e6
+    rows = [
+        ("Median step time, ours (Ray Train entrypoint) / baseline A (torchrun FSDP2 loop)",
+         f"{ours['median_step_seconds'] * 1e3:.1f} ms / {baseline['median_step_seconds'] * 1e3:.1f} ms = "
+         f"**{ratio:.3f}**", "<= 1.03"),
+        ("Start-up, launch to first step: ours / baseline A",
+         f"{ours['startup_seconds']:.1f} s / {baseline['startup_seconds']:.1f} s", "reported"),
+        (f"Training blocked per checkpoint ({mb:.0f} MB): async / sync",
+         f"{checkpoints['async_blocked_seconds']:.3f} s / {checkpoints['sync_blocked_seconds']:.3f} s = "
+         f"**{checkpoints['stall_ratio']:.3f}**", "<= 0.1"),
+        ("Save-to-durable throughput: ours / plain boto3 upload of the same bytes",
+         f"{checkpoints['durable_mb_per_second']:.0f} MB/s / {checkpoints['boto3_mb_per_second']:.0f} MB/s = "
+         f"**{checkpoints['throughput_ratio']:.2f}**", ">= 0.8"),
+        ("Resubmitted job: launch to first step after the restore (loading share)",
+         f"{resubmitted['launch_to_first_step_seconds']:.1f} s "
+         f"({resubmitted['loading_checkpoint_seconds']:.2f} s loading, {resubmitted['loading_share']:.0%})",
+         "reported"),
+    ]  # fmt: skip
+    lines = [
+        f"Measured {results['measured_at']} on {results['machine']} (`python bench/trainer_cpu.py`, "
+        f"{results['rounds']} round(s), medians).",
+        "",
+        "| figure | measured | target |",
+        "|---|---|---|",
+        *(f"| {name} | {value} | {target} |" for name, value, target in rows),
+    ]
+    return "\n".join(lines)
+
+
+def write_doc(table: str) -> None:
+    text = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in text:
+        text += f"\n{BEGIN}\n{END}\n"
+    text = re.sub(rf"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table}\n{END}", text, flags=re.S)
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=2, help="alternating ours/baseline rounds (default 2)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--no-doc", action="store_true", help=f"do not rewrite {DOC.relative_to(REPO)}")
+    args = parser.parse_args()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
+    services = Services(workdir)
+    try:
+        ours_rounds, baseline_rounds = [], []
+        for round_number in range(args.rounds):
+            launched, records = run_ours(services, f"ours-{round_number}")
+            ours_rounds.append(ours_figures(launched, records))
+            baseline_rounds.append(run_baseline(services, workdir, f"baseline-{round_number}"))
+        # The first run again with more steps: a new submission resuming from its final (step-60) checkpoint.
+        launched, records = run_ours(services, "ours-0", max_steps=STEPS + LOG_EVERY)
+        resubmission = resubmission_figures(launched, records)
+        checkpoint_raw = run_checkpoint_bench(services, workdir)
+    finally:
+        services.stop()
+
+    def median_step(rounds: list[dict[str, Any]]) -> float:
+        # The first window holds the first step's lazy initialisation: warm-up, left out on both sides.
+        return statistics.median(s for r in rounds for s in r["window_step_seconds"][1:])
+
+    ours = {
+        "median_step_seconds": median_step(ours_rounds),
+        "startup_seconds": statistics.median(r["startup_seconds"] for r in ours_rounds),
+        "rounds": ours_rounds,
+    }
+    baseline = {
+        "median_step_seconds": median_step(baseline_rounds),
+        "startup_seconds": statistics.median(r["startup_seconds"] for r in baseline_rounds),
+        "rounds": baseline_rounds,
+    }
+    sync_blocked = statistics.median(checkpoint_raw["sync"]["blocked_seconds"])
+    async_blocked = statistics.median(checkpoint_raw["async"]["blocked_seconds"])
+    size = checkpoint_raw["async"]["bytes"]  # the synchronous saver's start() already consumed its result
+    durable = size / 1e6 / statistics.median(checkpoint_raw["async"]["durable_seconds"])
+    plain = size / 1e6 / checkpoint_raw["boto3_upload_seconds"]
+    results = {
+        "measured_at": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": f"{os.cpu_count()} CPU cores, gloo, 2 ranks",
+        "rounds": args.rounds,
+        "ours": ours,
+        "baseline": baseline,
+        "step_time_ratio": ours["median_step_seconds"] / baseline["median_step_seconds"],
+        "checkpoint": {
+            "parameters": checkpoint_raw["parameters"],
+            "bytes": size,
+            "sync_blocked_seconds": sync_blocked,
+            "async_blocked_seconds": async_blocked,
+            "stall_ratio": async_blocked / sync_blocked,
+            "durable_mb_per_second": durable,
+            "boto3_mb_per_second": plain,
+            "throughput_ratio": durable / plain,
+            "raw": checkpoint_raw,
+        },
+        "resubmission": resubmission,
+    }
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+    table = summarise(results)
+    print(table)
+    if not args.no_doc:
+        write_doc(table)
+
+
+if __name__ == "__main__":
+    main()
