@@ -42,6 +42,7 @@ kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -
 
 log "starting the operator (log: $STATE/logs/demo-operator.log)"
 env "${operator_env[@]}" FSDP_OPERATOR_WATCH_NAMESPACES="$NAMESPACE" FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS=5 \
+  FSDP_OPERATOR_HEALTH_PORT=0 \
   PYTHONPATH="$root/operator:$root/trainer" "$PY" -m fsdp_operator >"$STATE/logs/demo-operator.log" 2>&1 &
 operator_pid=$!
 trap 'kill "$operator_pid" 2>/dev/null; wait "$operator_pid" 2>/dev/null || true' EXIT

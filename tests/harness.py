@@ -99,12 +99,14 @@ class OperatorProcess:
     def start(self) -> OperatorProcess:
         env = {
             **os.environ,
+            # One operator per test: no election to wait for after a kill (tests of it turn it on), and no
+            # probe server whose port other test sessions on this machine could hold.
+            "FSDP_OPERATOR_LEADER_ELECTION": "false",
+            "FSDP_OPERATOR_HEALTH_PORT": "0",
+            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "2",
             **self.env,
             "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
             "FSDP_OPERATOR_WATCH_NAMESPACES": self.namespace,
-            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": self.env.get(
-                "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS", "2"
-            ),
         }
         with self.log.open("ab") as out:
             self.process = subprocess.Popen(

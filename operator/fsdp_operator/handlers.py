@@ -52,6 +52,7 @@ AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attem
 NODES_SNAPSHOT_SECONDS = 10.0  # preflight of every pending run shares one view of nodes and pods this long
 ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
 CONFLICT_RETRIES = 3
+USER_AGENT = "fsdp-operator"
 # Waiting reasons of a container that will not start by itself (kubelet's names).
 POD_START_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
 
@@ -68,8 +69,10 @@ class Kube:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        self.custom = client.CustomObjectsApi()
-        self.core = client.CoreV1Api()
+        api_client = client.ApiClient()
+        api_client.user_agent = USER_AGENT  # tells the operator's requests apart in audit logs and metrics
+        self.custom = client.CustomObjectsApi(api_client)
+        self.core = client.CoreV1Api(api_client)
 
     @property
     def configuration(self) -> Any:

@@ -37,8 +37,9 @@ class DashboardAuth:
 def dashboard_url(settings: Settings, namespace: str, cluster_name: str, apiserver: str) -> str:
     service = f"{cluster_name}-head-svc"
     if settings.dashboard_address_mode == DashboardAddressMode.OVERRIDE:
-        assert settings.dashboard_url is not None  # enforced by Settings
-        return settings.dashboard_url
+        url = settings.dashboard_urls.get(namespace, settings.dashboard_url)
+        assert url is not None  # enforced by Settings
+        return url
     if settings.dashboard_address_mode == DashboardAddressMode.SERVICE_PROXY:
         return f"{apiserver.rstrip('/')}/api/v1/namespaces/{namespace}/services/{service}:dashboard/proxy"
     return f"http://{service}.{namespace}.svc:{DASHBOARD_PORT}"

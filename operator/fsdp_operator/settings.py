@@ -42,6 +42,10 @@ class Settings(BaseSettings):
     dashboard_url: str | None = Field(
         default=None, description="The Ray dashboard address when dashboard_address_mode is override."
     )
+    dashboard_urls: dict[str, str] = Field(
+        default_factory=dict,
+        description="With override: per-namespace dashboard addresses (JSON object), before dashboard_url.",
+    )
     trainer_device: TrainerDevice = Field(
         default=TrainerDevice.GPU, description="gpu in production; cpu when the Ray head has no GPUs."
     )
@@ -94,8 +98,9 @@ class Settings(BaseSettings):
             raise ValueError(
                 "dashboard_url (FSDP_OPERATOR_DASHBOARD_URL) is required with dashboard_address_mode override"
             )
-        if self.dashboard_url and not self.dashboard_url.startswith(("http://", "https://")):
-            raise ValueError(f"dashboard_url must start with http:// or https://, got {self.dashboard_url!r}")
+        for url in [self.dashboard_url, *self.dashboard_urls.values()]:
+            if url and not url.startswith(("http://", "https://")):
+                raise ValueError(f"dashboard URLs must start with http:// or https://, got {url!r}")
         return self
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import time
 from typing import Any
 
 from tests.harness import (
@@ -141,3 +143,77 @@ def test_kubectl_get_trainingruns_shows_the_daily_view(namespace: str, operator:
     )
     assert "IMAGE DIGEST" in wide[0] and "RAY CLUSTER" in wide[0] and "TRANSPORT" in wide[0]
     assert "qwen25-sample" in wide[1].split()
+
+
+def test_an_image_that_never_pulls_fails_the_run_with_the_kubelets_reason(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    # KWOK's stage keeps pods whose image names `never-pulls` in ErrImagePull, then ImagePullBackOff.
+    changes = {"image": "example.invalid/never-pulls:1", "recovery.podErrorTimeoutSeconds": 20}
+    apply(namespace, example("aws-sample", **changes))
+
+    def pods_unhealthy() -> dict[str, Any] | None:
+        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsHealthy")
+        return found if found and found["status"] == "False" else None
+
+    shown = wait_until("PodsHealthy=False", pods_unhealthy, timeout=60)
+    assert shown["reason"] in ("ErrImagePull", "ImagePullBackOff") and "never-pulls" in shown["message"]
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=90)
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] in ("ErrImagePull", "ImagePullBackOff"), failed
+    assert conditions_of(run)["Finished"]["status"] == "True"
+    wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
+
+
+def test_suspend_and_resume_at_once_never_uses_the_terminating_cluster_and_pins_a_new_image(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    apply(namespace, example("aws-sample"))
+    first = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    old_digest = wait_until(
+        "the first image digest to be pinned",
+        lambda: run_of(namespace, "qwen25-sample")["status"]["image"].get("digest"),
+        timeout=30,
+    )
+    [old] = rayclusters(namespace)
+    # A finalizer holds the old RayCluster in deletion for as long as the test wants.
+    hold = '{"metadata":{"finalizers":["test.fsdp.training.dev/hold"]}}'
+    kubectl("patch", "raycluster", old["metadata"]["name"], "-n", namespace, "--type=merge", "-p", hold)
+    run_name = f"fsdptrainingrun/{first['metadata']['name']}"
+    kubectl("patch", run_name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
+    wait_for_phase(namespace, "qwen25-sample", "Suspended", timeout=60)
+    new_image = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2-v2"
+    resume = json.dumps({"spec": {"suspend": False, "image": new_image}})
+    kubectl("patch", run_name, "-n", namespace, "--type=merge", "-p", resume)
+
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the old cluster is terminating: the run must wait, not use it
+        status = run_of(namespace, "qwen25-sample")["status"]
+        assert status["phase"] not in ("ClusterReady", "Running"), status
+        assert [c["metadata"]["uid"] for c in rayclusters(namespace)] == [old["metadata"]["uid"]]
+        time.sleep(1)
+    kubectl(
+        "patch",
+        "raycluster",
+        old["metadata"]["name"],
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        '{"metadata":{"finalizers":null}}',
+    )
+
+    def on_a_new_cluster() -> dict[str, Any] | None:
+        run = run_of(namespace, "qwen25-sample")
+        clusters = rayclusters(namespace)
+        fresh = [c for c in clusters if c["metadata"]["uid"] != old["metadata"]["uid"]]
+        ready = run["status"].get("phase") == "ClusterReady" and run["status"]["image"].get("digest")
+        return run if fresh and len(clusters) == 1 and ready else None
+
+    run = wait_until("the run on a new RayCluster with the new image", on_a_new_cluster, timeout=90)
+    [new] = rayclusters(namespace)
+    worker = new["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    assert worker["image"] == new_image  # the old pin was dropped
+    digest = run["status"]["image"]["digest"]
+    assert digest != old_digest and digest.startswith(new_image.rsplit(":", 1)[0] + "@sha256:")
+    assert run["status"]["image"]["requested"] == new_image

@@ -99,3 +99,17 @@ def test_leader_election_flags() -> None:
         cli_args=["--leader-election", "false", "--health-port", "0", "--worker-threads", "8"],
     )
     assert not settings.leader_election and settings.health_port == 0 and settings.worker_threads == 8
+
+
+def test_override_dashboards_per_namespace_before_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsdp_operator.jobs import dashboard_url
+
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE", "override")
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_URLS", '{"team-b": "http://127.0.0.1:2"}')
+    settings = Settings()
+    assert dashboard_url(settings, "team-b", "c", "https://api") == "http://127.0.0.1:2"
+    assert dashboard_url(settings, "team-a", "c", "https://api") == "http://127.0.0.1:1"
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_URLS", '{"team-b": "ftp://x"}')
+    with pytest.raises(ValidationError, match="http:// or https://"):
+        Settings()

@@ -255,7 +255,7 @@ def test_restart_history_in_status_keeps_the_last_ten() -> None:
     decision = reconcile(spec(recovery={"maxRestarts": 20}), many, observe(job=job("FAILED")))
     history = decision.status.restarts.history
     assert len(history) == 10 and history[-1].time == NOW and decision.status.restarts.count == 11
-    with pytest.raises(ValueError, match="max_restarts|maxRestarts"):
+    with pytest.raises(ValueError, match=r"max_restarts|maxRestarts"):
         spec(recovery={"maxRestarts": 1000})
 
 

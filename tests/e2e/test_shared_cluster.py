@@ -1,0 +1,190 @@
+"""One operator, many teams: namespaces, names, reused prefixes, competing runs and a misbehaving Ray head.
+
+Real Ray jobs on the local head (the CPU demo), the real KubeRay and S3; runs share an operator if they can.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+
+from tests.e2e.demo import (
+    BUCKET,
+    RUN_TIMEOUT,
+    checkpoint_steps_in_s3,
+    demo_manifest,
+    lifecycle_env,
+    run_record,
+)
+from tests.harness import (
+    LocalCluster,
+    OperatorProcess,
+    apply,
+    conditions_of,
+    kubectl,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
+from tests.netproxy import BlackHoleProxy
+
+
+@pytest.fixture
+def second_namespace(namespace: str) -> Iterator[str]:
+    name = f"{namespace}-b"
+    kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        for run in kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split():
+            kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+        kubectl("delete", "namespace", name, "--wait=false")
+
+
+def operator_for(
+    namespaces: list[str], local_cluster: LocalCluster, log: Path, **env: str
+) -> OperatorProcess:
+    return OperatorProcess(
+        namespace=",".join(namespaces),
+        env={**lifecycle_env(local_cluster), "FSDP_OPERATOR_LEASE_NAMESPACE": namespaces[0], **env},
+        log=log,
+    ).start()
+
+
+def stop(proc: OperatorProcess, namespaces: list[str]) -> None:
+    for namespace in namespaces:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+    proc.stop()
+    print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
+
+
+def test_one_name_in_two_namespaces_keeps_two_prefixes_and_a_reused_prefix_is_refused(
+    namespace: str, second_namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+) -> None:
+    # 70 characters with dots: no valid Service, label or DNS-1035 name as it is.
+    name = "qwen2.5-ft." + "a" * 50 + "-" + uuid.uuid4().hex[:8]
+    assert len(name) == 70
+    namespaces = [namespace, second_namespace]
+    proc = operator_for(namespaces, local_cluster, tmp_path / "operator.log")
+    try:
+        for ns in namespaces:
+            apply(ns, demo_manifest(name))
+        runs = [wait_for_phase(ns, name, "Succeeded", timeout=2 * RUN_TIMEOUT) for ns in namespaces]
+        for ns, run in zip(namespaces, runs, strict=True):
+            status = run["status"]
+            child = status["rayClusterName"]
+            assert len(child) <= 40 and "." not in child and child[0].isalpha(), child
+            assert status["record"]["uri"] == f"s3://{BUCKET}/runs/{ns}/{name}/run.json"
+            assert checkpoint_steps_in_s3(s3, ns, name) >= {30, 40}
+            assert run_record(s3, ns, name).namespace == ns
+        # Each team's run trained its own model: both from step 0, neither resumed from the other.
+        for ns in namespaces:
+            progress = s3.get_object(Bucket=BUCKET, Key=f"runs/{ns}/{name}/progress.json")["Body"].read()
+            assert json.loads(progress).get("resumedFromStep") in (None, 0)
+
+        # Re-created under the same prefix with another configuration: refused before any job, and
+        # `kubectl wait` on the terminal condition returns for the failure.
+        kubectl("delete", "fsdptrainingrun", name, "-n", namespace, "--timeout=60s")
+        apply(namespace, demo_manifest(name, **{"training.seed": 7}))
+        waited = kubectl(
+            "wait",
+            f"fsdptrainingrun/{name}",
+            "-n",
+            namespace,
+            "--for=condition=Finished",
+            "--timeout=120s",
+            check=False,
+        )
+        assert waited.returncode == 0, waited.stderr
+        run = run_of(namespace, name)
+        conditions = conditions_of(run)
+        assert conditions["Failed"]["reason"] == "CheckpointMismatch", conditions["Failed"]
+        assert "fingerprint" in conditions["Failed"]["message"]
+        assert conditions["Succeeded"]["status"] == "False" and run["status"]["attempt"] == 0
+        assert checkpoint_steps_in_s3(s3, namespace, name) >= {30, 40}, "the old checkpoints must be kept"
+    finally:
+        stop(proc, namespaces)
+
+
+def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
+    namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+) -> None:
+    # Each run needs both GPU nodes of us-west-2a: admitted together, each would hold one and wait forever.
+    shape = {"cluster.zone": "us-west-2a", "preflight.recheckSeconds": 5}
+    proc = operator_for([namespace], local_cluster, tmp_path / "operator.log")
+    try:
+        first, second = f"first-{uuid.uuid4().hex[:6]}", f"second-{uuid.uuid4().hex[:6]}"
+        apply(namespace, demo_manifest(first, **shape))
+        apply(namespace, demo_manifest(second, **shape))
+
+        def second_waits() -> dict[str, Any] | None:
+            found = conditions_of(run_of(namespace, second)).get("Preflight")
+            return found if found and found["status"] == "False" else None
+
+        waiting = wait_until(f"{second} to wait for capacity", second_waits, timeout=60)
+        assert waiting["reason"] in ("InsufficientCapacity", "WaitingForEarlierRun"), waiting
+        assert run_of(namespace, second)["status"]["phase"] == "Pending"
+        assert [c["metadata"]["name"] for c in rayclusters(namespace)] == [
+            run_of(namespace, first)["status"]["rayClusterName"]
+        ]
+        wait_for_phase(namespace, first, "Succeeded", timeout=RUN_TIMEOUT)
+        done = wait_for_phase(namespace, second, "Succeeded", timeout=RUN_TIMEOUT)
+        assert done["status"]["zone"] == "us-west-2a" and done["status"]["restarts"]["count"] == 0
+    finally:
+        stop(proc, [namespace])
+
+
+def test_a_black_holed_dashboard_slows_only_its_own_run(
+    namespace: str, second_namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+) -> None:
+    dashboard = urlparse(local_cluster.ray_dashboard_url)
+    assert dashboard.hostname and dashboard.port
+    with BlackHoleProxy(dashboard.hostname, dashboard.port) as proxy:
+        urls = json.dumps({second_namespace: proxy.url})
+        proc = operator_for(
+            [namespace, second_namespace],
+            local_cluster,
+            tmp_path / "operator.log",
+            FSDP_OPERATOR_DASHBOARD_URLS=urls,
+        )
+        try:
+            healthy, held = f"ok-{uuid.uuid4().hex[:6]}", f"held-{uuid.uuid4().hex[:6]}"
+            apply(second_namespace, demo_manifest(held, **{"training.maxSteps": 60}))
+            wait_for_phase(second_namespace, held, "Running", timeout=RUN_TIMEOUT)
+            proxy.black_hole()
+            black_holed_at = time.monotonic()
+            apply(namespace, demo_manifest(healthy))
+
+            def unknown() -> dict[str, Any] | None:
+                found = conditions_of(run_of(second_namespace, held)).get("JobRunning")
+                return found if found and found["status"] == "Unknown" else None
+
+            condition = wait_until("the held run's JobRunning=Unknown", unknown, timeout=90)
+            assert condition["reason"] == "DashboardUnreachable", condition
+            # The other team's run is submitted, trains and finishes while every pass of the held run hangs.
+            wait_for_phase(namespace, healthy, "Succeeded", timeout=RUN_TIMEOUT)
+            held_run = run_of(second_namespace, held)
+            assert held_run["status"]["phase"] == "Running" and held_run["status"]["restarts"]["count"] == 0
+            print(f"black hole held for {time.monotonic() - black_holed_at:.0f}s")
+
+            proxy.pass_through()
+
+            def recovered() -> dict[str, Any] | None:
+                run = run_of(second_namespace, held)
+                job = conditions_of(run).get("JobRunning", {})
+                finished = run["status"].get("phase") == "Succeeded"
+                return run if finished or job.get("status") == "True" else None
+
+            run = wait_until("the held run to be observed again", recovered, timeout=120)
+            assert run["status"]["restarts"]["count"] == 0 and run["status"]["attempt"] == 1
+            wait_for_phase(second_namespace, held, "Succeeded", timeout=RUN_TIMEOUT)
+        finally:
+            stop(proc, [namespace, second_namespace])
