@@ -37,7 +37,7 @@ def run_baseline(
     the peak device memory of the steps after `reset_memory_after`."""
     training = config.training
     model_config = model.model_config(config.model, runtime.local_rank, dist.barrier)
-    lm = model.load_model(config.model, model_config, training.seed, runtime.local_rank, dist.barrier)
+    lm = model.empty_model(model_config)
     device_type = runtime.device.type
     dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
     mesh = parallelize.build_mesh(
@@ -45,6 +45,16 @@ def run_baseline(
         device_type,
     )
     root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
+    model.materialise(
+        lm,
+        runtime.device,
+        "initialise",
+        config.model,
+        training.seed,
+        runtime.rank,
+        runtime.local_rank,
+        dist.barrier,
+    )
     optimizer = optim.build_optimizer(lm, training)
     scheduler = optim.build_scheduler(optimizer, training)
     samples = data.SyntheticSamples(int(model_config.vocab_size), training.sequence_length, training.seed)

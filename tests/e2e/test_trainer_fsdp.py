@@ -316,7 +316,7 @@ def test_loss_falls_on_real_text_and_eval_is_reported(reference: ReferenceRun, s
     (records,) = storage.history(reference.name)
     assert len({r.submission_id for r in records}) == 1 and records[0].submission_id
     stages = [r.stage for r in records if r.phase == "starting"]
-    assert {"initializing", "loading-data", "probing-transport", "loading-checkpoint"} <= set(stages)
+    assert {"initializing", "downloading-model", "loading-data", "probing-transport"} <= set(stages)
     print("checkpoint sizes (bytes):", {m.step: sum(m.files.values()) for m in manifests})
     assert reference.losses[MAX_STEPS] == pytest.approx(manifests[-1].loss)
 

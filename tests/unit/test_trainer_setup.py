@@ -82,8 +82,7 @@ def test_setup_names_each_stage_before_the_first_step(first_run: tuple[Path, Pat
         "loading-data",
         "probing-transport",
         "downloading-model",
-        "loading-checkpoint",
-    ]
+    ], "a new run has no checkpoint to load"
     assert records.index(starting[-1]) < min(i for i, r in enumerate(records) if r.step > 0)
     assert all(record.stage is None for record in records if record.phase != "starting")
     assert {record.submission_id for record in records} == {"job-1"}
@@ -102,6 +101,8 @@ def test_the_same_configuration_resumes_under_the_namespaced_prefix(first_run: t
     storage, run = first_run
     train(config(storage, max_steps=6), "job-2")
     resumed = history(run)[-1]
+    stages = [record.stage for record in resumed if record.phase == "starting"]
+    assert stages[-1] == "loading-checkpoint", "the last setup stage of a resumed run"
     assert resumed[-1].phase == "finished" and resumed[-1].resumed_from_step == 4
     assert min(record.step for record in resumed if record.phase == "training" and record.loss) == 5
 

@@ -151,8 +151,11 @@ class Worker:
         if self.progress is not None:
             self.progress.update(transport=report)
 
+        # Built on the meta device and sharded before it has storage; a resumed run then reads only the
+        # checkpoint, a new one initialises or loads each rank's shards directly.
+        resume_from = self.choose_checkpoint()
         self.stage(SetupStage.DOWNLOADING_MODEL)
-        lm = model.load_model(config.model, model_config, training.seed, runtime.local_rank, barrier)
+        lm = model.empty_model(model_config)
         shape = model.model_shape(lm)
         device_type = runtime.device.type
         dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
@@ -161,11 +164,28 @@ class Worker:
             device_type,
         )
         root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
+        if resume_from is not None:
+            weights: Literal["initialise", "load", "checkpoint"] = "checkpoint"
+        elif config.model.from_config is not None:
+            weights = "initialise"
+        else:
+            weights = "load"
+        model.materialise(
+            lm,
+            runtime.device,
+            weights,
+            config.model,
+            training.seed,
+            runtime.rank,
+            runtime.local_rank,
+            barrier,
+            config.fsdp.cpu_offload,
+        )
         optimizer = optim.build_optimizer(lm, training)
         scheduler = optim.build_scheduler(optimizer, training)
         app_state = checkpoint.AppState(lm, optimizer, scheduler, checkpoint.TrainState())
 
-        resumed_from = self.resume(app_state)
+        resumed_from = None if resume_from is None else self.resume(app_state, resume_from)
         if self.progress is not None:
             train = app_state.train
             self.progress.update(
@@ -303,9 +323,9 @@ class Worker:
         transport.enforce(network.efa, report)
         return report
 
-    def resume(self, app_state: checkpoint.AppState) -> int | None:
+    def choose_checkpoint(self) -> Location | None:
+        """The checkpoint to resume from (rank 0 looks, every rank learns the answer), or None."""
         config, runtime = self.config, self.runtime
-        self.stage(SetupStage.LOADING_CHECKPOINT)
         chosen: str | None = None
         refusal: str | None = None
         if runtime.is_main:
@@ -326,15 +346,18 @@ class Worker:
         if chosen is None:
             log.info("starting from scratch")
             return None
+        return Location.parse(chosen)
+
+    def resume(self, app_state: checkpoint.AppState, chosen: Location) -> int:
+        config, runtime = self.config, self.runtime
+        self.stage(SetupStage.LOADING_CHECKPOINT)
         reseed = config.training.seed * 100_003 + runtime.rank
-        had_rng = checkpoint.load(
-            Location.parse(chosen), app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier
-        )
+        had_rng = checkpoint.load(chosen, app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier)
         if not had_rng:
             log.warning(
                 "checkpoint has no RNG state for rank %d (saved on fewer workers): reseeded", runtime.rank
             )
-        log.info("resumed from %s at step %d", chosen, app_state.train.step)
+        log.info("resumed from %s at step %d", chosen.uri, app_state.train.step)
         return app_state.train.step
 
     def evaluate(self, session: Session) -> float:

@@ -4,8 +4,10 @@ random initialisation from a config dict, plus the built-in byte-level tokenizer
 from __future__ import annotations
 
 import logging
+import os
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -103,23 +105,105 @@ def model_config(spec: ModelSpec, local_rank: int, barrier: Callable[[], None]) 
     return loaded
 
 
-def load_model(
-    spec: ModelSpec, config: PretrainedConfig, seed: int, local_rank: int, barrier: Callable[[], None]
-) -> PreTrainedModel:
-    """The full model in fp32 on CPU on every rank (FSDP keeps fp32 master weights and casts for compute);
-    fully_shard then moves each rank's shard to its device."""
-    torch.manual_seed(seed)  # identical random initialisation on every rank
+def empty_model(config: PretrainedConfig) -> PreTrainedModel:
+    """The architecture on the meta device: no memory, no initialisation. It is sharded first and then
+    materialised (`materialise`), so no rank ever holds more than its shard of the fp32 weights."""
     try:
-        if spec.from_config is not None or spec.source is None:
+        with torch.device("meta"):
             model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(
-                resolve(spec.source, local_rank, barrier), revision=spec.revision, dtype=torch.float32
-            )
-    except (OSError, ValueError, KeyError) as error:
+    except (ValueError, KeyError) as error:
         raise ModelError(f"cannot build the model: {error}") from error
     model.config.use_cache = False
     return model
+
+
+def materialise(
+    model: PreTrainedModel,
+    device: torch.device,
+    weights: Literal["initialise", "load", "checkpoint"],
+    spec: ModelSpec,
+    seed: int,
+    rank: int,
+    local_rank: int,
+    barrier: Callable[[], None],
+    cpu_offload: bool = False,
+) -> None:
+    """Gives the sharded meta model real storage on `device` (parameters on the CPU with cpu_offload, as
+    FSDP's offload policy expects) and fills it: a random initialisation ("initialise"), the pretrained
+    weights read straight into each rank's shards ("load"), or nothing but the buffers that no checkpoint
+    holds, such as rotary frequencies ("checkpoint": the checkpoint's weights are loaded next)."""
+    model.to_empty(device=torch.device("cpu") if cpu_offload else device)
+    for module in model.modules():  # buffers are not sharded or offloaded: forward reads them on the device
+        for name, buffer in module.named_buffers(recurse=False):
+            module._buffers[name] = buffer.to(device)
+    lm: Any = model
+    with torch.no_grad():
+        if weights == "initialise":
+            # DTensor's random ops keep shards consistent only for parameters on CUDA; elsewhere each rank
+            # draws its shard from its own stream, which must differ between ranks or shards would repeat.
+            consistent = device.type == "cuda" and not cpu_offload
+            torch.manual_seed(seed if consistent else seed * 100_003 + rank)
+            _forget_initialisation(model)
+            with warnings.catch_warnings():
+                # DTensor warns on every random op off CUDA; the per-rank seed above is the answer to it.
+                warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+                lm.initialize_weights()
+        else:
+            for module in model.modules():
+                if any(True for _ in module.buffers(recurse=False)):
+                    lm._init_weights(module)
+        if weights == "load":
+            if spec.source is None:
+                raise ConfigError("model.source is needed to load weights")
+            _load_pretrained_shards(model, weights_directory(spec, local_rank, barrier))
+
+
+def _forget_initialisation(model: torch.nn.Module) -> None:
+    """transformers skips modules and tensors it marked as initialised; on meta nothing really was."""
+    for module in model.modules():
+        module.__dict__.pop("_is_hf_initialized", None)
+        for tensor in (*module.parameters(recurse=False), *module.buffers(recurse=False)):
+            tensor.__dict__.pop("_is_hf_initialized", None)
+
+
+def weights_directory(spec: ModelSpec, local_rank: int, barrier: Callable[[], None]) -> str:
+    """A local directory holding the model's safetensors: an s3:// prefix copied to the node once, a hub
+    id from the hub's cache (downloaded by local rank 0), or the local path itself."""
+    source = spec.source or ""
+    if source.startswith("s3://") or os.path.isdir(source):
+        return resolve(source, local_rank, barrier)
+    from huggingface_hub import snapshot_download
+
+    def download() -> str:
+        return str(
+            snapshot_download(source, revision=spec.revision, allow_patterns=["*.safetensors", "*.json"])
+        )
+
+    try:
+        if local_rank == 0:
+            download()
+        barrier()
+        return download()  # from the node's cache now
+    except (OSError, ValueError) as error:
+        raise ModelError(f"cannot download the weights of {source}: {error}") from error
+
+
+def _load_pretrained_shards(model: PreTrainedModel, directory: str) -> None:
+    """Each rank reads only its shards from the safetensors files (DCP's Hugging Face reader), converting
+    to the model's fp32. A tied output head is the input embedding and is not in the files."""
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    lm: Any = model
+    state = model.state_dict()
+    if lm.get_output_embeddings() is not None and (
+        lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+    ):
+        state = {name: tensor for name, tensor in state.items() if not name.startswith("lm_head.")}
+    try:
+        load(state, storage_reader=HuggingFaceStorageReader(directory))
+    except (OSError, ValueError, RuntimeError) as error:
+        raise ModelError(f"cannot load the weights in {directory}: {error}") from error
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:
