@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
+import signal
 import threading
 import time
 from collections import defaultdict
@@ -53,6 +55,8 @@ NODES_SNAPSHOT_SECONDS = 10.0  # preflight of every pending run shares one view 
 ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
 CONFLICT_RETRIES = 3
 USER_AGENT = "fsdp-operator"
+# Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
+FAULT_POINT_ENV = "FSDP_OPERATOR_FAULT_POINT"
 # Waiting reasons of a container that will not start by itself (kubelet's names).
 POD_START_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
 
@@ -461,6 +465,7 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     if patch:
         ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        fault_point("after-status-write", new.attempt)
     _act(ctx, run, spec, decision)
     if patch:
         _write_run_record(ctx, run, spec, new)
@@ -485,12 +490,22 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
             ctx.kube.delete_raycluster(run.namespace, cluster_name)
         if decision.create_cluster:
             ctx.kube.create_raycluster(_desired_cluster(ctx, run, spec, decision.status))
+            fault_point("after-create-cluster", decision.status.attempt)
         if decision.submit_attempt is not None:
             _submit(ctx, run, spec, decision)
+            fault_point("after-submit", decision.submit_attempt)
     except Exception as error:
         message = f"{type(error).__name__}: {error}"[:500]
         ctx.action_errors[run.uid] = message
         log.warning("%s/%s: action failed, the next pass decides: %s", run.namespace, run.name, message)
+
+
+def fault_point(name: str, attempt: int) -> None:
+    """Dies as SIGKILL would at the named boundary when the test hook asks for it (unset in production)."""
+    wanted = os.environ.get(FAULT_POINT_ENV, "")
+    if wanted in (name, f"{name}:{attempt}"):
+        log.warning("fault point %s (attempt %s): killing the operator", name, attempt)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _submit(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision) -> None:

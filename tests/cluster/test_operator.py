@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import signal
 import time
 from typing import Any
+
+import pytest
 
 from tests.harness import (
     OperatorProcess,
@@ -217,3 +220,26 @@ def test_suspend_and_resume_at_once_never_uses_the_terminating_cluster_and_pins_
     digest = run["status"]["image"]["digest"]
     assert digest != old_digest and digest.startswith(new_image.rsplit(":", 1)[0] + "@sha256:")
     assert run["status"]["image"]["requested"] == new_image
+
+
+@pytest.mark.parametrize("point", ["after-status-write:0", "after-create-cluster:0"])
+def test_operator_killed_before_or_after_creating_the_cluster_creates_one(
+    namespace: str, crd_installed: None, tmp_path: Any, point: str
+) -> None:
+    log = tmp_path / "operator.log"
+    proc = OperatorProcess(namespace, {"FSDP_OPERATOR_FAULT_POINT": point}, log).start()
+    apply(namespace, example("aws-sample"))
+    assert proc.process is not None
+    assert proc.process.wait(timeout=90) == -signal.SIGKILL, (
+        f"no SIGKILL at {point}: {log.read_text()[-2000:]}"
+    )
+    created = [c["metadata"]["uid"] for c in rayclusters(namespace)]
+    assert len(created) == (1 if point.startswith("after-create") else 0)
+    proc = OperatorProcess(namespace, {}, log).start()
+    try:
+        run = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    finally:
+        proc.stop()
+    [cluster] = rayclusters(namespace)
+    assert created in ([], [cluster["metadata"]["uid"]])
+    assert run["status"]["attempt"] == 1  # recorded once, whatever Ray says of it
