@@ -210,9 +210,8 @@ class Context:
         token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
         cert = (configuration.cert_file, configuration.key_file) if configuration.cert_file else None
         verify: str | bool = configuration.ssl_ca_cert or bool(configuration.verify_ssl)
-        return DashboardAuth(
-            headers={"Authorization": token} if token else {}, verify=verify, client_cert=cert
-        )
+        headers = (("Authorization", token),) if token else ()
+        return DashboardAuth(headers=headers, verify=verify, client_cert=cert)
 
     def jobs(self, namespace: str, cluster_name: str) -> Jobs:
         address = dashboard_url(self.settings, namespace, cluster_name, self.kube.configuration.host)

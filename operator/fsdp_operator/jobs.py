@@ -29,7 +29,7 @@ class JobObservation:
 class DashboardAuth:
     """How to reach dashboards through the apiserver's service proxy: its credentials and CA."""
 
-    headers: dict[str, str]
+    headers: tuple[tuple[str, str], ...]  # a tuple, so that the auth can key a cache of clients
     verify: str | bool = True
     client_cert: tuple[str, str] | None = None
 
