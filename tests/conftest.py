@@ -13,7 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import REPO, LocalCluster, OperatorProcess, apply_crd, free_port, kubectl, wait_until
+from tests.harness import (
+    REPO,
+    LocalCluster,
+    OperatorProcess,
+    apply_crd,
+    delete_namespace,
+    free_port,
+    kubectl,
+    wait_until,
+)
 
 TIERS = ("unit", "cluster", "e2e")
 
@@ -83,17 +92,7 @@ def namespace(local_cluster: LocalCluster) -> Iterator[str]:
     try:
         yield name
     finally:
-        # The operator is stopped by now: release its finalizers. Wait for the pods only, so that the next
-        # test finds the fake GPUs free again; the namespace itself may finish deleting later.
-        runs = kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split()
-        for run in runs:
-            kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
-        kubectl("delete", "namespace", name, "--wait=false")
-        wait_until(
-            f"the pods of namespace {name} to be gone",
-            lambda: not kubectl("get", "pods", "-n", name, "-o", "name", check=False).stdout.strip(),
-            timeout=90,
-        )
+        delete_namespace(name)
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,20 @@ class OperatorProcess:
                 self.kill()
 
 
+def delete_namespace(name: str) -> None:
+    """Deletes a test's namespace once its operator is stopped: releases the runs' finalizers and waits for
+    the pods only, so that the next test finds the fake GPUs free; the namespace may finish deleting later."""
+    runs = kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split()
+    for run in runs:
+        kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
+    kubectl("delete", "namespace", name, "--wait=false")
+    wait_until(
+        f"the pods of namespace {name} to be gone",
+        lambda: not kubectl("get", "pods", "-n", name, "-o", "name", check=False).stdout.strip(),
+        timeout=90,
+    )
+
+
 DELETE = object()  # as a value in `with_changes`: remove the field
 
 

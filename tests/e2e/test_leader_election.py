@@ -12,17 +12,15 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import boto3
 import pytest
 import yaml
 from ray.job_submission import JobSubmissionClient
 
+from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
 from tests.harness import (
-    REPO,
     LocalCluster,
     OperatorProcess,
     apply,
-    example,
     free_port,
     kubectl,
     kubectl_json,
@@ -32,9 +30,6 @@ from tests.harness import (
 )
 from tests.netproxy import BlackHoleProxy
 
-BUCKET = "fsdp-e2e"
-CORPUS = "data/stdlib-docstrings.jsonl"
-RUN_TIMEOUT = 300
 LEASE = "fsdp-operator"
 TAKEOVER_LIMIT = 30  # issue 8: the standby acts within 30 s of the leader's death
 
@@ -84,27 +79,13 @@ def kopf_ran(log: str) -> bool:
     return " kopf." in log
 
 
-@pytest.fixture(scope="module")
-def s3(local_cluster: LocalCluster) -> Any:
-    client = boto3.client("s3", endpoint_url=local_cluster.s3_endpoint)
-    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
-        client.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
-    client.upload_file(str(REPO / "examples" / "data" / "stdlib-docstrings.jsonl"), BUCKET, CORPUS)
-    return client
-
-
 @pytest.fixture
 def start_replica(
     namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
 ) -> Iterator[Callable[..., Replica]]:
     """Starts replicas as the demo runs the operator (jobs to the local Ray head, on CPU), electing in the
     test's namespace; stops them all at the end and prints their logs."""
-    env = {
-        "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
-        "FSDP_OPERATOR_DASHBOARD_URL": local_cluster.ray_dashboard_url,
-        "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
-        "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
-    }
+    env = lifecycle_env(local_cluster)
     started: list[Replica] = []
 
     def start(name: str, **extra_env: str) -> Replica:
@@ -142,17 +123,8 @@ def elected(namespace: str, replicas: list[Replica]) -> tuple[Replica, Replica]:
 
 def demo_run(namespace: str) -> str:
     name = f"e2e-{uuid.uuid4().hex[:6]}"
-    manifest = example(
-        "cpu-demo",
-        **{
-            "data.source": f"s3://{BUCKET}/{CORPUS}",
-            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
-            "recovery.backoffSeconds": 1,
-            "cleanupPolicy": "KeepCluster",  # so that the test can count RayClusters after success
-        },
-    )
-    manifest["metadata"]["name"] = name
-    apply(namespace, manifest)
+    # KeepCluster, so that the test can count RayClusters after success.
+    apply(namespace, demo_manifest(name, cleanupPolicy="KeepCluster"))
     return name
 
 

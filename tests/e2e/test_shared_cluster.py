@@ -28,6 +28,7 @@ from tests.harness import (
     OperatorProcess,
     apply,
     conditions_of,
+    delete_namespace,
     kubectl,
     rayclusters,
     run_of,
@@ -44,9 +45,7 @@ def second_namespace(namespace: str) -> Iterator[str]:
     try:
         yield name
     finally:
-        for run in kubectl("get", "fsdptrainingruns", "-n", name, "-o", "name", check=False).stdout.split():
-            kubectl("patch", run, "-n", name, "--type=merge", "-p", '{"metadata":{"finalizers":null}}')
-        kubectl("delete", "namespace", name, "--wait=false")
+        delete_namespace(name)
 
 
 def operator_for(
