@@ -67,7 +67,7 @@ def measure_saves(
     app: checkpoint.AppState, runtime: distributed.Runtime, storage: str, asynchronous: bool, saves: int
 ) -> dict[str, Any]:
     mode = "async" if asynchronous else "sync"
-    identity = checkpoint.SaveIdentity("bench", "bench", "bench", runtime.world_size, Versions())
+    identity = checkpoint.SaveIdentity("bench", "bench", "bench", "bench", runtime.world_size, Versions())
     saver = checkpoint.CheckpointSaver(
         Location.parse(storage).child(mode), identity, runtime.rank, saves, runtime.device, asynchronous
     )

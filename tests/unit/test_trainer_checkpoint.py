@@ -140,6 +140,19 @@ def test_checkpoints_of_another_configuration_are_refused_not_loaded(
     assert refused.value.kind == "config"
 
 
+def test_checkpoints_trained_on_other_data_are_refused(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    directory = write_checkpoint(run, 8)
+    written = manifest(8).model_copy(update={"data_fingerprint": "aaaaaaaaaaaaaaaa"})
+    (directory / MANIFEST_FILE).write_text(written.to_json())
+    location = Location.parse(str(run))
+    found = find_resume_point(location, "auto", "s2", FINGERPRINT, "aaaaaaaaaaaaaaaa")
+    assert found is not None and found.manifest is not None and found.manifest.step == 8
+    with pytest.raises(ConfigError, match="training data changed") as refused:
+        find_resume_point(location, "auto", "s2", FINGERPRINT, "bbbbbbbbbbbbbbbb")
+    assert "aaaaaaaaaaaaaaaa" in str(refused.value) and "bbbbbbbbbbbbbbbb" in str(refused.value)
+
+
 def test_an_explicit_uri_from_another_configuration_is_the_users_choice(tmp_path: Path) -> None:
     other = write_checkpoint(tmp_path / "other-run", 40, fingerprint="fedcba9876543210")
     found = find_resume_point(Location.parse(str(tmp_path / "run")), str(other), "s1", FINGERPRINT)

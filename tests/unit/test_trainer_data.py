@@ -133,3 +133,18 @@ def test_real_corpus_builds_train_and_held_out_samples() -> None:
     assert len(datasets.train) > 10 * len(datasets.eval) > 0
     batch = datasets.train.samples([0, 1])
     assert batch.shape == (2, 64) and int(batch.max()) <= 256
+
+
+def test_the_data_fingerprint_follows_the_samples_not_the_uri(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.jsonl"
+
+    def fingerprint(texts: list[str]) -> str:
+        write_jsonl(corpus, texts)
+        spec = DataSpec(source=str(corpus), eval_fraction=0)
+        return build_datasets(
+            spec, byte_level_tokenizer(), vocab_size=320, sequence_length=16, seed=0
+        ).fingerprint
+
+    original = ["the first document, long enough to pack", "and a second one of some length"]
+    assert fingerprint(original) == fingerprint(original)
+    assert fingerprint([*original, "a third document appended later"]) != fingerprint(original)

@@ -54,7 +54,7 @@ def weights(app: checkpoint.AppState) -> dict[str, torch.Tensor]:
 
 
 def saver(run: Path) -> checkpoint.CheckpointSaver:
-    identity = checkpoint.SaveIdentity("run", "job-1", FINGERPRINT, 1, Versions())
+    identity = checkpoint.SaveIdentity("run", "job-1", FINGERPRINT, "data-0", 1, Versions())
     return checkpoint.CheckpointSaver(Location.parse(str(run)), identity, 0, 3, torch.device("cpu"))
 
 

@@ -183,18 +183,23 @@ def run_checkpoints(run: Location) -> list[Candidate]:
     return [inspect(d) for d in run.list_dirs() if d.name.startswith(CHECKPOINT_PREFIX)]
 
 
-def find_resume_point(run: Location, resume: str, submission_id: str, fingerprint: str) -> Candidate | None:
+def find_resume_point(
+    run: Location, resume: str, submission_id: str, fingerprint: str, data_fingerprint: str | None = None
+) -> Candidate | None:
     """Where to start: this run's newest complete checkpoint in storage; with resume=never only checkpoints
     of this submission count (in-job retries); failing those, an explicit resume URI, which must be complete.
 
     A checkpoint of the run's own prefix is used only when its manifest carries `fingerprint` (the run's
     TrainerConfig.resume_fingerprint()): another model, data or seed under the same prefix is a ConfigError,
-    never a silent resume into the wrong run. An explicit URI is the user's deliberate choice and exempt."""
+    never a silent resume into the wrong run; likewise `data_fingerprint` (when given), because a changed
+    corpus or tokenizer under the same URI would make the saved data position point at other samples. An
+    explicit URI is the user's deliberate choice and exempt."""
     own_only = submission_id if resume == RESUME_NEVER else None
     candidates = run_checkpoints(run)
     found = newest_complete(candidates, own_only)
     if found is not None:
         require_fingerprint(run, found, fingerprint)
+        require_data_fingerprint(run, found, data_fingerprint)
         return found
     if resume in (RESUME_AUTO, RESUME_NEVER):
         return None
@@ -214,6 +219,17 @@ def require_fingerprint(run: Location, found: Candidate, fingerprint: str) -> No
             f"{found.location.name}, has resume fingerprint {theirs or 'none (written before fingerprints)'} "
             f"but this run's is {fingerprint} (model, tokenizer, sequence length, data or seed differ); "
             "refusing to load it. Use a new run name or storage path, or delete those checkpoints."
+        )
+
+
+def require_data_fingerprint(run: Location, found: Candidate, data_fingerprint: str | None) -> None:
+    theirs = None if found.manifest is None else found.manifest.data_fingerprint
+    if data_fingerprint is not None and theirs != data_fingerprint:
+        raise ConfigError(
+            f"the training data changed since {run.uri}/{found.location.name} was written: its data "
+            f"fingerprint is {theirs or 'none'}, the data now gives {data_fingerprint} (a changed corpus or "
+            "tokenizer), so its saved position would resume at other samples; refusing to load it. Restore "
+            "the data, or use a new run name or storage path."
         )
 
 
@@ -245,6 +261,7 @@ class SaveIdentity:
     run_name: str
     submission_id: str
     fingerprint: str
+    data_fingerprint: str
     world_size: int
     versions: Versions
 
@@ -316,6 +333,7 @@ class CheckpointSaver:
             files={},
             submission_id=self.identity.submission_id,
             fingerprint=self.identity.fingerprint,
+            data_fingerprint=self.identity.data_fingerprint,
         )
         self._pending = _BackgroundSave(lambda: self._complete(staged, local_dir, name, manifest))
         if not self.asynchronous:

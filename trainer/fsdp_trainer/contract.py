@@ -343,6 +343,11 @@ class CheckpointManifest(ContractModel):
         default=None,
         description="TrainerConfig.resume_fingerprint() of the run that wrote it; resume requires a match.",
     )
+    data_fingerprint: str | None = Field(
+        default=None,
+        description="Hash of the packed training samples it was trained on: the saved data position means "
+        "the same samples only while this matches (the trainer checks it; the operator cannot).",
+    )
 
 
 class CheckpointRef(ContractModel):

@@ -9,6 +9,7 @@ that stores the position resumes at the exact next sample, on any world size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
@@ -201,6 +202,7 @@ class Datasets:
     train: SampleSource
     eval: SampleSource | None
     description: str
+    fingerprint: str  # of the training samples: a checkpoint's data position is valid only while it holds
 
 
 def build_datasets(
@@ -209,7 +211,13 @@ def build_datasets(
     if spec.source == SYNTHETIC:
         train = SyntheticSamples(vocab_size, sequence_length, seed)
         held_out = SyntheticSamples(vocab_size, sequence_length, seed + 1, size=1 << 20)
-        return Datasets(train, held_out if spec.eval_fraction > 0 else None, "synthetic random tokens")
+        synthetic = f"{SYNTHETIC}:{vocab_size}:{sequence_length}:{seed}".encode()
+        return Datasets(
+            train,
+            held_out if spec.eval_fraction > 0 else None,
+            "synthetic random tokens",
+            hashlib.sha256(synthetic).hexdigest()[:16],
+        )
     if tokenizer is None:
         raise ConfigError("real data needs a tokenizer: set model.tokenizer or model.source")
     documents = read_documents(spec.source, spec.text_field)
@@ -236,4 +244,6 @@ def build_datasets(
         PackedSamples(train_rows, seed),
         None if eval_rows is None else PackedSamples(eval_rows, seed),
         description,
+        # The packed rows themselves: a changed corpus or tokenizer changes them even under the same URI.
+        hashlib.sha256(np.ascontiguousarray(train_rows).data).hexdigest()[:16],
     )

@@ -153,7 +153,7 @@ class Worker:
 
         # Built on the meta device and sharded before it has storage; a resumed run then reads only the
         # checkpoint, a new one initialises or loads each rank's shards directly.
-        resume_from = self.choose_checkpoint()
+        resume_from = self.choose_checkpoint(datasets.fingerprint)
         self.stage(SetupStage.DOWNLOADING_MODEL)
         lm = model.empty_model(model_config)
         shape = model.model_shape(lm)
@@ -226,6 +226,7 @@ class Worker:
                 config.run_name,
                 self.submission_id,
                 config.resume_fingerprint(),
+                session.datasets.fingerprint,
                 runtime.world_size,
                 self.versions,
             ),
@@ -323,7 +324,7 @@ class Worker:
         transport.enforce(network.efa, report)
         return report
 
-    def choose_checkpoint(self) -> Location | None:
+    def choose_checkpoint(self, data_fingerprint: str) -> Location | None:
         """The checkpoint to resume from (rank 0 looks, every rank learns the answer), or None."""
         config, runtime = self.config, self.runtime
         chosen: str | None = None
@@ -335,6 +336,7 @@ class Worker:
                     config.checkpoint.resume,
                     self.submission_id,
                     config.resume_fingerprint(),
+                    data_fingerprint,
                 )
                 chosen = None if found is None else found.location.uri
             except ConfigError as error:
