@@ -21,6 +21,14 @@ RUNS = 3
 WINDOW_SECONDS = 60
 OPERATOR_USER_AGENT = "fsdp-operator"  # handlers.USER_AGENT: the operator's own Python client
 PER_RUN_PER_MINUTE = 2
+# One GPU and no EFA per run, so that every run fits on the four fake nodes at once (one Ray Train worker).
+SMALL = {
+    "cluster.workers": 1,
+    "cluster.gpusPerWorker": 1,
+    "cluster.efaPerWorker": 0,
+    "network.efa": "disabled",
+    "training.maxSteps": 400,
+}
 
 
 def test_running_runs_cost_at_most_two_requests_a_minute_each_and_finished_runs_none(
@@ -31,12 +39,13 @@ def test_running_runs_cost_at_most_two_requests_a_minute_each_and_finished_runs_
     ).start()
     try:
         finished = f"finished-{uuid.uuid4().hex[:4]}"
-        apply(namespace, demo_manifest(finished, **{"data.source": "s3://fsdp-e2e/data/no-such-file.jsonl"}))
+        missing = {"data.source": "s3://fsdp-e2e/data/no-such-file.jsonl", **SMALL}
+        apply(namespace, demo_manifest(finished, **missing))
         wait_for_phase(namespace, finished, "Failed", timeout=RUN_TIMEOUT)
         names = [f"held-{i}-{uuid.uuid4().hex[:4]}" for i in range(RUNS)]
         for name in names:
             hold = {"FSDP_TRAINER_FAULT": f"rank=0,step=1,marker={tmp_path / name},action=hang"}
-            apply(namespace, demo_manifest(name, **{"runtimeEnv": {"env": hold}, "training.maxSteps": 400}))
+            apply(namespace, demo_manifest(name, **{"runtimeEnv": {"env": hold}, **SMALL}))
         for name in names:
             wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)
 
