@@ -240,10 +240,15 @@ class Context:
 
 
 def _competitors(
-    ctx: Context, run: builder.RunRef, indexes: Indexes, pods: list[dict[str, Any]]
+    ctx: Context,
+    run: builder.RunRef,
+    indexes: Indexes,
+    nodes: list[dict[str, Any]],
+    pods: list[dict[str, Any]],
 ) -> list[preflight.Competitor]:
-    """Every other run of the operator that wants GPU nodes: admitted ones with workers still to place, and
-    waiting ones (which go first when created earlier)."""
+    """Every other run of the operator that wants existing GPU nodes: admitted ones with workers still to
+    place, and waiting ones (which go first when created earlier, unless they could not fit even on empty
+    nodes: those must not hold up everyone behind them)."""
     placed: dict[tuple[str, str], int] = defaultdict(int)
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -260,7 +265,7 @@ def _competitors(
             continue
         status = other.get("status") or {}
         phase = status.get("phase")
-        if phase in api.FINISHED_PHASES or spec.suspend:
+        if phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero:
             continue
         admitted = phase in api.ACTIVE_PHASES
         cluster = builder.ray_cluster_name(meta["name"])
@@ -273,6 +278,8 @@ def _competitors(
             workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0)
             if admitted
             else spec.cluster.workers,
+            fits_when_empty=admitted
+            or preflight.check_nodes(spec, preflight.free_worker_nodes(spec, nodes, [])).ok,
         )
     now = time.monotonic()
     for uid, (when, competitor) in list(ctx.admitted.items()):
@@ -294,7 +301,7 @@ def _run_preflight(
         facts = preflight.ec2_instance_type_facts(ctx.ec2, spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
     nodes, pods = ctx.nodes_and_pods()
-    competitors = _competitors(ctx, run, indexes, pods)
+    competitors = _competitors(ctx, run, indexes, nodes, pods)
     waiting = preflight.first_in_line(spec, created, competitors)
     if waiting is not None:
         return waiting
