@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import statistics
 import sys
@@ -45,9 +46,12 @@ MODEL: dict[str, Any] = {
 def build(runtime: distributed.Runtime) -> checkpoint.AppState:
     spec = ModelSpec(from_config=MODEL)
     config = model.model_config(spec, runtime.local_rank, dist.barrier)
-    lm = model.load_model(spec, config, 0, runtime.local_rank, dist.barrier)
+    lm = model.empty_model(config)
     mesh = parallelize.build_mesh(parallelize.MeshShape(1, runtime.world_size), runtime.device.type)
     parallelize.parallelize(lm, FsdpSpec(), mesh, torch.float32)
+    model.materialise(
+        lm, runtime.device, "initialise", spec, 0, runtime.rank, runtime.local_rank, dist.barrier
+    )
     training = TrainingSpec(learning_rate=1e-4)
     optimizer = optim.build_optimizer(lm, training)
     return checkpoint.AppState(
@@ -109,6 +113,7 @@ def main() -> None:
     parser.add_argument("--saves", type=int, default=3)
     parser.add_argument("--output", type=Path, required=True)
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     runtime = distributed.start(use_gpu=False)
     try:
         app = build(runtime)

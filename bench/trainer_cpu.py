@@ -185,26 +185,30 @@ def ours_figures(launched: float, records: list[ProgressRecord]) -> dict[str, An
     }
 
 
+def torchrun(script: str, arguments: list[str], env: dict[str, str]) -> None:
+    command = [
+        str(BIN / "torchrun"),
+        "--nproc-per-node=2",
+        f"--master-port={free_port()}",
+        str(REPO / script),
+    ]
+    done = subprocess.run([*command, *arguments], env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{done.stdout[-3000:]}\n{done.stderr[-5000:]}")
+
+
 def run_baseline(services: Services, workdir: Path, run_name: str) -> dict[str, Any]:
     output = workdir / f"{run_name}.json"
     config = TrainerConfig.model_validate(trainer_config(run_name, services.storage)).model_dump_json()
-    subprocess.run(
-        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}",
-         REPO / "bench" / "trainer_baseline.py", "--config", config, "--output", output],
-        env={**services.env, "BENCH_LAUNCHED_AT": str(time.time())}, check=True, capture_output=True,
-        timeout=600,
-    )  # fmt: skip
+    env = {**services.env, "BENCH_LAUNCHED_AT": str(time.time())}
+    torchrun("bench/trainer_baseline.py", ["--config", config, "--output", str(output)], env)
     return dict(json.loads(output.read_text()))
 
 
 def run_checkpoint_bench(services: Services, workdir: Path) -> dict[str, Any]:
     output = workdir / "checkpoint.json"
-    subprocess.run(
-        [BIN / "torchrun", "--nproc-per-node=2", f"--master-port={free_port()}",
-         REPO / "bench" / "trainer_checkpoint.py", "--storage", f"s3://{services.bucket}/checkpoint-bench",
-         "--output", output],
-        env=services.env, check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+    storage = f"s3://{services.bucket}/checkpoint-bench"
+    torchrun("bench/trainer_checkpoint.py", ["--storage", storage, "--output", str(output)], services.env)
     return dict(json.loads(output.read_text()))
 
 
@@ -281,6 +285,7 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="bench-trainer-"))
     services = Services(workdir)
     try:
+        checkpoint_raw = run_checkpoint_bench(services, workdir)
         ours_rounds, baseline_rounds = [], []
         for round_number in range(args.rounds):
             launched, records = run_ours(services, f"ours-{round_number}")
@@ -289,7 +294,6 @@ def main() -> None:
         # The first run again with more steps: a new submission resuming from its final (step-60) checkpoint.
         launched, records = run_ours(services, "ours-0", max_steps=STEPS + LOG_EVERY)
         resubmission = resubmission_figures(launched, records)
-        checkpoint_raw = run_checkpoint_bench(services, workdir)
     finally:
         services.stop()
 

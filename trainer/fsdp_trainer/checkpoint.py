@@ -361,9 +361,19 @@ class CheckpointSaver:
             failure: str | None = None
             local_files: dict[str, int] = {}
             try:
+                started = time.perf_counter()
                 dcp_save(staged, checkpoint_id=local_dir, process_group=self.group)
+                written = time.perf_counter()
                 local_files = {e.name: e.stat().st_size for e in os.scandir(local_dir) if e.is_file()}
                 location.upload_from(local_dir)
+                log.info(
+                    "checkpoint step %d, rank %d: %d bytes written locally in %.2f s, uploaded in %.2f s",
+                    manifest.step,
+                    self.rank,
+                    sum(local_files.values()),
+                    written - started,
+                    time.perf_counter() - written,
+                )
             except Exception as error:  # every rank must still reach the gather below, or the others hang
                 failure = f"rank {self.rank}: {type(error).__name__}: {error}"
             gathered: list[Any] = [None] * dist.get_world_size(self.group)

@@ -79,11 +79,23 @@ class Location:
 
     def download_to(self, local_dir: str) -> None:
         os.makedirs(local_dir, exist_ok=True)
-        pafs.copy_files(self.path, local_dir, source_filesystem=self.fs, destination_filesystem=_LOCAL)
+        pafs.copy_files(
+            self.path,
+            local_dir,
+            source_filesystem=self.fs,
+            destination_filesystem=_LOCAL,
+            chunk_size=COPY_CHUNK,
+        )
 
     def upload_from(self, local_dir: str) -> None:
         self._make_dir(self.path)
-        pafs.copy_files(local_dir, self.path, source_filesystem=_LOCAL, destination_filesystem=self.fs)
+        pafs.copy_files(
+            local_dir,
+            self.path,
+            source_filesystem=_LOCAL,
+            destination_filesystem=self.fs,
+            chunk_size=COPY_CHUNK,
+        )
 
     def replace_with(self, local_dir: str) -> None:
         """Makes this directory hold exactly `local_dir`'s files: the new files are uploaded over the old
@@ -111,6 +123,9 @@ class Location:
 
 
 _LOCAL = pafs.LocalFileSystem()
+# pyarrow copies in 1 MiB chunks by default; 16 MiB uploaded a 200 MB checkpoint shard to S3 (moto on
+# loopback) in 2.3 s instead of 2.9 s, near boto3's managed upload (1.5 s).
+COPY_CHUNK = 16 << 20
 NODE_CACHE = os.environ.get("FSDP_TRAINER_CACHE", "/tmp/fsdp-trainer-cache")
 
 
