@@ -21,11 +21,14 @@ RUNS = 3
 WINDOW_SECONDS = 60
 OPERATOR_USER_AGENT = "fsdp-operator"  # handlers.USER_AGENT: the operator's own Python client
 PER_RUN_PER_MINUTE = 2
-# One GPU and no EFA per run, so that every run fits on the four fake nodes at once (one Ray Train worker).
+# One GPU and no EFA per run and a small head, so that every run fits on the fake nodes at once (the system
+# node takes two default heads); one Ray Train worker.
 SMALL = {
     "cluster.workers": 1,
     "cluster.gpusPerWorker": 1,
     "cluster.efaPerWorker": 0,
+    "cluster.head.cpu": "1",
+    "cluster.head.memory": "4Gi",
     "network.efa": "disabled",
     "training.maxSteps": 400,
 }
