@@ -223,11 +223,19 @@ def resubmission_figures(launched: float, records: list[ProgressRecord]) -> dict
     )
     to_first_step = first_step_done - launched
     loading = training.updated_at.timestamp() - loading_started
+    # Where the time went: Ray (job, controller, worker actors) until the first record, then each stage
+    # until the next one began, then the first step itself.
+    by_stage: dict[str, float] = {"ray start-up": stages[0][1] - launched}
+    ends = [t for _, t in stages[1:]] + [training.updated_at.timestamp()]
+    for (stage, began), ended in zip(stages, ends, strict=True):
+        by_stage[str(stage)] = by_stage.get(str(stage), 0.0) + ended - began
+    by_stage["first step"] = first_step_done - training.updated_at.timestamp()
     return {
         "resumed_from_step": training.resumed_from_step,
         "launch_to_first_step_seconds": to_first_step,
         "loading_checkpoint_seconds": loading,
         "loading_share": loading / to_first_step,
+        "seconds_by_stage": by_stage,
     }
 
 
@@ -251,7 +259,8 @@ def summarise(results: dict[str, Any]) -> str:
          f"**{checkpoints['throughput_ratio']:.2f}**", ">= 0.8"),
         ("Resubmitted job: launch to first step after the restore (loading share)",
          f"{resubmitted['launch_to_first_step_seconds']:.1f} s "
-         f"({resubmitted['loading_checkpoint_seconds']:.2f} s loading, {resubmitted['loading_share']:.0%})",
+         f"({resubmitted['loading_checkpoint_seconds']:.2f} s loading, {resubmitted['loading_share']:.0%}); "
+         + ", ".join(f"{stage} {took:.1f} s" for stage, took in resubmitted["seconds_by_stage"].items()),
          "reported"),
     ]  # fmt: skip
     lines = [
