@@ -3,7 +3,8 @@ docs/benchmarks.md (between the trainer markers) and as JSON to --output.
 
 1. Our Ray Train entrypoint (`python -m fsdp_trainer` on a Ray head of this script's own, exactly as the
    operator submits it) against baseline A (bench/trainer_baseline.py under torchrun: the same model,
-   parallelisation, optimizer and batch, nothing else): median step time ratio; start-up (launch to first
+   parallelisation, optimizer and batch, nothing else): median step time ratio; the same loop without Ray
+   (torchrun, `--launcher direct`) separates the loop's overhead from Ray's; start-up (launch to first
    step) reported separately.
 2. Checkpoints (bench/trainer_checkpoint.py under torchrun, ~30M parameters): training blocked per
    checkpoint with the asynchronous saver as a fraction of the synchronous save; save-to-durable throughput
@@ -11,7 +12,7 @@ docs/benchmarks.md (between the trainer markers) and as JSON to --output.
 3. A resubmitted job (the same run name, more steps): time from launch to its first step after the
    restore, and the share of it spent loading the checkpoint, from the job's own setup-stage records.
 
-    python bench/trainer_cpu.py [--rounds 2] [--output results.json]
+    python bench/trainer_cpu.py [--rounds 3] [--output results.json]
 """
 
 from __future__ import annotations
@@ -156,13 +157,19 @@ def history(services: Services, run_name: str) -> list[list[ProgressRecord]]:
     ]
 
 
-def run_ours(services: Services, run_name: str, max_steps: int = STEPS) -> tuple[float, list[ProgressRecord]]:
-    """Launches the entrypoint as the operator's Ray job does; returns the launch time and the records of
-    the attempt it made."""
+def run_ours(
+    services: Services, run_name: str, max_steps: int = STEPS, without_ray: bool = False
+) -> tuple[float, list[ProgressRecord]]:
+    """Launches the entrypoint as the operator's Ray job does (or, without_ray, our per-worker loop under
+    torchrun); returns the launch time and the records of the attempt it made."""
+    config = json.dumps(trainer_config(run_name, services.storage, max_steps))
+    entrypoint = [sys.executable, "-m", "fsdp_trainer"]
+    if without_ray:
+        entrypoint = [str(BIN / "torchrun"), "--nproc-per-node=2", f"--master-port={free_port()}", "-m",
+                      "fsdp_trainer", "--launcher", "direct"]  # fmt: skip
     launched = time.time()
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_trainer", "--config",
-         json.dumps(trainer_config(run_name, services.storage, max_steps)), "--submission-id", run_name],
+        [*entrypoint, "--config", config, "--submission-id", run_name],
         env=services.env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     if done.returncode != 0:
@@ -240,7 +247,7 @@ def resubmission_figures(launched: float, records: list[ProgressRecord]) -> dict
 
 
 def summarise(results: dict[str, Any]) -> str:
-    ours, baseline = results["ours"], results["baseline"]
+    ours, without_ray, baseline = results["ours"], results["ours_without_ray"], results["baseline"]
     ratio = results["step_time_ratio"]
     checkpoints = results["checkpoint"]
     resubmitted = results["resubmission"]
@@ -249,8 +256,13 @@ def summarise(results: dict[str, Any]) -> str:
         ("Median step time, ours (Ray Train entrypoint) / baseline A (torchrun FSDP2 loop)",
          f"{ours['median_step_seconds'] * 1e3:.1f} ms / {baseline['median_step_seconds'] * 1e3:.1f} ms = "
          f"**{ratio:.3f}**", "<= 1.03"),
-        ("Start-up, launch to first step: ours / baseline A",
-         f"{ours['startup_seconds']:.1f} s / {baseline['startup_seconds']:.1f} s", "reported"),
+        ("The same loop without Ray (torchrun, `--launcher direct`) / baseline A: the loop's own overhead",
+         f"{without_ray['median_step_seconds'] * 1e3:.1f} ms / "
+         f"{baseline['median_step_seconds'] * 1e3:.1f} ms = "
+         f"**{results['step_time_ratio_without_ray']:.3f}**", "reported"),
+        ("Start-up, launch to first step: ours / without Ray / baseline A",
+         f"{ours['startup_seconds']:.1f} s / {without_ray['startup_seconds']:.1f} s / "
+         f"{baseline['startup_seconds']:.1f} s", "reported"),
         (f"Training blocked per checkpoint ({mb:.0f} MB): async / sync",
          f"{checkpoints['async_blocked_seconds']:.3f} s / {checkpoints['sync_blocked_seconds']:.3f} s = "
          f"**{checkpoints['stall_ratio']:.3f}**", "<= 0.1"),
@@ -295,11 +307,13 @@ def main() -> None:
     services = Services(workdir)
     try:
         checkpoint_raw = run_checkpoint_bench(services, workdir)
-        ours_rounds, baseline_rounds = [], []
+        ours_rounds, without_ray_rounds, baseline_rounds = [], [], []
         for round_number in range(args.rounds):
             launched, records = run_ours(services, f"ours-{round_number}")
             ours_rounds.append(ours_figures(launched, records))
             baseline_rounds.append(run_baseline(services, workdir, f"baseline-{round_number}"))
+            launched, records = run_ours(services, f"direct-{round_number}", without_ray=True)
+            without_ray_rounds.append(ours_figures(launched, records))
         # The first run again with more steps: a new submission resuming from its final (step-60) checkpoint.
         launched, records = run_ours(services, "ours-0", max_steps=STEPS + LOG_EVERY)
         resubmission = resubmission_figures(launched, records)
@@ -314,6 +328,11 @@ def main() -> None:
         "median_step_seconds": median_step(ours_rounds),
         "startup_seconds": statistics.median(r["startup_seconds"] for r in ours_rounds),
         "rounds": ours_rounds,
+    }
+    without_ray = {
+        "median_step_seconds": median_step(without_ray_rounds),
+        "startup_seconds": statistics.median(r["startup_seconds"] for r in without_ray_rounds),
+        "rounds": without_ray_rounds,
     }
     baseline = {
         "median_step_seconds": median_step(baseline_rounds),
@@ -330,8 +349,10 @@ def main() -> None:
         "machine": f"{os.cpu_count()} CPU cores, gloo, 2 ranks",
         "rounds": args.rounds,
         "ours": ours,
+        "ours_without_ray": without_ray,
         "baseline": baseline,
         "step_time_ratio": ours["median_step_seconds"] / baseline["median_step_seconds"],
+        "step_time_ratio_without_ray": without_ray["median_step_seconds"] / baseline["median_step_seconds"],
         "checkpoint": {
             "parameters": checkpoint_raw["parameters"],
             "bytes": size,
