@@ -5,8 +5,8 @@ a `TrainerConfig` to the trainer as JSON, and reads back what the trainer writes
 a `ProgressRecord` while training and a `CheckpointManifest` inside every checkpoint. The operator writes
 the `RunRecord` (run.json) in the same place, so the evidence of a run outlives its custom resource.
 
-Storage layout under `<checkpoint.storagePath>/<namespace>/<runName>/` (the namespace keeps runs of one name in
-two namespaces apart):
+Storage layout under `<checkpoint.storagePath>/<namespace>/<runName>/` (the namespace keeps runs of one name
+in two namespaces apart):
     progress.json                       latest ProgressRecord (rank 0, every logging interval)
     metrics/<attempt>.jsonl             ProgressRecord history of one attempt (flushed at checkpoints, end)
     model/                              consolidated Hugging Face model exported at the end (safetensors)
@@ -198,7 +198,8 @@ class TrainerConfig(ContractModel):
     run_name: str = Field(description="Name of the run; the directory under <storagePath>/<namespace>.")
     namespace: str = Field(
         default="default",
-        description="Namespace of the FSDPTrainingRun: runs of one name in two namespaces never share a prefix.",
+        description="Namespace of the FSDPTrainingRun: runs of one name in two namespaces never share a "
+        "prefix.",
     )
     workers: int = Field(default=1, ge=1, description="Ray Train workers (one per node).")
     gpus_per_worker: int = Field(
