@@ -51,7 +51,9 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 LABEL_RAY_CLUSTER = "ray.io/cluster"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the handlers make
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
-NODES_SNAPSHOT_SECONDS = 10.0  # preflight of every pending run shares one view of nodes and pods this long
+PODS_SNAPSHOT_SECONDS = (
+    10.0  # (namespaced operator) every pending run's preflight shares one pod LIST this long
+)
 ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
 CONFLICT_RETRIES = 3
 USER_AGENT = "fsdp-operator"
@@ -135,15 +137,11 @@ class Kube:
             raise
         return cast(dict[str, Any], stored)
 
-    def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        api_client = self.core.api_client
-        nodes = api_client.sanitize_for_serialization(self.core.list_node(_request_timeout=API_TIMEOUT).items)
-        pods = api_client.sanitize_for_serialization(
-            self.core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed", _request_timeout=API_TIMEOUT
-            ).items
+    def running_pods(self) -> list[dict[str, Any]]:
+        listed = self.core.list_pod_for_all_namespaces(
+            field_selector="status.phase!=Succeeded,status.phase!=Failed", _request_timeout=API_TIMEOUT
         )
-        return nodes, pods
+        return cast(list[dict[str, Any]], self.core.api_client.sanitize_for_serialization(listed.items))
 
 
 @dataclass(frozen=True)
@@ -153,6 +151,8 @@ class Indexes:
     runs: Any  # (namespace, name) -> run body
     rayclusters: Any  # (namespace, cluster name) -> RayCluster body
     ray_pods: Any  # (namespace, cluster name) -> pod summaries
+    nodes: Any = None  # None -> every node
+    accelerator_pods: Any = None  # None -> pods bound to a node that request GPUs or EFA (watched namespaces)
 
     @staticmethod
     def one(index: Any, key: tuple[str, str]) -> Any | None:
@@ -161,6 +161,10 @@ class Indexes:
 
     def raycluster(self, namespace: str, name: str) -> dict[str, Any] | None:
         return cast(dict[str, Any] | None, self.one(self.rayclusters, (namespace, name)))
+
+    @staticmethod
+    def all(index: Any) -> list[Any]:
+        return [value for store in index.values() for value in store] if index is not None else []
 
     def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
         store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
@@ -199,7 +203,7 @@ class Context:
     action_errors: dict[str, str] = field(default_factory=dict)  # run uid -> why the last action failed
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
-    nodes_view: tuple[float, list[dict[str, Any]], list[dict[str, Any]]] | None = None
+    pods_view: tuple[float, list[dict[str, Any]]] | None = None
 
     def dashboard_auth(self) -> DashboardAuth | None:
         """Through the apiserver's service proxy the dashboard needs the operator's own credentials: its
@@ -227,12 +231,17 @@ class Context:
             stored = self.storages[run.uid] = RunStorage(self.s3, uri)
         return stored
 
-    def nodes_and_pods(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """One LIST of nodes and of pods for all pending runs' preflights within NODES_SNAPSHOT_SECONDS."""
+    def nodes_and_pods(self, indexes: Indexes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Nodes, and the pods that hold GPUs or EFA, from kopf's indexes. An operator that watches only some
+        namespaces cannot see other teams' pods by watching, so it LISTs them: once for every pending run's
+        preflight within PODS_SNAPSHOT_SECONDS."""
+        nodes = list(indexes.all(indexes.nodes))
+        if not self.settings.watch_namespaces:
+            return nodes, list(indexes.all(indexes.accelerator_pods))
         now = time.monotonic()
-        if self.nodes_view is None or now - self.nodes_view[0] > NODES_SNAPSHOT_SECONDS:
-            self.nodes_view = (now, *self.kube.nodes_and_pods())
-        return self.nodes_view[1], self.nodes_view[2]
+        if self.pods_view is None or now - self.pods_view[0] > PODS_SNAPSHOT_SECONDS:
+            self.pods_view = (now, self.kube.running_pods())
+        return nodes, self.pods_view[1]
 
     def forget(self, uid: str) -> None:
         for memory in (self.storages, self.written_records, self.action_errors, self.admitted):
@@ -255,7 +264,7 @@ def _competitors(
         if labels.get("ray.io/node-type") == "worker" and pod.get("spec", {}).get("nodeName"):
             placed[(pod["metadata"]["namespace"], labels.get(LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
-    for other in _all_runs(indexes):
+    for other in indexes.all(indexes.runs):
         meta = other["metadata"]
         if meta["uid"] == run.uid:
             continue
@@ -290,17 +299,13 @@ def _competitors(
     return list(found.values())
 
 
-def _all_runs(indexes: Indexes) -> list[dict[str, Any]]:
-    return [body for store in indexes.runs.values() for body in store] if indexes.runs is not None else []
-
-
 def _run_preflight(
     ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
 ) -> preflight.PreflightResult:
     if spec.preflight.scale_from_zero:
         facts = preflight.ec2_instance_type_facts(ctx.ec2, spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
-    nodes, pods = ctx.nodes_and_pods()
+    nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
     waiting = preflight.first_in_line(spec, created, competitors)
     if waiting is not None:
@@ -639,10 +644,22 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
         return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
 
+    @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
+    def nodes(body: kopf.Body, **_: Any) -> Any:
+        return {None: dict(body)}
+
+    @kopf.index("", "v1", "pods", id="accelerator_pods", registry=registry)
+    def accelerator_pods(body: kopf.Body, **_: Any) -> Any:
+        return {None: preflight.placement_of(body)} if preflight.holds_accelerators(body) else None
+
     def indexes_of(kwargs: Mapping[str, Any]) -> Indexes:
         # kopf hands each index to handlers as a keyword argument named by the index's id.
         return Indexes(
-            runs=kwargs.get("runs"), rayclusters=kwargs.get("rayclusters"), ray_pods=kwargs.get("ray_pods")
+            nodes=kwargs.get("nodes"),
+            accelerator_pods=kwargs.get("accelerator_pods"),
+            runs=kwargs.get("runs"),
+            rayclusters=kwargs.get("rayclusters"),
+            ray_pods=kwargs.get("ray_pods"),
         )
 
     @kopf.on.create(*resource, registry=registry)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from fsdp_operator import api
 from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa
@@ -67,6 +67,38 @@ def _tolerated(taint: Mapping[str, Any], tolerations: list[api.Toleration]) -> b
     return False
 
 
+def _requests(container: Mapping[str, Any]) -> Mapping[str, Any]:
+    resources = container.get("resources") or {}
+    return cast(Mapping[str, Any], resources.get("requests") or resources.get("limits") or {})
+
+
+def holds_accelerators(pod: Mapping[str, Any]) -> bool:
+    """A pod bound to a node, not finished, that requests GPUs or EFA: what preflight subtracts."""
+    spec, status = pod.get("spec") or {}, pod.get("status") or {}
+    if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
+        return False
+    return any(_requests(c).get(r) for c in spec.get("containers", []) for r in (GPU, EFA))
+
+
+def placement_of(pod: Mapping[str, Any]) -> dict[str, Any]:
+    """The few fields of a pod that preflight reads (kept in the operator's index instead of whole pods)."""
+    meta, spec = pod["metadata"], pod["spec"]
+    return {
+        "metadata": {
+            "name": meta["name"],
+            "namespace": meta["namespace"],
+            "labels": dict(meta.get("labels") or {}),
+        },
+        "spec": {
+            "nodeName": spec["nodeName"],
+            "containers": [
+                {"resources": {"requests": dict(_requests(c))}} for c in spec.get("containers", [])
+            ],
+        },
+        "status": {"phase": (pod.get("status") or {}).get("phase")},
+    }
+
+
 def free_worker_nodes(
     spec: api.FSDPTrainingRunSpec, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
 ) -> list[NodeFree]:
@@ -77,9 +109,7 @@ def free_worker_nodes(
         if not node_name or pod.get("status", {}).get("phase") in ("Succeeded", "Failed"):
             continue
         for container in pod["spec"].get("containers", []):
-            requests = container.get("resources", {}).get("requests") or container.get("resources", {}).get(
-                "limits", {}
-            )
+            requests = _requests(container)
             for resource in (GPU, EFA):
                 used[node_name][resource] += _quantity_int(requests.get(resource))
     wanted = {**spec.cluster.node_selector, LABEL_INSTANCE_TYPE: spec.cluster.instance_type}

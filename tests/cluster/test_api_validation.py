@@ -48,7 +48,10 @@ DIGEST = "0" * 64
 
 # (name, changes to the valid base, text the rejection must contain)
 INVALID: list[tuple[str, dict[str, Any], str]] = [
-    ("multi-worker-local-storage", {"checkpoint.storagePath": "/data/ckpt"}, "spec.checkpoint.storagePath"),
+    ("local-storage", {"checkpoint.storagePath": "/data/ckpt"}, "spec.checkpoint.storagePath"),
+    ("single-worker-local-storage", {"cluster.workers": 1, "checkpoint.storagePath": "/ckpt"}, "s3:// URI"),
+    ("too-many-restarts", {"recovery.maxRestarts": 101}, "spec.recovery.maxRestarts"),
+    ("setup-timeout-too-short", {"recovery.setupTimeoutSeconds": 5}, "spec.recovery.setupTimeoutSeconds"),
     (
         "hybrid-shard-one-worker",
         {"fsdp.sharding": "HYBRID_SHARD", "cluster.workers": 1},
@@ -131,6 +134,9 @@ def test_valid_runs_are_accepted_with_server_side_defaults(namespace: str, crd_i
         "maxRestarts": 3,
         "backoffSeconds": 30,
         "hangTimeoutSeconds": 1800,
+        "setupTimeoutSeconds": 1800,
+        "provisioningTimeoutSeconds": 900,
+        "podErrorTimeoutSeconds": 300,
         "inJobMaxFailures": 1,
     }
     demo = kubectl_json("get", "trainingrun", "tiny-demo", "-n", namespace)
@@ -157,7 +163,11 @@ def test_training_inputs_are_immutable_while_active_but_suspend_is_not(
 
 def test_kubectl_explain_shows_the_field_docs(crd_installed: None) -> None:
     explained = " ".join(kubectl("explain", "fsdptrainingrun.spec.checkpoint.storagePath").stdout.split())
-    assert "s3:// prefix (required with more than one worker)" in explained
+    assert "an s3:// prefix, under which each run has <namespace>/<runName>/" in explained
+    deadline = " ".join(kubectl("explain", "ftr.spec.recovery.provisioningTimeoutSeconds").stdout.split())
+    assert "not ready this long after it was created is deleted" in deadline
+    finished = " ".join(kubectl("explain", "ftr.status.conditions.type").stdout.split())
+    assert "Finished (True when the run ended either way: wait on it)" in finished
     explained = kubectl("explain", "trainingruns.spec.fsdp").stdout
     for field in ("sharding", "mixedPrecision", "activationCheckpointing", "cpuOffload", "compile"):
         assert field in explained

@@ -243,3 +243,33 @@ def test_operator_killed_before_or_after_creating_the_cluster_creates_one(
     [cluster] = rayclusters(namespace)
     assert created in ([], [cluster["metadata"]["uid"]])
     assert run["status"]["attempt"] == 1  # recorded once, whatever Ray says of it
+
+
+def test_cluster_wide_operator_admits_runs_for_one_zone_one_at_a_time(
+    namespace: str, crd_installed: None, tmp_path: Any
+) -> None:
+    # Cluster-wide, preflight reads nodes and GPU pods from the operator's watches (kopf indexes).
+    proc = OperatorProcess("", {}, tmp_path / "operator.log").start()
+    try:
+        zone_a = {"cluster.zone": "us-west-2a", "preflight.recheckSeconds": 5}
+        first, second = example("aws-sample", **zone_a), example("aws-sample", **zone_a)
+        first["metadata"]["name"], second["metadata"]["name"] = "first", "second"
+        apply(namespace, first)
+        apply(namespace, second)
+        wait_for_phase(namespace, "first", "ClusterReady")
+
+        def second_waits() -> dict[str, Any] | None:
+            found = conditions_of(run_of(namespace, "second")).get("Preflight")
+            return found if found and found["status"] == "False" else None
+
+        waiting = wait_until("the second run to wait for the zone", second_waits, timeout=60)
+        assert waiting["reason"] in ("InsufficientCapacity", "WaitingForEarlierRun"), waiting
+        time.sleep(10)  # re-checked twice meanwhile: still waiting, still one cluster
+        assert run_of(namespace, "second")["status"]["phase"] == "Pending"
+        assert [c["metadata"]["name"] for c in rayclusters(namespace)] == ["first"]
+        kubectl("delete", "fsdptrainingrun", "first", "-n", namespace, "--timeout=60s")
+        wait_for_phase(namespace, "second", "ClusterReady", timeout=90)
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        proc.stop()
+        print(f"--- operator log ---\n{proc.log.read_text()[-4000:]}")

@@ -354,3 +354,37 @@ def test_runs_competing_for_nodes_are_admitted_in_creation_order_and_reserve_the
     reserved = preflight.reservations([admitted], "g6.12xlarge")
     result = preflight.check_nodes(mine, free, reserved)
     assert not result.ok and result.reason == "InsufficientCapacity"
+
+
+def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
+    def pod(node: str | None, gpus: str | None, phase: str = "Running") -> dict[str, Any]:
+        requests = {"cpu": "1", **({"nvidia.com/gpu": gpus} if gpus else {})}
+        spec: dict[str, Any] = {
+            "containers": [{"name": "c", "image": "i", "resources": {"requests": requests}}]
+        }
+        if node:
+            spec["nodeName"] = node
+        return {
+            "metadata": {"name": "p", "namespace": "ns", "labels": {}},
+            "spec": spec,
+            "status": {"phase": phase},
+        }
+
+    assert preflight.holds_accelerators(pod("gpu-1", "3"))
+    for ignored in (pod(None, "3"), pod("gpu-1", None), pod("gpu-1", "3", "Succeeded")):
+        assert not preflight.holds_accelerators(ignored)
+    node = {
+        "metadata": {
+            "name": "gpu-1",
+            "labels": {
+                "node.kubernetes.io/instance-type": "g6.12xlarge",
+                "topology.kubernetes.io/zone": "us-west-2a",
+            },
+        },
+        "status": {
+            "allocatable": {"nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "1"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    [free] = preflight.free_worker_nodes(spec(), [node], [preflight.placement_of(pod("gpu-1", "3"))])
+    assert (free.gpus, free.efa) == (1, 1)
