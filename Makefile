@@ -44,5 +44,6 @@ demo: venv tools ## the main job end to end (local cluster, or the cluster in KU
 	@hack/demo.sh
 
 .PHONY: bench
-bench: venv tools ## benchmarks (never in CI): control plane on the local cluster; GPU script in bench/
+bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU; GPU script in bench/
 	$(PY) bench/control_plane.py
+	$(PY) bench/trainer_cpu.py
