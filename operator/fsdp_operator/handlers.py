@@ -51,7 +51,7 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 LABEL_RAY_CLUSTER = "ray.io/cluster"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the handlers make
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
-# A namespaced operator cannot watch other teams' pods: every pending run's preflight shares one LIST this long.
+# A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
 ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
 CONFLICT_RETRIES = 3
