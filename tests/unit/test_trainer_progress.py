@@ -10,6 +10,7 @@ from fsdp_trainer.contract import ErrorKind, ProgressRecord, SetupStage, Trainer
 from fsdp_trainer.driver import record_failure
 from fsdp_trainer.progress import ProgressWriter, read_progress
 from fsdp_trainer.storage import Location
+from tests.harness import wait_until
 
 
 def test_records_merge_and_history_is_flushed_per_attempt(tmp_path: Path) -> None:
@@ -42,9 +43,11 @@ def test_setup_heartbeats_name_the_stage_until_training_starts(tmp_path: Path) -
         writer.stage(SetupStage.LOADING_CHECKPOINT)
         first = stored(tmp_path)
         assert (first.phase, first.stage, first.submission_id) == ("starting", "loading-checkpoint", "job-1")
-        time.sleep(0.3)  # a long stage: no update from the trainer, yet the record stays fresh
-        beat = stored(tmp_path)
-        assert beat.stage == "loading-checkpoint" and beat.updated_at > first.updated_at
+        # A long stage: no update from the trainer, yet the record is re-stored with a fresh time.
+        beat = wait_until(
+            "a heartbeat", lambda: (r := stored(tmp_path)).updated_at > first.updated_at and r, 10
+        )
+        assert beat.stage == "loading-checkpoint" and beat.phase == "starting"
 
         writer.write(phase="training", stage=None, step=0)
         training = stored(tmp_path)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,9 +52,15 @@ class Location:
         return self.read_bytes().decode()
 
     def write_bytes(self, data: bytes) -> None:
+        """Readers see the old content or the new, never a partial file: an object store's PUT is atomic,
+        and on local disk the file is written aside and renamed over the old one."""
         self._make_dir(self.path.rsplit("/", 1)[0])
-        with self.fs.open_output_stream(self.path) as stream:
+        local = isinstance(self.fs, pafs.LocalFileSystem)
+        target = f"{self.path}.partial-{os.getpid()}-{threading.get_ident()}" if local else self.path
+        with self.fs.open_output_stream(target) as stream:
             stream.write(data)
+        if local:
+            self.fs.move(target, self.path)
 
     def write_text(self, text: str) -> None:
         self.write_bytes(text.encode())
