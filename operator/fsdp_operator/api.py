@@ -150,8 +150,9 @@ class RecoverySpec(ContractModel):
     setup_timeout_seconds: int = Field(
         default=1800,
         ge=60,
-        description="Before the first training step (runtime env, model download, checkpoint load): no "
-        "trainer heartbeat for this long, counted from the submission, fails the attempt as SetupTimeout.",
+        description="Before the first training step (runtime env, model download, checkpoint load): one "
+        "setup stage lasting this long, or no trainer heartbeat for this long counted from the submission, "
+        "fails the attempt as SetupTimeout.",
     )
     provisioning_timeout_seconds: int = Field(
         default=900,
@@ -244,6 +245,7 @@ class ImageStatus(ContractModel):
 
 class ProgressStatus(ContractModel):
     stage: str | None = Field(default=None, description="Setup stage of the trainer before its first step.")
+    stage_since: dt.datetime | None = Field(default=None, description="When that stage was first reported.")
     step: int | None = None
     max_steps: int | None = None
     loss: float | None = None

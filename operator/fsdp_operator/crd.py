@@ -32,6 +32,12 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         ".checkpoint.storagePath",
     ),
     (
+        "self.fsdp.mixedPrecision != 'fp16'",
+        "spec.fsdp.mixedPrecision fp16 is not supported: it needs loss scaling, which the trainer does "
+        "not do (fp16 gradients underflow); use bf16 or fp32",
+        ".fsdp.mixedPrecision",
+    ),
+    (
         "self.fsdp.sharding != 'HYBRID_SHARD' || self.cluster.workers >= 2",
         "spec.fsdp.sharding HYBRID_SHARD needs spec.cluster.workers >= 2 (it replicates across nodes)",
         ".fsdp.sharding",

@@ -174,8 +174,13 @@ class _Pass:
         obs, new = self.obs, self.new
         progress = obs.progress
         if progress is not None:
+            stage = progress.stage if progress.phase == "starting" else None
+            same_stage = stage is not None and stage == new.progress.stage
             new.progress = api.ProgressStatus(  # rounded: `kubectl get` prints numbers in full
-                stage=progress.stage if progress.phase == "starting" else None,
+                stage=stage,
+                stage_since=(new.progress.stage_since if same_stage else progress.updated_at)
+                if stage
+                else None,
                 step=progress.step,
                 max_steps=progress.max_steps,
                 loss=_round(progress.loss, 4),
@@ -681,8 +686,13 @@ class _Pass:
             marks = [t for t in (new.attempt_time, started, record.updated_at if record else None) if t]
             quiet = self.seconds_since(max(marks)) if marks else 0.0
             limit, reason = recovery.setup_timeout_seconds, "SetupTimeout"
-            stage = f" (last stage: {record.stage})" if record and record.stage else " (no heartbeat yet)"
-            what = f"no trainer heartbeat for more than setupTimeoutSeconds ({limit}s) before step 1{stage}"
+            stage = record.stage if record else None
+            what = f"no trainer heartbeat for more than setupTimeoutSeconds ({limit}s) before step 1" + (
+                f" (last stage: {stage})" if stage else " (no heartbeat yet)"
+            )
+            in_stage = self.seconds_since(new.progress.stage_since) if stage else 0.0
+            if in_stage > limit:  # heartbeats go on while a setup collective hangs: bound each stage too
+                quiet, what = in_stage, f"setup stage {stage} took longer than setupTimeoutSeconds ({limit}s)"
         if quiet > limit:
             self.fail_attempt(Failure(False, reason, what))
         else:

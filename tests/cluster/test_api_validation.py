@@ -51,6 +51,7 @@ INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("local-storage", {"checkpoint.storagePath": "/data/ckpt"}, "spec.checkpoint.storagePath"),
     ("single-worker-local-storage", {"cluster.workers": 1, "checkpoint.storagePath": "/ckpt"}, "s3:// URI"),
     ("too-many-restarts", {"recovery.maxRestarts": 101}, "spec.recovery.maxRestarts"),
+    ("fp16-without-loss-scaling", {"fsdp.mixedPrecision": "fp16"}, "spec.fsdp.mixedPrecision fp16"),
     ("setup-timeout-too-short", {"recovery.setupTimeoutSeconds": 5}, "spec.recovery.setupTimeoutSeconds"),
     (
         "hybrid-shard-one-worker",

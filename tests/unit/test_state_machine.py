@@ -127,6 +127,15 @@ def test_slow_setup_with_heartbeats_is_not_a_hang_but_silence_is_a_setup_timeout
     alive = reconcile(run_spec, long_setup, observe(job=job("RUNNING", 31), progress=heartbeat))
     assert alive.status.phase == api.Phase.RUNNING and alive.stop_job is None
     assert alive.status.progress.stage == "downloading-model"
+    # Heartbeats go on while a setup collective hangs: one stage lasting past the bound is stuck too.
+    since = NOW - dt.timedelta(seconds=901)
+    long_stage = long_setup.model_copy(
+        update={"progress": api.ProgressStatus(stage="probing-transport", stage_since=since)}
+    )
+    probing = record("starting", seconds_ago=5, stage="probing-transport")
+    hung = reconcile(run_spec, long_stage, observe(job=job("RUNNING", 31), progress=probing))
+    assert hung.status.restarts.history[-1].reason == "SetupTimeout"
+    assert "stage probing-transport took longer" in hung.status.restarts.history[-1].message
     silent = record("starting", seconds_ago=1000, stage="loading-checkpoint")
     stuck = reconcile(run_spec, long_setup, observe(job=job("RUNNING", 31), progress=silent))
     assert stuck.status.restarts.history[-1].reason == "SetupTimeout" and stuck.stop_job == JOB_ID
