@@ -306,7 +306,7 @@ def _run_preflight(
         return preflight.check_instance_type(spec, facts)
     nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
-    waiting = preflight.first_in_line(spec, created, competitors)
+    waiting = preflight.first_in_line(spec, created, f"{run.namespace}/{run.name}", competitors)
     if waiting is not None:
         return waiting
     free = preflight.free_worker_nodes(spec, nodes, pods)

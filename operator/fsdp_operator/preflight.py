@@ -165,7 +165,7 @@ def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[
 
 
 def first_in_line(
-    spec: api.FSDPTrainingRunSpec, created: str, competitors: Iterable[Competitor]
+    spec: api.FSDPTrainingRunSpec, created: str, name: str, competitors: Iterable[Competitor]
 ) -> PreflightResult | None:
     """Runs that compete for one instance type are admitted in creation order: an earlier run still waiting
     (and able to fit once nodes free up) goes first. Returns why this run waits, or None on its turn."""
@@ -175,7 +175,7 @@ def first_in_line(
         if not c.admitted
         and c.fits_when_empty
         and c.instance_type == spec.cluster.instance_type
-        and c.created < created
+        and (c.created, c.name) < (created, name)  # creationTimestamp has whole seconds: the name breaks ties
     )
     if not earlier:
         return None

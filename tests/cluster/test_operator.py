@@ -255,6 +255,9 @@ def test_cluster_wide_operator_admits_runs_for_one_zone_one_at_a_time(
         first, second = example("aws-sample", **zone_a), example("aws-sample", **zone_a)
         first["metadata"]["name"], second["metadata"]["name"] = "first", "second"
         apply(namespace, first)
+        wait_until(
+            "first to be admitted", lambda: run_of(namespace, "first").get("status", {}).get("zone"), 60
+        )
         apply(namespace, second)
         wait_for_phase(namespace, "first", "ClusterReady")
 

@@ -122,6 +122,9 @@ def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
     try:
         first, second = f"first-{uuid.uuid4().hex[:6]}", f"second-{uuid.uuid4().hex[:6]}"
         apply(namespace, demo_manifest(first, **shape))
+        wait_until(
+            f"{first} to be admitted", lambda: run_of(namespace, first).get("status", {}).get("zone"), 60
+        )
         apply(namespace, demo_manifest(second, **shape))
 
         def second_waits() -> dict[str, Any] | None:

@@ -351,11 +351,14 @@ def _competitor(name: str, created: str, admitted: bool, zone: str | None = None
 def test_runs_competing_for_nodes_are_admitted_in_creation_order_and_reserve_their_slots() -> None:
     mine = spec(cluster={"workers": 2, "zone": "us-west-2a"})
     earlier = _competitor("ns/a", "2026-11-30T10:00:00Z", admitted=False)
-    assert preflight.first_in_line(mine, "2026-11-30T11:00:00Z", [earlier]) is not None
-    assert preflight.first_in_line(mine, "2026-11-30T09:00:00Z", [earlier]) is None
+    assert preflight.first_in_line(mine, "2026-11-30T11:00:00Z", "ns/b", [earlier]) is not None
+    assert preflight.first_in_line(mine, "2026-11-30T09:00:00Z", "ns/b", [earlier]) is None
+    # Created in the same second: both passes agree on one order (by name).
+    assert preflight.first_in_line(mine, "2026-11-30T10:00:00Z", "ns/b", [earlier]) is not None
+    assert preflight.first_in_line(mine, "2026-11-30T10:00:00Z", "ns/0", [earlier]) is None
     impossible = preflight.Competitor("ns/huge", "2026-11-30T10:00:00Z", "g6.12xlarge", False, None, 9, False)
     assert (
-        preflight.first_in_line(mine, "2026-11-30T11:00:00Z", [impossible]) is None
+        preflight.first_in_line(mine, "2026-11-30T11:00:00Z", "ns/b", [impossible]) is None
     )  # never holds others up
     free = [preflight.NodeFree(f"n{i}", "us-west-2a", 4, 1) for i in range(2)]
     assert preflight.check_nodes(mine, free).ok
