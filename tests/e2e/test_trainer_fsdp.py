@@ -414,8 +414,9 @@ def test_second_submission_resumes_where_the_first_stopped(
 ) -> None:
     assert resubmitted.failed.phase == "failed"
     assert resubmitted.failed.error_kind == "runtime", "a lost worker is retryable"
-    # Progress is stored in the background at most once a second, so a crash can lose the last second.
-    assert 0 < resubmitted.failed.step <= 12, "the failure record keeps the last step stored"
+    # Progress is stored in the background at most once a second, so a crash can lose the last second: on a
+    # fast machine all 12 steps (seen in CI: the record still said step 0). It never claims a later step.
+    assert 0 <= resubmitted.failed.step <= 12, "the failure record keeps the last step stored"
     assert resubmitted.resumed.phase == "finished" and resubmitted.resumed.step == MAX_STEPS
     assert resubmitted.resumed.resumed_from_step == CHECKPOINT_EVERY
     assert sorted(resubmitted.resumed_losses) == list(range(CHECKPOINT_EVERY + 1, MAX_STEPS + 1))
