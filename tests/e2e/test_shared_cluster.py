@@ -117,7 +117,7 @@ def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
     namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
 ) -> None:
     # Each run needs both GPU nodes of us-west-2a: admitted together, each would hold one and wait forever.
-    shape = {"cluster.zone": "us-west-2a", "preflight.recheckSeconds": 5}
+    shape = {"cluster.zone": "us-west-2a", "preflight.recheckSeconds": 5, "training.maxSteps": 20}
     proc = operator_for([namespace], local_cluster, tmp_path / "operator.log")
     try:
         first, second = f"first-{uuid.uuid4().hex[:6]}", f"second-{uuid.uuid4().hex[:6]}"
