@@ -66,7 +66,12 @@ def stop(proc: OperatorProcess, namespaces: list[str]) -> None:
 
 
 def test_one_name_in_two_namespaces_keeps_two_prefixes_and_a_reused_prefix_is_refused(
-    namespace: str, second_namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+    namespace: str,
+    crd_installed: None,
+    second_namespace: str,
+    local_cluster: LocalCluster,
+    s3: Any,
+    tmp_path: Path,
 ) -> None:
     # 70 characters with dots: no valid Service, label or DNS-1035 name as it is.
     name = "qwen2.5-ft." + "a" * 50 + "-" + uuid.uuid4().hex[:8]
@@ -114,7 +119,7 @@ def test_one_name_in_two_namespaces_keeps_two_prefixes_and_a_reused_prefix_is_re
 
 
 def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
-    namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, s3: Any, tmp_path: Path
 ) -> None:
     # Each run needs both GPU nodes of us-west-2a: admitted together, each would hold one and wait forever.
     shape = {"cluster.zone": "us-west-2a", "preflight.recheckSeconds": 5, "training.maxSteps": 20}
@@ -145,7 +150,12 @@ def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
 
 
 def test_a_black_holed_dashboard_slows_only_its_own_run(
-    namespace: str, second_namespace: str, local_cluster: LocalCluster, s3: Any, tmp_path: Path
+    namespace: str,
+    crd_installed: None,
+    second_namespace: str,
+    local_cluster: LocalCluster,
+    s3: Any,
+    tmp_path: Path,
 ) -> None:
     dashboard = urlparse(local_cluster.ray_dashboard_url)
     assert dashboard.hostname and dashboard.port
