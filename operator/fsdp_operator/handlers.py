@@ -645,7 +645,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
     def nodes(body: kopf.Body, **_: Any) -> Any:
-        return {None: dict(body)}
+        return {None: preflight.node_facts(body)}
 
     @kopf.index("", "v1", "pods", id="accelerator_pods", registry=registry)
     def accelerator_pods(body: kopf.Body, **_: Any) -> Any:

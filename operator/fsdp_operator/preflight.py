@@ -80,6 +80,21 @@ def holds_accelerators(pod: Mapping[str, Any]) -> bool:
     return any(_requests(c).get(r) for c in spec.get("containers", []) for r in (GPU, EFA))
 
 
+def node_facts(node: Mapping[str, Any]) -> dict[str, Any]:
+    """The fields of a node that preflight reads (a node's status also lists every image it holds)."""
+    meta, spec, status = node["metadata"], node.get("spec") or {}, node.get("status") or {}
+    return {
+        "metadata": {"name": meta["name"], "labels": dict(meta.get("labels") or {})},
+        "spec": {"unschedulable": spec.get("unschedulable", False), "taints": list(spec.get("taints") or [])},
+        "status": {
+            "allocatable": dict(status.get("allocatable") or {}),
+            "conditions": [
+                {"type": c.get("type"), "status": c.get("status")} for c in status.get("conditions", [])
+            ],
+        },
+    }
+
+
 def placement_of(pod: Mapping[str, Any]) -> dict[str, Any]:
     """The few fields of a pod that preflight reads (kept in the operator's index instead of whole pods)."""
     meta, spec = pod["metadata"], pod["spec"]

@@ -398,5 +398,7 @@ def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
             "conditions": [{"type": "Ready", "status": "True"}],
         },
     }
-    [free] = preflight.free_worker_nodes(spec(), [node], [preflight.placement_of(pod("gpu-1", "3"))])
+    indexed = preflight.node_facts({**node, "status": {**node["status"], "images": [{"names": ["x"] * 50}]}})
+    assert "images" not in indexed["status"]
+    [free] = preflight.free_worker_nodes(spec(), [indexed], [preflight.placement_of(pod("gpu-1", "3"))])
     assert (free.gpus, free.efa) == (1, 1)
