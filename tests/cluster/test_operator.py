@@ -228,18 +228,18 @@ def test_operator_killed_before_or_after_creating_the_cluster_creates_one(
 ) -> None:
     log = tmp_path / "operator.log"
     proc = OperatorProcess(namespace, {"FSDP_OPERATOR_FAULT_POINT": point}, log).start()
-    apply(namespace, example("aws-sample"))
-    assert proc.process is not None
-    assert proc.process.wait(timeout=90) == -signal.SIGKILL, (
-        f"no SIGKILL at {point}: {log.read_text()[-2000:]}"
-    )
-    created = [c["metadata"]["uid"] for c in rayclusters(namespace)]
-    assert len(created) == (1 if point.startswith("after-create") else 0)
-    proc = OperatorProcess(namespace, {}, log).start()
     try:
+        apply(namespace, example("aws-sample"))
+        assert proc.process is not None
+        assert proc.process.wait(timeout=90) == -signal.SIGKILL, (
+            f"no SIGKILL at {point}: {log.read_text()[-2000:]}"
+        )
+        created = [c["metadata"]["uid"] for c in rayclusters(namespace)]
+        assert len(created) == (1 if point.startswith("after-create") else 0)
+        proc = OperatorProcess(namespace, {}, log).start()
         run = wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
     finally:
-        proc.stop()
+        proc.stop()  # whichever runs now: a failed wait must not leave an operator behind
     [cluster] = rayclusters(namespace)
     assert created in ([], [cluster["metadata"]["uid"]])
     assert run["status"]["attempt"] == 1  # recorded once, whatever Ray says of it
