@@ -32,6 +32,7 @@ components=(
   "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
   "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
   "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
+  "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 
 only=("$@")
