@@ -262,10 +262,11 @@ class ArgoCD:
         )  # fmt: skip
 
     def add_application(
-        self, name: str, path: str, destination_namespace: str, *, automated: bool = True
+        self, name: str, path: str, destination_namespace: str, *, server_side_apply: bool = False
     ) -> None:
         """Creates an Application of one directory of the git repository, synced automatically (prune,
-        self-heal), with Argo CD's resources finalizer: deleting it deletes what it synced."""
+        self-heal), with Argo CD's resources finalizer: deleting it deletes what it synced. Argo CD applies
+        client-side (its default) or, with server_side_apply, server-side (sync option ServerSideApply)."""
         spec: dict[str, Any] = {
             "project": "default",
             "source": {
@@ -275,9 +276,10 @@ class ArgoCD:
                 "directory": {"recurse": False},
             },
             "destination": {"server": "https://kubernetes.default.svc", "namespace": destination_namespace},
+            "syncPolicy": {"automated": {"prune": True, "selfHeal": True}},
         }
-        if automated:
-            spec["syncPolicy"] = {"automated": {"prune": True, "selfHeal": True}}
+        if server_side_apply:
+            spec["syncPolicy"]["syncOptions"] = ["ServerSideApply=true"]
         application = {
             "apiVersion": "argoproj.io/v1alpha1",
             "kind": "Application",

@@ -87,7 +87,8 @@ def test_argo_cd_syncs_runs_and_reports_progressing_healthy_degraded_and_suspend
     argocd.git.commit("three runs")
     apps = {key: f"{namespace}-{key}" for key in runs}
     for key, app in apps.items():
-        argocd.add_application(app, key, namespace)
+        # The succeeding run is applied client-side (Argo CD's default), the others server-side.
+        argocd.add_application(app, key, namespace, server_side_apply=key != "succeeds")
 
     # Observe all three Applications together until each has reached its final health.
     history: dict[str, list[tuple[str | None, str | None, str | None]]] = {key: [] for key in runs}
@@ -124,8 +125,12 @@ def test_argo_cd_syncs_runs_and_reports_progressing_healthy_degraded_and_suspend
     ok = run_of(namespace, runs["succeeds"]["metadata"]["name"])
     assert ok["status"]["phase"] == "Succeeded" and ok["status"]["progress"]["step"] == 20
     assert ok["metadata"]["labels"]["app.kubernetes.io/instance"] == apps["succeeds"]
-    assert run_of(namespace, runs["fails"]["metadata"]["name"])["status"]["phase"] == "Failed"
-    assert run_of(namespace, runs["suspended"]["metadata"]["name"])["status"]["phase"] == "Suspended"
+    for key, phase in (("fails", "Failed"), ("suspended", "Suspended")):
+        name = runs[key]["metadata"]["name"]
+        run = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace, "--show-managed-fields")
+        assert run["status"]["phase"] == phase
+        applied = {(f["manager"], f["operation"]) for f in run["metadata"]["managedFields"]}
+        assert ("argocd-controller", "Apply") in applied, applied  # server-side, as asked
 
     # Health as the run went: Progressing while it trained, then Healthy; the message is the check's.
     healths = [health for _, health, _ in history["succeeds"]]
