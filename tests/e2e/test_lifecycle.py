@@ -15,6 +15,7 @@ from tests.e2e.demo import (
     BUCKET,
     RUN_TIMEOUT,
     checkpoint_steps_in_s3,
+    demo_manifest,
     demo_run,
     run_record,
     wait_for_step,
@@ -23,6 +24,8 @@ from tests.harness import (
     LocalCluster,
     OperatorProcess,
     conditions_of,
+    drift,
+    fields_others_own,
     kubectl,
     kubectl_json,
     rayclusters,
@@ -45,6 +48,10 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     assert status["progress"]["evalLoss"] is not None
     assert status["transport"]["observed"] == "gloo"
     assert status["attempt"] == 1 and status["restarts"]["count"] == 0
+    # GitOps: after the whole life, the manifest as applied still describes the live run exactly.
+    manifest = demo_manifest(name, cleanupPolicy="KeepCluster")
+    assert drift(namespace, manifest, field_manager=None) == ""  # applied client-side
+    assert fields_others_own(namespace, manifest, applier="kubectl-client-side-apply") == []
 
     # Every checkpoint the status lists exists, complete, in S3.
     listed = {c["step"] for c in status["checkpoints"]["recent"]}
@@ -159,6 +166,28 @@ def test_permanent_error_fails_without_using_up_restarts(
     assert failed["reason"] == "DataError", failed
     assert "no-such-file.jsonl" in failed["message"]
     assert run["status"]["restarts"]["count"] == 0 and run["spec"]["recovery"]["maxRestarts"] == 3
+
+
+def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+) -> None:
+    # Rank 1 dies at step 12 in every attempt (no marker): one restart is allowed, the second failure ends it.
+    fault = "rank=1,step=12"
+    name = demo_run(
+        namespace,
+        **{
+            "recovery.maxRestarts": 1,
+            "recovery.inJobMaxFailures": 0,
+            "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}},
+        },
+    )
+    run = wait_for_phase(namespace, name, "Failed", timeout=2 * RUN_TIMEOUT)
+    status = run["status"]
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == "RestartsExhausted", failed
+    assert status["restarts"]["count"] == 1 and status["attempt"] == 2
+    assert status["restarts"]["history"][0]["resumedFromStep"] == 10
+    assert run_record(s3, namespace, name).phase == "Failed"
 
 
 def test_suspend_then_unsuspend_continues_from_the_checkpoint(

@@ -445,13 +445,13 @@ def _synchronize(device: torch.device) -> None:
 
 @dataclass(frozen=True)
 class Fault:
-    """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S,marker=PATH[,action=exit|hang]"): at step S, once, rank R
+    """Test hook (FSDP_TRAINER_FAULT="rank=R,step=S[,marker=PATH][,action=exit|hang]"): at step S rank R
     dies (exit) or stops making progress while its process stays alive (hang), after the checkpoint save in
-    flight (if any) is complete."""
+    flight (if any) is complete. With a marker file, once (the file records it); without, in every attempt."""
 
     rank: int
     step: int
-    marker: str
+    marker: str | None
     action: Literal["exit", "hang"] = "exit"
 
     @classmethod
@@ -464,16 +464,18 @@ class Fault:
         if action not in ("exit", "hang"):
             raise ValueError(f"{FAULT_ENV}: action must be exit or hang, not {action!r}")
         return cls(
-            int(fields["rank"]), int(fields["step"]), fields["marker"], "hang" if action == "hang" else "exit"
+            int(fields["rank"]), int(fields["step"]), fields.get("marker"), "hang" if action == "hang" else "exit"
         )
 
     def due(self, rank: int, step: int) -> bool:
-        return rank == self.rank and step == self.step and not os.path.exists(self.marker)
+        once_done = self.marker is not None and os.path.exists(self.marker)
+        return rank == self.rank and step == self.step and not once_done
 
     def trigger(self) -> None:
         """Dies like a lost worker (no exception, no cleanup), or hangs like a stuck collective."""
-        with open(self.marker, "w") as marker:
-            marker.write(f"{dt.datetime.now(dt.UTC).isoformat()} step {self.step} {self.action}\n")
+        if self.marker is not None:
+            with open(self.marker, "w") as marker:
+                marker.write(f"{dt.datetime.now(dt.UTC).isoformat()} step {self.step} {self.action}\n")
         log.error("fault injection: %s at step %d", self.action, self.step)
         if self.action == "hang":
             while True:
