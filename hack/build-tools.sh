@@ -34,6 +34,7 @@ components=(
   "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
   "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
   "kueue|kueue|sigs.k8s.io/kueue/cmd/kueue|$KUEUE_VERSION|-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z"
+  "argocd-health-test|argocd-health|fsdp-operator.dev/hack/argocd-health|local|"
   "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 
@@ -42,7 +43,10 @@ mkdir -p "$CACHE/tools" "$root/bin"
 for entry in "${components[@]}"; do
   IFS='|' read -r name module pkg version ldflags <<<"$entry"
   if ((${#only[@]})) && [[ " ${only[*]} " != *" $name "* ]]; then continue; fi
-  sum=$(sha256sum "$root/hack/go/$module/go.sum" | cut -c1-12)
+  # A module with a program of its own (main.go) is keyed by that source too.
+  sources=("$root/hack/go/$module/go.sum")
+  if [[ -f $root/hack/go/$module/main.go ]]; then sources+=("$root/hack/go/$module/main.go"); fi
+  sum=$(cat "${sources[@]}" | sha256sum | cut -c1-12)
   target="$CACHE/tools/$name-$version-$sum/$name"
   if [[ ! -x $target ]]; then
     log "building $name $version (module hack/go/$module)"
