@@ -192,3 +192,33 @@ def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -
 def rayclusters(namespace: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
     return items
+
+
+def drift(namespace: str, manifest: dict[str, Any], field_manager: str | None) -> str:
+    """What `kubectl diff` shows for re-applying the manifest the way it was applied (server-side with the
+    field manager, or client-side with None): empty when the live run is as the manifest says, which is what a
+    GitOps tool compares before it syncs."""
+    side = ["--server-side", f"--field-manager={field_manager}"] if field_manager else []
+    diff = kubectl("diff", *side, "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+    assert diff.returncode in (0, 1), f"kubectl diff failed: {diff.stderr}"
+    return diff.stdout
+
+
+def fields_others_own(namespace: str, manifest: dict[str, Any], applier: str) -> list[str]:
+    """The fields the manifest sets (spec, its labels, its annotations) that a manager other than the
+    applier also owns, as `manager: field`: a controller writing them flips a GitOps app to OutOfSync."""
+    name = manifest["metadata"]["name"]
+    live = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace, "--show-managed-fields")
+    taken = []
+    for entry in live["metadata"]["managedFields"]:
+        if entry["manager"] == applier:
+            continue
+        fields = entry.get("fieldsV1", {})
+        if "f:spec" in fields:
+            taken.append(f"{entry['manager']}: spec")
+        meta = fields.get("f:metadata", {})
+        for kind in ("labels", "annotations"):
+            for key in manifest["metadata"].get(kind, {}):
+                if f"f:{key}" in meta.get(f"f:{kind}", {}):
+                    taken.append(f"{entry['manager']}: metadata.{kind}.{key}")
+    return taken
