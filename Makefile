@@ -14,8 +14,8 @@ venv: ## create/update the Python virtualenv from requirements.lock (outside the
 	@hack/venv.sh
 
 .PHONY: tools
-tools: ## build the control plane, kwok, helm and KubeRay from the Go module proxy (cached)
-	@hack/build-tools.sh
+tools: ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached); Debian packages
+	@hack/packages.sh && hack/build-tools.sh
 
 .PHONY: cluster-up
 cluster-up: venv tools ## start the local cluster (control plane, fake GPU nodes, KubeRay, S3, Ray)

@@ -12,6 +12,7 @@ ETCD_VERSION=v3.6.16
 KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.5
 KUBERAY_VERSION=v1.5.0
+KUEUE_VERSION=v0.17.0
 
 k8s_minor=${K8S_VERSION#v1.}
 k8s_minor=${k8s_minor%%.*}
@@ -32,6 +33,8 @@ components=(
   "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
   "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
   "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
+  "kueue|kueue|sigs.k8s.io/kueue/cmd/kueue|$KUEUE_VERSION|-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z"
+  "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 
 only=("$@")
@@ -66,4 +69,17 @@ if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" ray-operator "* ]]; then
     mv "$crds.tmp" "$crds"
   fi
   ln -sfn "$crds" "$root/bin/kuberay-crds"
+fi
+
+# Kueue's CRDs, from the same module version as its manager (tests/kueue.py installs them when a test needs Kueue).
+if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" kueue "* ]]; then
+  sum=$(sha256sum "$root/hack/go/kueue/go.sum" | cut -c1-12)
+  crds="$CACHE/tools/kueue-crds-$KUEUE_VERSION-$sum"
+  if [[ ! -d $crds ]]; then
+    module_dir=$(cd "$root/hack/go/kueue" && go list -m -f '{{.Dir}}' sigs.k8s.io/kueue)
+    cp -r "$module_dir/config/components/crd/bases" "$crds.tmp"
+    chmod -R u+w "$crds.tmp"
+    mv "$crds.tmp" "$crds"
+  fi
+  ln -sfn "$crds" "$root/bin/kueue-crds"
 fi
