@@ -350,7 +350,12 @@ class _Pass:
         """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff."""
         new, recovery = self.new, self.spec.recovery
         if failure.permanent:
-            self.finish(Phase.FAILED, failure.reason, f"{failure.reason}: {failure.message}")
+            named = failure.message.startswith(failure.reason)  # the trainer's errors name their kind
+            self.finish(
+                Phase.FAILED,
+                failure.reason,
+                failure.message if named else f"{failure.reason}: {failure.message}",
+            )
             return
         if new.restarts.count >= recovery.max_restarts:
             self.finish(

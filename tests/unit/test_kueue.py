@@ -1,4 +1,4 @@
-"""Runs with a Kueue queue: Kueue admits (no own preflight), Queued says why it waits, a preemption is a pause."""
+"""Runs with a Kueue queue: Kueue admits (no own preflight), Queued says why, and a preemption is a pause."""
 
 from __future__ import annotations
 
