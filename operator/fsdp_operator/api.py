@@ -34,11 +34,14 @@ SINGULAR = "fsdptrainingrun"
 SHORT_NAMES = ["trainingrun", "trainingruns", "ftr"]
 API_VERSION = f"{GROUP}/{VERSION}"
 
+# A Kubernetes object name that is also a valid label value (it is copied into a label).
+LABEL_VALUE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 IMAGE_PATTERN = r"^[a-z0-9]+([._/:-][a-zA-Z0-9_.-]+)*(@sha256:[0-9a-f]{64})?$"
 
 
 class Phase(StrEnum):
     PENDING = "Pending"  # accepted; waiting for preflight capacity
+    QUEUED = "Queued"  # its RayCluster waits, suspended, for Kueue to admit it (again, after a preemption)
     PROVISIONING = "Provisioning"  # RayCluster created, not ready yet
     CLUSTER_READY = "ClusterReady"
     RUNNING = "Running"
@@ -48,8 +51,10 @@ class Phase(StrEnum):
     FAILED = "Failed"
 
 
-# Phases in which the cluster shape and training inputs are in use and may not change.
+# Phases in which the run holds its cluster's capacity and its active time counts.
 ACTIVE_PHASES = (Phase.PROVISIONING, Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING)
+# Phases in which a RayCluster of the run's shape exists, so the shape and training inputs may not change.
+IMMUTABLE_PHASES = (*ACTIVE_PHASES, Phase.QUEUED)
 FINISHED_PHASES = (Phase.SUCCEEDED, Phase.FAILED)
 
 
@@ -106,7 +111,20 @@ class ClusterSpec(ContractModel):
     )
     priority_class_name: str | None = Field(default=None, description="Priority class for head and workers.")
     queue_name: str | None = Field(
-        default=None, description="Kueue LocalQueue: set as kueue.x-k8s.io/queue-name on the RayCluster."
+        default=None,
+        max_length=63,
+        pattern=LABEL_VALUE_NAME,
+        description="Kueue LocalQueue of the run's namespace. Kueue then decides when the run starts (no "
+        "capacity preflight of the operator's own): the RayCluster is created suspended with the "
+        "kueue.x-k8s.io/queue-name label, the run is Queued until Kueue admits it, and a preemption "
+        "suspends it back to Queued without spending a restart.",
+    )
+    workload_priority_class: str | None = Field(
+        default=None,
+        max_length=63,
+        pattern=LABEL_VALUE_NAME,
+        description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the priority Kueue "
+        "queues and preempts by, without a Kubernetes PriorityClass on the pods.",
     )
 
 
@@ -228,7 +246,8 @@ class Condition(ContractModel):
         max_length=64,
         description="Preflight, ClusterReady, PodsHealthy, JobRunning, Finished (True when the run ended "
         "either way: wait on it), Succeeded (False when the run failed), Failed, Suspended, "
-        "TransportDegraded, ImageConsistent or StorageReadable.",
+        "TransportDegraded, ImageConsistent, StorageReadable or Admitted (by Kueue, for runs with a "
+        "queue).",
     )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=MAX_CONDITION_REASON, description="CamelCase reason.")
@@ -263,12 +282,25 @@ class CheckpointsStatus(ContractModel):
     )
 
 
+class QueueStatus(ContractModel):
+    workload: str | None = Field(default=None, description="The Kueue Workload of the run's RayCluster.")
+    cluster_queue: str | None = Field(default=None, description="The ClusterQueue that admitted it.")
+    flavors: list[str] = Field(
+        default_factory=list, max_length=16, description="ResourceFlavors Kueue assigned, as pod-set:flavor."
+    )
+    admitted_time: dt.datetime | None = Field(default=None, description="When Kueue last admitted it.")
+
+
 class RestartsStatus(ContractModel):
-    count: int = 0
+    count: int = Field(default=0, description="Restarts after failures; at most spec.recovery.maxRestarts.")
+    preemptions: int = Field(
+        default=0, description="Times Kueue took the capacity back; they never count against maxRestarts."
+    )
     history: list[RestartEntry] = Field(
         default_factory=list,
         max_length=RESTART_HISTORY_IN_STATUS,
-        description=f"The last {RESTART_HISTORY_IN_STATUS} restarts; run.json keeps every one.",
+        description=f"The last {RESTART_HISTORY_IN_STATUS} restarts and preemptions (reason Preempted); "
+        "run.json keeps every one.",
     )
 
 
@@ -305,6 +337,7 @@ class FSDPTrainingRunStatus(ContractModel):
     checkpoints: CheckpointsStatus = Field(default_factory=CheckpointsStatus)
     transport: TransportReport | None = None
     restarts: RestartsStatus = Field(default_factory=RestartsStatus)
+    queue: QueueStatus | None = Field(default=None, description="Kueue's admission, for runs with a queue.")
     record: RecordStatus = Field(default_factory=RecordStatus)
     start_time: dt.datetime | None = Field(default=None, description="When the first RayCluster was created.")
     completion_time: dt.datetime | None = None

@@ -19,6 +19,7 @@ MANAGER = "fsdp-operator"
 LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
 LABEL_ZONE = "topology.kubernetes.io/zone"
 LABEL_KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
+LABEL_KUEUE_PRIORITY = "kueue.x-k8s.io/priority-class"
 GPU = "nvidia.com/gpu"
 EFA = "vpc.amazonaws.com/efa"
 WORKER_GROUP = "gpu-workers"
@@ -192,10 +193,17 @@ def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: 
 def build_raycluster(
     spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None
 ) -> dict[str, Any]:
-    """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone."""
+    """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone.
+
+    With a Kueue queue it is created suspended, as Kueue's defaulting webhook would make it (and the
+    webhook may not run): Kueue unsuspends it on admission, and the operator never writes spec.suspend."""
     labels = run_labels(run)
+    queued = spec.cluster.queue_name is not None
     if spec.cluster.queue_name:
         labels[LABEL_KUEUE_QUEUE] = spec.cluster.queue_name
+    if spec.cluster.workload_priority_class:
+        labels[LABEL_KUEUE_PRIORITY] = spec.cluster.workload_priority_class
+    cluster_spec: dict[str, Any] = {"suspend": True} if queued else {}
     return {
         "apiVersion": "ray.io/v1",
         "kind": "RayCluster",
@@ -207,6 +215,7 @@ def build_raycluster(
             "ownerReferences": [owner_reference(run)],
         },
         "spec": {
+            **cluster_spec,
             "rayVersion": RAY_VERSION,
             "enableInTreeAutoscaling": False,
             "headGroupSpec": _head_group(spec, run, image),

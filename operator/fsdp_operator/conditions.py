@@ -18,6 +18,7 @@ SUSPENDED = "Suspended"
 TRANSPORT_DEGRADED = "TransportDegraded"
 IMAGE_CONSISTENT = "ImageConsistent"
 STORAGE_READABLE = "StorageReadable"
+QUEUE_ADMITTED = "Admitted"  # Kueue admitted the RayCluster (runs with spec.cluster.queueName only)
 
 
 def set_condition(

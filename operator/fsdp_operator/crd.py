@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{api.PLURAL}.{api.GROUP}.yaml"
 CHART_CRD_FILE = REPO / "charts" / "fsdp-operator" / "crds" / CRD_FILE.name
 
-_ACTIVE = "[" + ", ".join(f"'{p.value}'" for p in api.ACTIVE_PHASES) + "]"
+_ACTIVE = "[" + ", ".join(f"'{p.value}'" for p in api.IMMUTABLE_PHASES) + "]"
 
 # Cross-field rules on spec: (CEL, message, field path). The message names the field it is about.
 SPEC_RULES: list[tuple[str, str, str]] = [
@@ -74,8 +74,8 @@ SPEC_RULES: list[tuple[str, str, str]] = [
     ),
 ]
 
-# Fields that may not change while a run is active (a cluster exists or a job runs). Suspend first, or
-# create a new run. Rules sit at the root because they need status.phase.
+# Fields that may not change while a run is active or queued (a RayCluster of its shape exists). Suspend
+# first, or create a new run. Rules sit at the root because they need status.phase.
 IMMUTABLE_WHILE_ACTIVE = ["model", "image", "cluster", "fsdp", "training", "data", "checkpoint", "network"]
 
 

@@ -29,8 +29,9 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, conditions, preflight, submission
+from fsdp_operator import api, builder, conditions, kueue, preflight, submission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
+from fsdp_operator.kueue import WorkloadObservation, observe_workload
 from fsdp_operator.reconcile import (
     ClusterObservation,
     Decision,
@@ -38,6 +39,7 @@ from fsdp_operator.reconcile import (
     PodProblem,
     job_to_observe,
     needs_preflight,
+    needs_workload,
     observe_cluster,
     reconcile,
 )
@@ -135,6 +137,23 @@ class Kube:
                 ) from error
             raise
         return cast(dict[str, Any], stored)
+
+    def workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
+        """Kueue's Workloads of one RayCluster; none where Kueue (its CRD) is not installed."""
+        try:
+            listed = self.custom.list_namespaced_custom_object(
+                kueue.GROUP,
+                kueue.VERSION,
+                namespace,
+                kueue.PLURAL,
+                label_selector=f"{kueue.LABEL_JOB_UID}={job_uid}",
+                _request_timeout=API_TIMEOUT,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return []
+            raise
+        return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
 
     def running_pods(self) -> list[dict[str, Any]]:
         listed = self.core.list_pod_for_all_namespaces(
@@ -369,7 +388,8 @@ def _desired_cluster(
 ) -> dict[str, Any]:
     # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
     image = status.image.digest or _requested_image(ctx, spec)
-    return builder.build_raycluster(spec, run, image, status.zone)
+    zone = None if spec.cluster.queue_name else status.zone  # Kueue's flavor pins the zone of a queued run
+    return builder.build_raycluster(spec, run, image, zone)
 
 
 def _observe_cluster(
@@ -411,6 +431,7 @@ def _observe(
         with ctx.admission_lock:  # one admission decision at a time, so two runs never split the nodes
             created = body["metadata"].get("creationTimestamp", "")
             preflight_result = _run_preflight(ctx, run, spec, created, indexes)
+    workload = _observe_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     job, dashboard_error = None, None
     watched = job_to_observe(status)
@@ -452,7 +473,21 @@ def _observe(
         requested_image=_requested_image(ctx, spec),
         submission_prefix=submission.submission_prefix(run),
         action_error=ctx.action_errors.pop(run.uid, None),
+        workload=workload,
     )
+
+
+def _observe_workload(ctx: Context, run: builder.RunRef, indexes: Indexes) -> WorkloadObservation | None:
+    raycluster = indexes.raycluster(run.namespace, builder.ray_cluster_name(run.name))
+    if raycluster is None:
+        return None
+    try:
+        found = ctx.kube.workloads(run.namespace, raycluster["metadata"]["uid"])
+    except Exception as error:  # Kueue's answer only refines the message; the RayCluster's suspend decides
+        log.warning("%s/%s: could not read Kueue's Workload: %s", run.namespace, run.name, error)
+        return None
+    newest = max(found, key=lambda w: w["metadata"].get("creationTimestamp", ""), default=None)
+    return observe_workload(newest) if newest is not None else None
 
 
 def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision:

@@ -12,6 +12,11 @@ acts, and an action that fails becomes an observation of the next pass.
        |                            Restarting <--retryable failure (job failed, lost, hung, cluster lost)
     Suspended                         +--backoff over, old job ended, cluster ready--> Running (attempt+1)
 
+With a Kueue queue (spec.cluster.queueName) Kueue admits instead of the preflight: Pending creates the
+RayCluster suspended and the run is Queued; Kueue unsuspending it is the admission (-> Provisioning), and
+Kueue suspending it again is a preemption: the job is stopped and the run is Queued again, without spending
+a restart; the next admission resumes from the latest checkpoint.
+
 A pass runs the guards first (finished, suspended, image request changed, deadline, cluster being deleted,
 pods that cannot start, provisioning timeout), then one step function for the phase.
 """
@@ -26,6 +31,7 @@ from fsdp_operator import api, conditions
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import JobObservation
+from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, Transport
@@ -33,6 +39,7 @@ from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, T
 RECENT_CHECKPOINTS = 5
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
 RAY_ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
+ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,8 @@ class ClusterObservation:
     message: str
     deleting: bool = False  # has a deletionTimestamp: never used again, waited for, then recreated
     drift: str | None = None  # how it differs from what the run needs (edited by hand)
+    suspended: bool = False  # spec.suspend: Kueue has not admitted it, or took the admission back
+    zone: str | None = None  # the workers' zone as their node selector pins it (Kueue's flavor, or ours)
 
 
 @dataclass(frozen=True)
@@ -70,6 +79,7 @@ class Observation:
     requested_image: str | None = None  # spec.image or the operator's default
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
     action_error: str | None = None  # why an action of the previous pass failed
+    workload: WorkloadObservation | None = None  # Kueue's Workload of the RayCluster, read while queued
 
 
 @dataclass(frozen=True)
@@ -102,8 +112,20 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         for t, c in by_type.items()
     )
     deleting = bool(raycluster.get("metadata", {}).get("deletionTimestamp"))
+    spec = raycluster.get("spec") or {}
+    suspended = bool(spec.get("suspend"))
+    selectors = [
+        (group.get("template", {}).get("spec", {}).get("nodeSelector") or {})
+        for group in spec.get("workerGroupSpecs", [])
+    ]
+    zones = {selector.get(ZONE_LABEL) for selector in selectors} - {None}
     return ClusterObservation(
-        ready=ready and not deleting, message=message or "no status yet", deleting=deleting, drift=drift
+        ready=ready and not deleting and not suspended,
+        message=message or "no status yet",
+        deleting=deleting,
+        drift=drift,
+        suspended=suspended,
+        zone=zones.pop() if len(zones) == 1 else None,
     )
 
 
@@ -112,13 +134,24 @@ def needs_preflight(
 ) -> bool:
     waiting = not spec.suspend and status.phase in (None, Phase.PENDING, Phase.SUSPENDED)
     due = status.next_check_time is None or status.next_check_time <= now
-    return waiting and not cluster_exists and due
+    return waiting and not cluster_exists and due and spec.cluster.queue_name is None
+
+
+def needs_workload(
+    spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster: ClusterObservation | None
+) -> bool:
+    """Kueue's Workload is read while the run waits for it: queued, or just suspended by it."""
+    return (
+        spec.cluster.queue_name is not None
+        and cluster is not None
+        and (cluster.suspended or status.phase == Phase.QUEUED)
+    )
 
 
 def job_to_observe(status: FSDPTrainingRunStatus) -> str | None:
     """The submission whose state the next pass needs: the running one, one recorded but not yet seen in Ray,
     or the one a restart replaces."""
-    watched = (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING)
+    watched = (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING, Phase.QUEUED)
     return status.job_submission_id if status.phase in watched else None
 
 
@@ -317,7 +350,12 @@ class _Pass:
         """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff."""
         new, recovery = self.new, self.spec.recovery
         if failure.permanent:
-            self.finish(Phase.FAILED, failure.reason, f"{failure.reason}: {failure.message}")
+            named = failure.message.startswith(failure.reason)  # the trainer's errors name their kind
+            self.finish(
+                Phase.FAILED,
+                failure.reason,
+                failure.message if named else f"{failure.reason}: {failure.message}",
+            )
             return
         if new.restarts.count >= recovery.max_restarts:
             self.finish(
@@ -488,6 +526,11 @@ class _Pass:
             return self.pending()
         if cluster is None:
             return self.without_cluster()
+        if self.spec.cluster.queue_name is not None:
+            if cluster.suspended:
+                return self.queued()
+            if new.phase == Phase.QUEUED:
+                self.admitted()
         if cluster.drift and new.phase in (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING):
             return self.cluster_modified(cluster.drift)
         if not cluster.ready:
@@ -516,6 +559,8 @@ class _Pass:
 
     def pending(self) -> Decision:
         new, obs = self.new, self.obs
+        if self.spec.cluster.queue_name is not None:
+            return self.enqueue(self.spec.cluster.queue_name)
         result = obs.preflight
         if result is None:  # not due for a re-check yet
             if new.next_check_time is not None:
@@ -546,6 +591,95 @@ class _Pass:
         self.transition(Phase.PENDING, "Waiting", f"waiting for capacity: {result.message}", announce=False)
         self.requeue(self.spec.preflight.recheck_seconds)
         return self.decision
+
+    # -- Kueue --------------------------------------------------------------------------------------------
+
+    def enqueue(self, queue: str) -> Decision:
+        """Kueue decides admission: the RayCluster is created suspended in the queue, and the run waits."""
+        new = self.new
+        new.image.requested = new.image.requested or self.obs.requested_image
+        new.start_time = new.start_time or self.obs.now
+        new.next_check_time = None
+        new.zone = None  # Kueue's flavor chooses it
+        self.decision.create_cluster = True
+        self.condition(
+            conditions.PREFLIGHT, True, "DelegatedToKueue", f"Kueue admits the run through LocalQueue {queue}"
+        )
+        self.condition(
+            conditions.QUEUE_ADMITTED, "Unknown", "Queued", "RayCluster created suspended; waiting for Kueue"
+        )
+        self.transition(
+            Phase.QUEUED, "Queued", f"queued in LocalQueue {queue}: waiting for Kueue to admit the RayCluster"
+        )
+        return self.decision
+
+    def queued(self) -> Decision:
+        """The RayCluster is suspended: not admitted yet, or admitted and then preempted."""
+        new, obs, workload = self.new, self.obs, self.obs.workload
+        if new.phase in api.ACTIVE_PHASES:
+            self.preempted()
+        elif obs.job is not None and obs.job.status in RAY_ACTIVE_JOB_STATES:
+            self.decision.stop_job = obs.job.submission_id  # the stop at the preemption did not take
+        queue = self.spec.cluster.queue_name
+        if workload is None:
+            why = (
+                f"no Kueue Workload for the RayCluster yet (Kueue, with its ray.io/raycluster integration, "
+                f"creates one for the LocalQueue {queue})"
+            )
+            self.condition(conditions.QUEUE_ADMITTED, "Unknown", "NoWorkload", why)
+        else:
+            why = f"{workload.reason}: {workload.message}"
+            self.condition(conditions.QUEUE_ADMITTED, False, workload.reason, workload.message)
+            new.queue = (new.queue or api.QueueStatus()).model_copy(update={"workload": workload.name})
+        new.message = conditions.bounded(f"queued in LocalQueue {queue}: {why}")
+        return self.decision
+
+    def preempted(self) -> None:
+        """Kueue took the capacity back: stop the job, keep the checkpoints, queue again; no restart spent."""
+        new, workload = self.new, self.obs.workload
+        if new.job_submission_id:
+            self.decision.stop_job = new.job_submission_id  # a no-op for a job that ended with its pods
+        why = f"{workload.reason}: {workload.message}" if workload else "Kueue suspended the RayCluster"
+        resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
+        new.restarts.preemptions += 1
+        entry = RestartEntry(
+            time=self.obs.now, reason="Preempted", message=conditions.bounded(why), resumed_from_step=resumed
+        )
+        new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
+        new.zone = None
+        self.stop_active()
+        self.condition(conditions.JOB_RUNNING, False, "Preempted", why)
+        self.condition(conditions.CLUSTER_READY, False, "SuspendedByKueue", why)
+        resumes = f"step {resumed}" if resumed is not None else "the start"
+        self.transition(
+            Phase.QUEUED,
+            "Preempted",
+            f"preempted by Kueue ({why}); the job is stopped, checkpoints are kept, and the run resumes from "
+            f"{resumes} when Kueue admits it again (no restart is spent)",
+            warning=True,
+        )
+
+    def admitted(self) -> None:
+        """Kueue unsuspended the RayCluster: the run holds its quota from now on."""
+        new, cluster, workload = self.new, self.obs.cluster, self.obs.workload
+        assert cluster is not None
+        new.zone = cluster.zone
+        self.start_active()
+        where = ""
+        if workload is not None:
+            new.queue = api.QueueStatus(
+                workload=workload.name,
+                cluster_queue=workload.cluster_queue,
+                flavors=list(workload.flavors),
+                admitted_time=self.obs.now,
+            )
+            where = (
+                f" by ClusterQueue {workload.cluster_queue} ({', '.join(workload.flavors) or 'no flavor'})"
+            )
+        message = f"admitted by Kueue{where}; waiting for KubeRay"
+        self.condition(conditions.QUEUE_ADMITTED, True, "Admitted", message)
+        self.condition(conditions.CLUSTER_READY, False, "Creating", message)
+        self.transition(Phase.PROVISIONING, "Admitted", message)
 
     def without_cluster(self) -> Decision:
         """No RayCluster although the run is active: created by the glue right after the intent was written

@@ -63,6 +63,7 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
             ("patch", "fsdptrainingruns.fsdp.training.dev/status"),
             ("create", "rayclusters.ray.io"),
             ("delete", "rayclusters.ray.io"),
+            ("list", "workloads.kueue.x-k8s.io"),
             ("create", "events"),
         ]
         for verb, resource in needed:
