@@ -8,10 +8,13 @@ image digests); they are made by the operator's own reconcile function from a ca
 their files say so. Run it on a running local cluster (`make cluster-up`):
 
     ~/.cache/fsdp-operator/venv/bin/python hack/capture-argocd-testdata.py
+    # or recapture some cases only, from the tests that reach them:
+    ... hack/capture-argocd-testdata.py --cases queued-for-quota,failed-data-error tests/e2e/test_kueue.py ...
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime as dt
 import json
@@ -45,6 +48,7 @@ TESTS = [
     "tests/cluster/test_operator.py::test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster",
     "tests/cluster/test_operator.py::test_three_workers_fit_only_across_zones_and_fail_by_policy",
     "tests/cluster/test_operator.py::test_an_image_that_never_pulls_fails_the_run_with_the_kubelets_reason",
+    "tests/e2e/test_kueue.py",
 ]
 
 Run = dict[str, Any]
@@ -109,6 +113,12 @@ CASES: dict[str, Callable[[Run], bool]] = {
     "running-last-restart": last_restart_allowed,
     "suspended": lambda run: phase(run) == "Suspended" and not lagging(run),
     "succeeded": lambda run: phase(run) == "Succeeded" and not lagging(run),
+    "queued-for-quota": lambda run: (
+        phase(run) == "Queued" and condition(run, "Admitted").get("reason") == "Pending"
+    ),
+    "queued-after-preemption": lambda run: (
+        phase(run) == "Queued" and condition(run, "Admitted").get("reason") == "Preempted"
+    ),
     "failed-data-error": failed_with("DataError"),
     "failed-restarts-exhausted": failed_with("RestartsExhausted"),
     "failed-preflight": lambda run: (
@@ -183,7 +193,24 @@ def pods_disagree(obs: Observation) -> Observation:
     return dataclasses.replace(obs, pod_image_ids=(*obs.pod_image_ids, other))
 
 
+# Cases made from the captured running object: case -> (change to the observation, what it is).
+MADE: dict[str, tuple[Callable[[Observation], Observation], str]] = {
+    "transport-socket-fallback": (socket_fallback, "a progress record whose NCCL transport is TCP sockets"),
+    "pods-disagree": (pods_disagree, "a second pod image digest"),
+}
+
+
 def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--cases", help="comma-separated cases to write (default: all)")
+    parser.add_argument("tests", nargs="*", default=TESTS, help="pytest node ids (default: the list above)")
+    args = parser.parse_args()
+    wanted = set(args.cases.split(",")) if args.cases else set(CASES) | set(MADE)
+    unknown = wanted - set(CASES) - set(MADE)
+    if unknown:
+        parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
     cluster = LocalCluster.from_env_file()
     os.environ.update(cluster.env)
     env = dict(os.environ)
@@ -197,7 +224,7 @@ def main() -> int:
             time.sleep(2)
             if watch.poll() is not None:
                 raise SystemExit(f"kubectl's watch of the runs ended (exit {watch.returncode})")
-            pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *TESTS]
+            pytest = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args.tests]
             tests = subprocess.run(pytest, env=env)
         finally:
             watch.terminate()
@@ -214,19 +241,14 @@ def main() -> int:
     if "running" in found:
         base = found["running"][0]
         why = "made by the operator's reconcile() from the captured running.yaml with {} (impossible on CPU)"
-        found["transport-socket-fallback"] = (
-            made_by_reconcile(base, socket_fallback),
-            why.format("a progress record whose NCCL transport is TCP sockets"),
-        )
-        found["pods-disagree"] = (
-            made_by_reconcile(base, pods_disagree),
-            why.format("a second pod image digest"),
-        )
+        for case, (change, what) in MADE.items():
+            found[case] = (made_by_reconcile(base, change), why.format(what))
+    found = {case: kept for case, kept in found.items() if case in wanted}
     TESTDATA.mkdir(parents=True, exist_ok=True)
     for case, (run, origin) in sorted(found.items()):
         header = f"# {origin}; hack/capture-argocd-testdata.py, {dt.date.today().isoformat()}\n"
         (TESTDATA / f"{case}.yaml").write_text(header + yaml.safe_dump(run, sort_keys=False))
-    missing = sorted(set(CASES) - set(found))
+    missing = sorted(wanted - set(found))
     print(f"{len(objects)} objects watched; wrote {len(found)} cases to {TESTDATA}")
     if missing:
         print("no object showed: " + ", ".join(missing), file=sys.stderr)

@@ -57,7 +57,7 @@ def test_second_run_waits_queued_with_kueues_reason_then_runs_after_the_first(
 ) -> None:
     first = demo_run(namespace, **{"cluster.queueName": queue.local_queue})
     wait_for_phase(namespace, first, "Running", timeout=RUN_TIMEOUT)
-    second = demo_run(namespace, **{"cluster.queueName": queue.local_queue})
+    second = demo_run(namespace, **{"cluster.queueName": queue.local_queue, "training.maxSteps": 20})
 
     def queued_for_quota() -> dict[str, Any] | None:
         run = run_of(namespace, second)
@@ -76,7 +76,7 @@ def test_second_run_waits_queued_with_kueues_reason_then_runs_after_the_first(
     status = done["status"]
     assert admitted(done)["status"] == "True"
     assert status["queue"]["clusterQueue"] == queue.cluster_queue
-    assert f"workers:{queue.gpu_flavor}" in status["queue"]["flavors"]
+    assert f"gpu-workers:{queue.gpu_flavor}" in status["queue"]["flavors"]  # the worker group's pod set
     assert status["zone"] == ZONE  # from the flavor Kueue chose, not from a preflight
     assert status["restarts"]["count"] == 0 and status["attempt"] == 1
     assert conditions_of(done)["Preflight"]["reason"] == "DelegatedToKueue"
@@ -93,7 +93,7 @@ def test_preempted_run_is_queued_keeps_its_checkpoints_spends_no_restart_and_res
         **{
             "cluster.queueName": queue.local_queue,
             "cluster.workloadPriorityClass": low,
-            "training.maxSteps": 80,
+            "training.maxSteps": 40,
         },
     )
     before = wait_for_step(namespace, victim, 10)["status"]["checkpoints"]["latest"]["step"]
@@ -126,7 +126,7 @@ def test_preempted_run_is_queued_keeps_its_checkpoints_spends_no_restart_and_res
     assert wait_for_phase(namespace, urgent, "Succeeded", timeout=RUN_TIMEOUT)["status"]["attempt"] == 1
     done = wait_for_phase(namespace, victim, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = done["status"]
-    assert status["attempt"] == 2 and status["restarts"]["count"] == 0 and status["progress"]["step"] == 80
+    assert status["attempt"] == 2 and status["restarts"]["count"] == 0 and status["progress"]["step"] == 40
     progress = json.loads(
         s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{victim}/progress.json")["Body"].read()
     )

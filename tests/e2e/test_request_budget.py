@@ -45,12 +45,12 @@ def test_running_runs_cost_at_most_two_requests_a_minute_each_and_finished_runs_
         finished = f"finished-{uuid.uuid4().hex[:4]}"
         missing = {"data.source": "s3://fsdp-e2e/data/no-such-file.jsonl", **SMALL}
         apply(namespace, demo_manifest(finished, **missing))
-        wait_for_phase(namespace, finished, "Failed", timeout=RUN_TIMEOUT)
-        finished_at = time.monotonic()
         names = [f"held-{i}-{uuid.uuid4().hex[:4]}" for i in range(RUNS)]
         for name in names:
             hold = {"FSDP_TRAINER_FAULT": f"rank=0,step=1,marker={tmp_path / name},action=hang"}
             apply(namespace, demo_manifest(name, **{"runtimeEnv": {"env": hold}, **SMALL}))
+        wait_for_phase(namespace, finished, "Failed", timeout=RUN_TIMEOUT)
+        finished_at = time.monotonic()
         for name in names:
             wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)
 
