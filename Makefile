@@ -17,6 +17,10 @@ venv: ## create/update the Python virtualenv from requirements.lock (outside the
 tools: ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached); Debian packages
 	@hack/packages.sh && hack/build-tools.sh
 
+.PHONY: image
+image: venv ## build the operator image with podman (Dockerfile.operator on a Debian 12 base made here; cached)
+	@hack/packages.sh && hack/image.sh
+
 .PHONY: cluster-up
 cluster-up: venv tools ## start the local cluster (control plane, fake GPU nodes, KubeRay, S3, Ray)
 	@hack/cluster-up.sh
@@ -32,7 +36,7 @@ lint: venv ## ruff and mypy
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
 
 .PHONY: test
-test: venv tools lint ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)
+test: venv tools lint image ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-unit

@@ -11,6 +11,12 @@ source "$root/hack/lib.sh"
 wanted=(
   "redis-server|redis-server"
   "git|git"
+  # The operator image (hack/image.sh): podman with runc (crun fails on these hybrid cgroups), mmdebstrap for
+  # its Debian 12 base, uidmap for podman without root.
+  "podman|podman"
+  "runc|runc"
+  "mmdebstrap|mmdebstrap"
+  "newuidmap|uidmap"
 )
 
 missing=()
