@@ -19,7 +19,7 @@ import kopf
 from pydantic import ValidationError
 from pydantic_settings import CliApp
 
-from fsdp_operator import health, leader
+from fsdp_operator import health, leader, metrics
 from fsdp_operator.handlers import register
 from fsdp_operator.settings import Settings
 
@@ -59,6 +59,13 @@ async def run(settings: Settings) -> int:
             probes = await health.serve(state, *address)
         except OSError as error:
             sys.exit(f"fsdp-operator: cannot serve probes on {address[0]}:{address[1]}: {error.strerror}")
+    scrapes = None
+    if settings.metrics_port:
+        address = (settings.metrics_bind_address, settings.metrics_port)
+        try:
+            scrapes = await metrics.serve(*address, leading=lambda: state.leading)
+        except OSError as error:
+            sys.exit(f"fsdp-operator: cannot serve metrics on {address[0]}:{address[1]}: {error.strerror}")
     try:
         if not settings.leader_election:
             state.leading = True
@@ -69,6 +76,8 @@ async def run(settings: Settings) -> int:
         ticking.cancel()
         if probes:
             await probes.cleanup()
+        if scrapes:
+            await scrapes.cleanup()
 
 
 async def operate(settings: Settings, registry: kopf.OperatorRegistry, state: health.Health) -> None:

@@ -29,7 +29,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, conditions, kueue, preflight, submission
+from fsdp_operator import api, builder, conditions, kueue, metrics, preflight, submission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
 from fsdp_operator.reconcile import (
@@ -347,6 +347,7 @@ def _run_preflight(
     return result
 
 
+@metrics.timed_reconcile
 def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> Decision | None:
     """One pass on the run as kopf's cache holds it; on a write conflict, again on the stored run."""
     meta = body["metadata"]
@@ -511,6 +512,7 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     if patch:
         ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
         fault_point("after-status-write", new.attempt)
+    metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
     _act(ctx, run, spec, decision)
     if patch:
         _write_run_record(ctx, run, spec, new)
@@ -553,6 +555,7 @@ def fault_point(name: str, attempt: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+@metrics.SUBMISSION_DURATION.time()
 def _submit(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decision: Decision) -> None:
     submission_id = decision.status.job_submission_id
     assert submission_id is not None and decision.submit_attempt is not None
@@ -664,6 +667,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         settings.watching.server_timeout = 300
         settings.watching.client_timeout = 330
         settings.watching.inactivity_timeout = 600
+
+    @kopf.on.startup(registry=registry)
+    def export_runs(**kwargs: Any) -> None:
+        metrics.RUNS.index = kwargs["runs"]  # kopf's live index of the runs: each scrape of /metrics reads it
 
     @kopf.index(*resource, id="runs", registry=registry)
     def runs(body: kopf.Body, **_: Any) -> Any:

@@ -75,6 +75,13 @@ class Settings(BaseSettings):
         default="127.0.0.1",
         description="Address of the probe server; the chart sets 0.0.0.0 so that the kubelet reaches it.",
     )
+    metrics_port: int = Field(
+        default=0, ge=0, le=65535, description="Port of Prometheus' /metrics; 0 (the default) serves none."
+    )
+    metrics_bind_address: str = Field(
+        default="127.0.0.1",
+        description="Address of the metrics server; the chart sets 0.0.0.0 so that Prometheus reaches it.",
+    )
     worker_threads: int = Field(
         default=32, ge=1, le=512, description="Threads that run handlers (each run's pass holds one)."
     )
