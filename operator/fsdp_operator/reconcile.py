@@ -80,6 +80,9 @@ class Observation:
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
     action_error: str | None = None  # why an action of the previous pass failed
     workload: WorkloadObservation | None = None  # Kueue's Workload of the RayCluster, read while queued
+    # A head or worker pod of this attempt taken away (condition DisruptionTarget: preempted, evicted,
+    # drained), as "pod <name> (<reason>: <message>)".
+    disruption: str | None = None
 
 
 @dataclass(frozen=True)
@@ -347,8 +350,10 @@ class _Pass:
             self.decision.delete_cluster = True
 
     def fail_attempt(self, failure: Failure) -> None:
-        """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff."""
-        new, recovery = self.new, self.spec.recovery
+        """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff. An
+        attempt lost with a disrupted pod (preempted, evicted, drained) restarts without spending a restart,
+        as a Job's podFailurePolicy ignores DisruptionTarget."""
+        new, recovery, disruption = self.new, self.spec.recovery, self.obs.disruption
         if failure.permanent:
             named = failure.message.startswith(failure.reason)  # the trainer's errors name their kind
             self.finish(
@@ -357,7 +362,7 @@ class _Pass:
                 failure.message if named else f"{failure.reason}: {failure.message}",
             )
             return
-        if new.restarts.count >= recovery.max_restarts:
+        if disruption is None and new.restarts.count >= recovery.max_restarts:
             self.finish(
                 Phase.FAILED,
                 "RestartsExhausted",
@@ -369,19 +374,25 @@ class _Pass:
             self.decision.stop_job = new.job_submission_id  # it may still run (hang, cluster edited)
         delay = backoff_seconds(recovery.backoff_seconds, new.restarts.count)
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
-        new.restarts.count += 1
+        if disruption is None:
+            new.restarts.count += 1
+            reason, why = failure.reason, failure.message
+            counted = f"restart {new.restarts.count}/{recovery.max_restarts}"
+        else:
+            new.restarts.preemptions += 1
+            reason, why = "Preempted", f"{failure.reason} after {disruption}: {failure.message}"
+            counted = (
+                f"restart after a disruption (not counted; {new.restarts.count}/{recovery.max_restarts} used)"
+            )
+            self.event(True, "Preempted", why)
         entry = RestartEntry(
-            time=self.obs.now,
-            reason=failure.reason,
-            message=conditions.bounded(failure.message),
-            resumed_from_step=resumed,
+            time=self.obs.now, reason=reason, message=conditions.bounded(why), resumed_from_step=resumed
         )
         new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
         new.next_check_time = self.obs.now + dt.timedelta(seconds=delay)
         self.requeue(delay)
-        message = (
-            f"restart {new.restarts.count}/{recovery.max_restarts} in {delay}s after {failure.reason}: "
-            f"{failure.message}; resuming from " + (f"step {resumed}" if resumed is not None else "the start")
+        message = f"{counted} in {delay}s after {reason}: {why}; resuming from " + (
+            f"step {resumed}" if resumed is not None else "the start"
         )
         self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
         self.transition(Phase.RESTARTING, "Restarting", message, warning=True)

@@ -247,3 +247,24 @@ def test_classification_reads_trainer_verdict_then_driver_logs() -> None:
 def test_backoff_doubles_and_is_capped() -> None:
     assert [backoff_seconds(30, n) for n in range(4)] == [30, 60, 120, 240]
     assert backoff_seconds(30, 20) == 3600
+
+
+def test_an_attempt_lost_with_a_disrupted_pod_restarts_without_spending_a_restart() -> None:
+    no_restarts = spec(recovery={"maxRestarts": 0})
+    lost = job("FAILED", "Job failed: a worker died unexpectedly")
+    disruption = "pod llm-gpu-workers-x7k2p (PreemptionByScheduler: preempted by team-b/urgent on gpu-2a-0)"
+    decision = reconcile(no_restarts, running(), observe(job=lost, checkpoints=CKPT, disruption=disruption))
+    status = decision.status
+    assert status.phase == api.Phase.RESTARTING, status.message
+    assert status.restarts.count == 0 and status.restarts.preemptions == 1
+    [entry] = status.restarts.history
+    assert (
+        entry.reason == "Preempted"
+        and "PreemptionByScheduler" in entry.message
+        and entry.resumed_from_step == 20
+    )
+    assert "Preempted" in [e.reason for e in decision.events]
+    # The same loss without a disruption spends the (empty) budget.
+    plain = reconcile(no_restarts, running(), observe(job=lost, checkpoints=CKPT))
+    assert plain.status.phase == api.Phase.FAILED
+    assert conditions.condition(plain.status.conditions, conditions.FAILED).reason == "RestartsExhausted"
