@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian packages the tests need and the Go builds do not give: redis-server (Argo CD's cache)
 # and git (Argo CD's repo server fetches with it; `git daemon` serves the test repository and ships in the
-# git package). A no-op when every command is already there.
+# git package); prometheus (2.42, with promtool: the metrics e2e test scrapes the operator with it, and the
+# chart's alert rules are unit-tested with `promtool test rules`). A no-op when every command is already there.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -11,6 +12,8 @@ source "$root/hack/lib.sh"
 wanted=(
   "redis-server|redis-server"
   "git|git"
+  "prometheus|prometheus"
+  "promtool|prometheus"
   # The operator image (hack/image.sh): podman with runc (crun fails on these hybrid cgroups), mmdebstrap for
   # its Debian 12 base, uidmap for podman without root.
   "podman|podman"

@@ -51,8 +51,9 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         assert env["FSDP_OPERATOR_LEADER_ELECTION"] == "true"
         assert env["FSDP_OPERATOR_LEASE_NAMESPACE"] == namespace
         assert env["POD_NAME"] == {"fieldRef": {"apiVersion": "v1", "fieldPath": "metadata.name"}}
-        [port] = container["ports"]
-        assert port["name"] == "health" and env["FSDP_OPERATOR_HEALTH_PORT"] == str(port["containerPort"])
+        ports = {port["name"]: port["containerPort"] for port in container["ports"]}
+        assert env["FSDP_OPERATOR_HEALTH_PORT"] == str(ports.pop("health"))
+        assert env["FSDP_OPERATOR_METRICS_PORT"] == str(ports.pop("metrics")) and not ports
         for probe, path in (("livenessProbe", "/healthz"), ("readinessProbe", "/readyz")):
             assert container[probe]["httpGet"] == {"path": path, "port": "health", "scheme": "HTTP"}
         budget = kubectl_json("get", "poddisruptionbudget", f"{release}-fsdp-operator", "-n", namespace)
