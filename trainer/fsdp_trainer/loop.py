@@ -463,9 +463,8 @@ class Fault:
         action = fields.get("action", "exit")
         if action not in ("exit", "hang"):
             raise ValueError(f"{FAULT_ENV}: action must be exit or hang, not {action!r}")
-        return cls(
-            int(fields["rank"]), int(fields["step"]), fields.get("marker"), "hang" if action == "hang" else "exit"
-        )
+        marker = fields.get("marker")
+        return cls(int(fields["rank"]), int(fields["step"]), marker, "hang" if action == "hang" else "exit")
 
     def due(self, rank: int, step: int) -> bool:
         once_done = self.marker is not None and os.path.exists(self.marker)
