@@ -189,6 +189,15 @@ class Indexes:
         return list(store) if store else []
 
 
+def pod_disruption(body: Mapping[str, Any]) -> str | None:
+    """Why the pod is being taken away (preempted, evicted, drained), from its DisruptionTarget condition."""
+    for condition in (body.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
+            why = f"{condition.get('reason', 'Disrupted')}: {condition.get('message', '')}".strip(": ")
+            return f"pod {body['metadata']['name']} ({why})"
+    return None
+
+
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     """What a pass needs of a Ray pod: the digests its Ray container ran and why it cannot start, if so."""
     statuses = (body.get("status") or {}).get("containerStatuses") or []
@@ -222,6 +231,12 @@ class Context:
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
+    # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
+    disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
+
+    def disruption_since(self, namespace: str, cluster_name: str, since: dt.datetime | None) -> str | None:
+        seen = self.disruptions.get((namespace, cluster_name))
+        return seen[1] if seen is not None and since is not None and seen[0] >= since else None
 
     def dashboard_auth(self) -> DashboardAuth | None:
         """Through the apiserver's service proxy the dashboard needs the operator's own credentials: its
@@ -475,6 +490,7 @@ def _observe(
         submission_prefix=submission.submission_prefix(run),
         action_error=ctx.action_errors.pop(run.uid, None),
         workload=workload,
+        disruption=ctx.disruption_since(run.namespace, cluster_name, status.attempt_time),
     )
 
 
@@ -626,6 +642,7 @@ def on_delete(ctx: Context, body: kopf.Body) -> None:
                 log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
         ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
     ctx.locks.pop(meta["uid"], None)
+    ctx.disruptions.pop((meta["namespace"], cluster_name), None)
 
 
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
@@ -684,6 +701,16 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def ray_pods(body: kopf.Body, **_: Any) -> Any:
         cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
         return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
+
+    @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
+    def on_ray_pod_event(body: kopf.Body, **_: Any) -> None:
+        # Remembered here, not read from the index: a disrupted pod is deleted soon after, often before the
+        # job it served is seen failing.
+        cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
+        disruption = pod_disruption(body)
+        if cluster and disruption:
+            now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+            ctx.disruptions[(body["metadata"]["namespace"], cluster)] = (now, disruption)
 
     @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
     def nodes(body: kopf.Body, **_: Any) -> Any:

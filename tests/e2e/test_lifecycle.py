@@ -231,3 +231,28 @@ def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
     )
     assert checkpoint_steps_in_s3(s3, namespace, name), "deleting the run must leave its checkpoints"
     assert run_record(s3, namespace, name).run_name == name
+
+
+def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_restart(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
+) -> None:
+    # maxRestarts 0: a counted restart would fail the run. A worker pod is evicted through the Eviction API
+    # (the apiserver marks it DisruptionTarget: EvictionByEvictionAPI, as a drain does) and, as with a lost
+    # node, its rank dies: rank 1 at step 30, once.
+    fault = f"rank=1,step=30,marker={tmp_path / 'killed'}"
+    changes = {"recovery.maxRestarts": 0, "recovery.inJobMaxFailures": 0}
+    name = demo_run(namespace, **changes, runtimeEnv={"env": {"FSDP_TRAINER_FAULT": fault}})
+    cluster = wait_for_step(namespace, name, 10)["status"]["rayClusterName"]
+    selector = f"ray.io/cluster={cluster},ray.io/node-type=worker"
+    worker = kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"][0]["metadata"]["name"]
+    eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": worker}}
+    path = f"/api/v1/namespaces/{namespace}/pods/{worker}/eviction"
+    kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
+
+    done = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+    status = done["status"]
+    assert (tmp_path / "killed").exists(), "the fault was never injected"
+    assert status["restarts"]["count"] == 0 and status["restarts"]["preemptions"] == 1
+    assert status["attempt"] == 2 and status["progress"]["step"] == 40
+    [entry] = status["restarts"]["history"]
+    assert entry["reason"] == "Preempted" and "EvictionByEvictionAPI" in entry["message"], entry

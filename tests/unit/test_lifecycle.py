@@ -6,6 +6,7 @@ import datetime as dt
 from typing import Any
 
 from fsdp_operator import api, conditions
+from fsdp_operator.handlers import pod_disruption
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
 from fsdp_operator.recovery import backoff_seconds, classify
@@ -268,3 +269,22 @@ def test_an_attempt_lost_with_a_disrupted_pod_restarts_without_spending_a_restar
     plain = reconcile(no_restarts, running(), observe(job=lost, checkpoints=CKPT))
     assert plain.status.phase == api.Phase.FAILED
     assert conditions.condition(plain.status.conditions, conditions.FAILED).reason == "RestartsExhausted"
+
+
+def test_a_pods_disruption_names_the_pod_and_kubernetes_reason() -> None:
+    pod = {
+        "metadata": {"name": "llm-gpu-workers-x7k2p"},
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True"},
+                {
+                    "type": "DisruptionTarget",
+                    "status": "True",
+                    "reason": "EvictionByEvictionAPI",
+                    "message": "Eviction API: evicting",
+                },
+            ]
+        },
+    }
+    assert pod_disruption(pod) == "pod llm-gpu-workers-x7k2p (EvictionByEvictionAPI: Eviction API: evicting)"
+    assert pod_disruption({"metadata": {"name": "p"}, "status": {"conditions": [{"type": "Ready"}]}}) is None
