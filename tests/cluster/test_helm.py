@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
-from tests.harness import REPO, kubectl, kubectl_json
+from tests.harness import REPO, LocalCluster, kubectl, kubectl_json, wait_until
 
 CHART = REPO / "charts" / "fsdp-operator"
 
@@ -20,8 +25,38 @@ def can_i(verb: str, resource: str, namespace: str, service_account: str) -> boo
     return answer.stdout.strip() == "yes"
 
 
+def allowed(verb: str, group: str, resource: str, namespace: str, user: str) -> bool:
+    """A SubjectAccessReview: unlike `kubectl auth can-i`, it needs no discovery of the resource (Kueue's CRDs
+    are installed only by the tests that use Kueue)."""
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": user,
+            "resourceAttributes": {
+                "namespace": namespace,
+                "verb": verb,
+                "group": group,
+                "resource": resource,
+            },
+        },
+    }
+    answer = kubectl("create", "-o", "json", "-f", "-", input=json.dumps(review))
+    return bool(json.loads(answer.stdout)["status"].get("allowed"))
+
+
+def template(*args: str) -> list[dict[str, Any]]:
+    out = helm("template", "rel", str(CHART), "-n", "ops", "--kube-version", "1.35.0", *args).stdout
+    return [o for o in yaml.safe_load_all(out) if o]
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
 def test_chart_lints_and_rejects_bad_values() -> None:
-    assert helm("lint", str(CHART)).returncode == 0
+    lint = helm("lint", "--strict", str(CHART), check=False)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
     bad = helm("template", "x", str(CHART), "--set", "dashboardAddressMode=override", check=False)
     assert bad.returncode != 0 and "dashboardUrl" in bad.stderr
     typo = helm("template", "x", str(CHART), "--set", "observeIntervalSecond=5", check=False)
@@ -64,11 +99,11 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
             ("patch", "fsdptrainingruns.fsdp.training.dev/status"),
             ("create", "rayclusters.ray.io"),
             ("delete", "rayclusters.ray.io"),
-            ("list", "workloads.kueue.x-k8s.io"),
             ("create", "events"),
         ]
         for verb, resource in needed:
             assert can_i(verb, resource, namespace, sa), f"{sa} cannot {verb} {resource}"
+        assert allowed("list", "kueue.x-k8s.io", "workloads", namespace, sa), f"{sa} cannot list workloads"
         assert can_i("list", "nodes", "default", sa)  # preflight reads capacity cluster-wide
         for verb in ("get", "create", "update"):
             assert can_i(verb, "leases.coordination.k8s.io", namespace, sa), f"{sa} cannot {verb} leases"
@@ -80,3 +115,134 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
     assert (
         kubectl("get", "deployment", f"{release}-fsdp-operator", "-n", namespace, check=False).returncode != 0
     )
+
+
+def test_rendered_manifests_follow_the_values() -> None:
+    # Defaults: two replicas behind a PDB that lets a drain take one; probes and resources set; non-root.
+    objects = template()
+    [deployment] = of_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 65532
+    assert container["securityContext"]["readOnlyRootFilesystem"]
+    assert container["resources"]["requests"] and container["resources"]["limits"]["memory"]
+    assert container["livenessProbe"] and container["readinessProbe"]
+    [pdb] = of_kind(objects, "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert not of_kind(objects, "CustomResourceDefinition")  # crds/ is Helm's, on the first install
+    # One replica: no PDB (it would only get in the way); a PDB that blocks every drain is refused.
+    single = template("--set", "replicaCount=1,leaderElection.enabled=false")
+    assert not of_kind(single, "PodDisruptionBudget")
+    for blocking in ("0", "0%"):
+        refused = helm(
+            "template",
+            "x",
+            str(CHART),
+            "--set",
+            f"podDisruptionBudget.maxUnavailable={blocking}",
+            check=False,
+        )
+        assert refused.returncode != 0 and "maxUnavailable" in refused.stderr
+    # Namespaces: a RoleBinding per watched namespace instead of the ClusterRoleBinding for runs.
+    scoped = template("--set", "watchNamespaces={team-a,team-b}")
+    bindings = {(o["metadata"]["namespace"], o["roleRef"]["name"]) for o in of_kind(scoped, "RoleBinding")}
+    assert {("team-a", "rel-fsdp-operator-runs"), ("team-b", "rel-fsdp-operator-runs")} <= bindings
+    assert "rel-fsdp-operator-runs" not in {
+        o["metadata"]["name"] for o in of_kind(scoped, "ClusterRoleBinding")
+    }
+    # IRSA annotation, default image, extra environment.
+    irsa = "arn:aws:iam::123456789012:role/fsdp-operator"
+    custom = template(
+        "--set", f"serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn={irsa}",
+        "--set", "defaultImage=registry.example/ray:1,image.tag=9.9.9",
+        "--set-json", 'extraEnv=[{"name":"FSDP_OPERATOR_TRAINER_DEVICE","value":"cpu"}]',
+    )  # fmt: skip
+    [sa] = of_kind(custom, "ServiceAccount")
+    assert sa["metadata"]["annotations"] == {"eks.amazonaws.com/role-arn": irsa}
+    [container] = of_kind(custom, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["FSDP_OPERATOR_DEFAULT_IMAGE"] == "registry.example/ray:1"
+    assert env["FSDP_OPERATOR_TRAINER_DEVICE"] == "cpu" and container["image"].endswith(":9.9.9")
+    # Namespace users: aggregated into edit/admin and view, or not at all.
+    roles = {o["metadata"]["name"]: o for o in of_kind(objects, "ClusterRole")}
+    edit_labels = roles["rel-fsdp-operator-edit"]["metadata"]["labels"]
+    assert edit_labels["rbac.authorization.k8s.io/aggregate-to-edit"] == "true"
+    assert roles["rel-fsdp-operator-view"]["metadata"]["labels"][
+        "rbac.authorization.k8s.io/aggregate-to-view"
+    ]
+    plain = template("--set", "rbac.aggregateToDefaultRoles=false")
+    assert "rel-fsdp-operator-edit" not in {o["metadata"]["name"] for o in of_kind(plain, "ClusterRole")}
+    # Managed CRD: the generated one, kept on uninstall.
+    [crd] = of_kind(template("--set", "crds.manage=true"), "CustomResourceDefinition")
+    committed = yaml.safe_load((CHART / "crds" / "fsdptrainingruns.fsdp.training.dev.yaml").read_text())
+    assert crd["spec"] == committed["spec"]
+    assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
+def test_every_rendered_object_passes_a_server_side_dry_run(
+    local_cluster: LocalCluster, namespace: str
+) -> None:
+    values = [
+        ["--set", "crds.manage=true"],
+        ["--set", f"watchNamespaces={{{namespace}}},replicaCount=1,leaderElection.enabled=false"],
+    ]
+    for extra in values:
+        out = helm("template", "dry", str(CHART), "-n", namespace, "--kube-version", "1.35.0", *extra).stdout
+        # Kinds of CRDs that may be absent here (Prometheus Operator) are only rendered when asked for.
+        applied = kubectl("apply", "--dry-run=server", "-f", "-", input=out, check=False)
+        assert applied.returncode == 0, applied.stderr
+
+
+def test_users_with_edit_manage_runs_and_view_reads_them(namespace: str, crd_installed: None) -> None:
+    release = f"a{namespace[-6:]}"
+    helm("install", release, str(CHART), "-n", namespace, "--wait=false", "--skip-crds")
+    try:
+        kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace)
+        kubectl("create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", namespace)
+        run = "fsdptrainingruns.fsdp.training.dev"
+
+        def aggregated() -> bool:
+            return can_i("create", run, namespace, "alice") and can_i("list", run, namespace, "bob")
+
+        wait_until("the aggregated roles to include runs", aggregated, timeout=30)
+        assert can_i("delete", run, namespace, "alice")
+        assert not can_i("create", run, namespace, "bob") and not can_i("create", run, "default", "alice")
+    finally:
+        helm("uninstall", release, "-n", namespace)
+
+
+def test_crd_upgrade_through_the_chart_adds_a_field(namespace: str, tmp_path: Path) -> None:
+    """crds.manage: `helm upgrade` updates the CRD (Helm never does for crds/). A copy of the chart under a
+    group of its own stands for the old and new versions, so the real CRD is never touched."""
+    group = f"u{uuid.uuid4().hex[:6]}.fsdp.training.dev"
+    crd_name = f"fsdptrainingruns.{group}"
+
+    def chart_version(name: str, drop_field: bool) -> Path:
+        copy = tmp_path / name
+        subprocess.run(["cp", "-r", str(CHART), str(copy)], check=True)
+        path = copy / "crds" / "fsdptrainingruns.fsdp.training.dev.yaml"
+        crd = yaml.safe_load(path.read_text().replace("fsdp.training.dev", group))
+        if drop_field:
+            spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+            del spec["properties"]["suspend"]
+        path.write_text(yaml.safe_dump(crd))
+        return copy
+
+    def served_spec_fields() -> set[str]:
+        live = kubectl_json("get", "crd", crd_name)
+        return set(
+            live["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+        )
+
+    release = f"u{namespace[-6:]}"
+    common = ["-n", namespace, "--set", "crds.manage=true,rbac.aggregateToDefaultRoles=false", "--wait=false"]
+    try:
+        helm("install", release, str(chart_version("old", drop_field=True)), "--skip-crds", *common)
+        assert "suspend" not in served_spec_fields()
+        helm("upgrade", release, str(chart_version("new", drop_field=False)), *common)
+        assert "suspend" in served_spec_fields()
+        helm("uninstall", release, "-n", namespace)
+        assert kubectl("get", "crd", crd_name, check=False).returncode == 0  # kept: deleting it deletes runs
+    finally:
+        helm("uninstall", release, "-n", namespace, check=False)
+        kubectl("delete", "crd", crd_name, "--ignore-not-found")
