@@ -7,12 +7,14 @@ models, embedded as they are, so the CRD, `kubectl explain` and the trainer's co
 from __future__ import annotations
 
 import datetime as dt
+import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fsdp_trainer.contract import (
+    PLAIN_TEXT,
     CheckpointRef,
     CheckpointSpec,
     ContractModel,
@@ -36,6 +38,30 @@ API_VERSION = f"{GROUP}/{VERSION}"
 
 # A Kubernetes object name that is also a valid label value (it is copied into a label).
 LABEL_VALUE_NAME = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # with max_length 253
+QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|M|Mi|G|Gi|T|Ti)?$"
+LABEL_KEY = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$"
+NodeSelector = dict[
+    Annotated[str, Field(max_length=316, pattern=LABEL_KEY)],
+    Annotated[str, Field(max_length=63, pattern=LABEL_VALUE)],
+]
+# Requirement specifiers only (name, extras, versions, markers-free): no pip options (--index-url, -e, -r),
+# no URLs, VCS or local paths, which would change where the job's code comes from.
+PIP_REQUIREMENT = (
+    r"^[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?( *(==|!=|<=|>=|~=|<|>) *[A-Za-z0-9.*+!_-]+ *,?)*$"
+)
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+# Environment a run may not set for its job: it would steer the runtime (loader, interpreter, Ray, the
+# cloud identity) rather than configure the training; NCCL/libfabric settings go in network.ncclEnv.
+RESERVED_ENV_PREFIXES = ("LD_", "PYTHON", "RAY_", "AWS_", "KUBERNETES_", "NCCL_", "FI_", "OFI_")
+RESERVED_ENV_NAMES = ("PATH", "HOME")
+
+
+def reserved_env(name: str) -> bool:
+    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+
+
 IMAGE_PATTERN = r"^[a-z0-9]+([._/:-][a-zA-Z0-9_.-]+)*(@sha256:[0-9a-f]{64})?$"
 
 
@@ -59,9 +85,13 @@ FINISHED_PHASES = (Phase.SUCCEEDED, Phase.FAILED)
 
 
 class Toleration(ContractModel):
-    key: str | None = Field(default=None, description="Taint key the toleration applies to.")
+    key: str | None = Field(
+        default=None, max_length=316, pattern=LABEL_KEY, description="Taint key the toleration applies to."
+    )
     operator: Literal["Exists", "Equal"] | None = Field(default=None, description="Exists or Equal.")
-    value: str | None = Field(default=None, description="Taint value for operator Equal.")
+    value: str | None = Field(
+        default=None, max_length=63, pattern=LABEL_VALUE, description="Taint value for operator Equal."
+    )
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect to tolerate; empty means all."
     )
@@ -71,10 +101,18 @@ class Toleration(ContractModel):
 
 
 class HeadSpec(ContractModel):
-    cpu: str = Field(default="4", description="CPU request and limit of the Ray head (a quantity).")
-    memory: str = Field(default="16Gi", description="Memory request and limit of the Ray head.")
-    node_selector: dict[str, str] = Field(
+    cpu: str = Field(
+        default="4", max_length=32, pattern=QUANTITY, description="CPU request and limit of the Ray head."
+    )
+    memory: str = Field(
+        default="16Gi",
+        max_length=32,
+        pattern=QUANTITY,
+        description="Memory request and limit of the Ray head.",
+    )
+    node_selector: NodeSelector = Field(
         default_factory=dict,
+        max_length=32,
         description="Where the head runs; the head never asks for GPUs. Default: any node that is not of "
         "the workers' instance type.",
     )
@@ -91,25 +129,47 @@ class ClusterSpec(ContractModel):
     )
     instance_type: str = Field(
         default="g6.12xlarge",
+        max_length=64,
+        pattern=r"^[a-z0-9][a-z0-9.-]*$",
         description="EC2 instance type of the worker nodes (node.kubernetes.io/instance-type).",
     )
-    cpu: str = Field(default="44", description="CPU request and limit per worker pod (a quantity).")
-    memory: str = Field(default="176Gi", description="Memory request and limit per worker pod.")
-    shm_size: str = Field(default="64Gi", description="Size of the /dev/shm memory volume per worker.")
-    zone: str | None = Field(
-        default=None, description="Availability zone for all workers; default: the one preflight picks."
+    cpu: str = Field(
+        default="44", max_length=32, pattern=QUANTITY, description="CPU request and limit per worker pod."
     )
-    node_selector: dict[str, str] = Field(
-        default_factory=dict, description="Extra node labels the workers require."
+    memory: str = Field(
+        default="176Gi",
+        max_length=32,
+        pattern=QUANTITY,
+        description="Memory request and limit per worker pod.",
+    )
+    shm_size: str = Field(
+        default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
+    )
+    zone: str | None = Field(
+        default=None,
+        max_length=64,
+        pattern=r"^[a-z0-9-]+$",
+        description="Availability zone for all workers; default: the one preflight picks.",
+    )
+    node_selector: NodeSelector = Field(
+        default_factory=dict, max_length=32, description="Extra node labels the workers require."
     )
     tolerations: list[Toleration] = Field(
         default_factory=list, max_length=32, description="Worker tolerations (e.g. for a GPU taint)."
     )
     head: HeadSpec = Field(default_factory=HeadSpec, description="The Ray head pod.")
     service_account_name: str | None = Field(
-        default=None, description="Service account for head and workers."
+        default=None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="Service account for head and workers.",
     )
-    priority_class_name: str | None = Field(default=None, description="Priority class for head and workers.")
+    priority_class_name: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="Priority class for head and workers.",
+    )
     queue_name: str | None = Field(
         default=None,
         max_length=63,
@@ -190,8 +250,29 @@ class RecoverySpec(ContractModel):
 
 
 class RuntimeEnvSpec(ContractModel):
-    pip: list[str] = Field(default_factory=list, max_length=256, description="Extra pip requirements.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment variables for the job.")
+    pip: list[Annotated[str, Field(max_length=256, pattern=PIP_REQUIREMENT)]] = Field(
+        default_factory=list,
+        max_length=256,
+        description="Extra pip requirements, from the image's package index: requirement specifiers only "
+        "(name, extras, versions), no pip options, URLs, VCS or local paths.",
+    )
+    env: dict[
+        Annotated[str, Field(max_length=128)], Annotated[str, Field(max_length=32768, pattern=PLAIN_TEXT)]
+    ] = Field(
+        default_factory=dict,
+        max_length=256,
+        description="Extra environment variables for the job. Names that steer the runtime rather than "
+        f"the training are refused: {', '.join(RESERVED_ENV_NAMES)} and "
+        f"{', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} (NCCL and libfabric go in network.ncclEnv).",
+    )
+
+    @field_validator("env")
+    @classmethod
+    def _no_runtime_steering(cls, env: dict[str, str]) -> dict[str, str]:
+        refused = sorted(name for name in env if reserved_env(name) or not re.fullmatch(ENV_NAME, name))
+        if refused:
+            raise ValueError(f"these environment names are not allowed: {', '.join(refused)}")
+        return env
 
 
 class CleanupPolicy(StrEnum):

@@ -15,13 +15,18 @@ from typing import Any
 import yaml
 
 from fsdp_operator import api
-from fsdp_trainer.contract import ContractModel
+from fsdp_trainer.contract import NCCL_ENV_NAME, ContractModel
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / f"{api.PLURAL}.{api.GROUP}.yaml"
 CHART_CRD_FILE = REPO / "charts" / "fsdp-operator" / "crds" / CRD_FILE.name
 
 _ACTIVE = "[" + ", ".join(f"'{p.value}'" for p in api.IMMUTABLE_PHASES) + "]"
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{value}'" for value in values) + "]"
+
 
 # Cross-field rules on spec: (CEL, message, field path). The message names the field it is about.
 SPEC_RULES: list[tuple[str, str, str]] = [
@@ -30,6 +35,36 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "spec.checkpoint.storagePath must be an s3:// URI: every node must reach the same checkpoints, "
         "and the operator reads progress and checkpoints there",
         ".checkpoint.storagePath",
+    ),
+    (
+        "!self.checkpoint.storagePath.matches('(^|/)[.][.]?(/|$)')",
+        "spec.checkpoint.storagePath must not contain . or .. segments: each run's prefix must stay under it",
+        ".checkpoint.storagePath",
+    ),
+    (
+        "!has(self.runtimeEnv.env) || self.runtimeEnv.env.all(k, k.matches('" + api.ENV_NAME + "')"
+        " && !(k in " + _cel_list(api.RESERVED_ENV_NAMES) + ")"
+        " && !" + _cel_list(api.RESERVED_ENV_PREFIXES) + ".exists(p, k.startsWith(p)))",
+        "spec.runtimeEnv.env names must be environment names and must not steer the runtime: "
+        + ", ".join(api.RESERVED_ENV_NAMES)
+        + ", "
+        + ", ".join(p + "*" for p in api.RESERVED_ENV_PREFIXES)
+        + " are refused (NCCL and libfabric settings go in spec.network.ncclEnv)",
+        ".runtimeEnv.env",
+    ),
+    *(
+        (
+            f"!has({path}) || {path}.all(k, k.size() <= 316 && k.matches('{api.LABEL_KEY}'))",
+            f"spec{path.removeprefix('self')} keys must be label keys (optional DNS prefix/, then a name of "
+            "at most 63 characters)",
+            path.removeprefix("self"),
+        )
+        for path in ("self.cluster.nodeSelector", "self.cluster.head.nodeSelector")
+    ),
+    (
+        "!has(self.network.ncclEnv) || self.network.ncclEnv.all(k, k.matches('" + NCCL_ENV_NAME + "'))",
+        "spec.network.ncclEnv may set only NCCL_*, FI_* and OFI_* variables",
+        ".network.ncclEnv",
     ),
     (
         "self.fsdp.mixedPrecision != 'fp16'",
@@ -111,6 +146,11 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     if "allOf" in node and len(node["allOf"]) == 1:
         node = {**_structural(node.pop("allOf")[0], defs), **node}
     node.pop("title", None)
+    # A CRD schema has neither: map keys are checked by CEL rules (SPEC_RULES), values stay bounded.
+    node.pop("propertyNames", None)
+    if "patternProperties" in node:
+        (values,) = node.pop("patternProperties").values()
+        node["additionalProperties"] = values
     if "default" in node and node["default"] is None:
         node.pop("default")
     if "const" in node:

