@@ -20,8 +20,11 @@ def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(REPO / "bin" / "helm"), *args], text=True, capture_output=True, check=check)
 
 
-def can_i(verb: str, resource: str, namespace: str, service_account: str) -> bool:
-    answer = kubectl("auth", "can-i", verb, resource, "-n", namespace, f"--as={service_account}", check=False)
+def can_i(verb: str, resource: str, namespace: str, service_account: str, subresource: str = "") -> bool:
+    where = [f"--subresource={subresource}"] if subresource else []
+    answer = kubectl(
+        "auth", "can-i", verb, resource, *where, "-n", namespace, f"--as={service_account}", check=False
+    )
     return answer.stdout.strip() == "yes"
 
 
@@ -94,9 +97,10 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         budget = kubectl_json("get", "poddisruptionbudget", f"{release}-fsdp-operator", "-n", namespace)
         assert budget["spec"]["maxUnavailable"] == 1
         sa = f"system:serviceaccount:{namespace}:{release}-fsdp-operator"
+        assert can_i("patch", "fsdptrainingruns.fsdp.training.dev", namespace, sa, subresource="status")
+        assert not can_i("update", "fsdptrainingruns.fsdp.training.dev", namespace, sa, subresource="status")
         needed = [
             ("watch", "fsdptrainingruns.fsdp.training.dev"),
-            ("patch", "fsdptrainingruns.fsdp.training.dev/status"),
             ("create", "rayclusters.ray.io"),
             ("delete", "rayclusters.ray.io"),
             ("create", "events"),
@@ -207,6 +211,9 @@ def test_users_with_edit_manage_runs_and_view_reads_them(namespace: str, crd_ins
         wait_until("the aggregated roles to include runs", aggregated, timeout=30)
         assert can_i("delete", run, namespace, "alice")
         assert not can_i("create", run, namespace, "bob") and not can_i("create", run, "default", "alice")
+        assert not can_i(
+            "patch", run, namespace, "alice", subresource="status"
+        )  # the status is the operator's
     finally:
         helm("uninstall", release, "-n", namespace)
 

@@ -49,14 +49,6 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("", "services/proxy", "create"): "dashboard-address-mode service-proxy only (the test uses override)",
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
     ("", "events", "patch"): "a repeated event (count bump); a clean run posts each event once",
-    ("events.k8s.io", "events", "create"): "kopf posts core/v1 events; kept for clients using events.k8s.io",
-    ("events.k8s.io", "events", "patch"): "as above",
-    ("fsdp.training.dev", "fsdptrainingruns", "update"): "kopf and the operator patch; update kept for kopf",
-    ("fsdp.training.dev", "fsdptrainingruns/status", "update"): "as above",
-    ("fsdp.training.dev", "fsdptrainingruns/status", "get"): "the status is read with the run",
-    ("", "nodes", "get"): "nodes come from a watch (list/watch)",
-    ("", "pods", "get"): "pods come from a watch (list/watch)",
-    ("ray.io", "rayclusters", "get"): "RayClusters come from a watch",
 }
 
 
