@@ -114,7 +114,12 @@ class Health:
 
 async def serve(health: Health, host: str, port: int) -> web.AppRunner:
     """Starts the probe server, which sends its no-ops through the pool until the runner's cleanup()."""
-    runner = web.AppRunner(health.app(), access_log=None)
+    return await start_site(health.app(), host, port)
+
+
+async def start_site(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Serves `app` on host:port until the runner's cleanup(); an address in use raises OSError."""
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, host, port).start()

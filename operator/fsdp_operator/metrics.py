@@ -34,6 +34,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from fsdp_operator import api, conditions
+from fsdp_operator.health import start_site
 
 PREFIX = "fsdp_operator_"
 OTHER = "Other"
@@ -337,11 +338,4 @@ async def serve(host: str, port: int, leading: Callable[[], bool]) -> web.AppRun
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, host, port).start()
-    except OSError:
-        await runner.cleanup()
-        raise
-    return runner
+    return await start_site(app, host, port)

@@ -12,6 +12,16 @@ from tests.harness import LocalCluster, apply, example, run_of, wait_until
 BUCKET = "fsdp-e2e"
 CORPUS = "data/stdlib-docstrings.jsonl"
 RUN_TIMEOUT = 300
+# One GPU worker, no EFA and a one-CPU head: several such runs fit the fake nodes at once (the system node
+# takes only two default heads).
+SMALL = {
+    "cluster.workers": 1,
+    "cluster.gpusPerWorker": 1,
+    "cluster.efaPerWorker": 0,
+    "cluster.head.cpu": "1",
+    "cluster.head.memory": "4Gi",
+    "network.efa": "disabled",
+}
 
 
 def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:

@@ -28,6 +28,7 @@ from tests.argocd import (
     sync_and_health,
 )
 from tests.e2e.demo import BUCKET, RUN_TIMEOUT, demo_manifest
+from tests.e2e.demo import SMALL as SMALL_SHAPE
 from tests.harness import (
     LocalCluster,
     OperatorProcess,
@@ -38,16 +39,7 @@ from tests.harness import (
     wait_until,
 )
 
-# One GPU worker, no EFA and a small head, so that the runs fit the fake nodes together; 20 steps.
-SMALL = {
-    "cluster.workers": 1,
-    "cluster.gpusPerWorker": 1,
-    "cluster.efaPerWorker": 0,
-    "cluster.head.cpu": "1",
-    "cluster.head.memory": "4Gi",
-    "network.efa": "disabled",
-    "training.maxSteps": 20,
-}
+SMALL = {**SMALL_SHAPE, "training.maxSteps": 20}  # the three runs fit the fake nodes together
 KIND = "FSDPTrainingRun"
 # The health each run's Application must end in.
 EXPECTED = {"succeeds": "Healthy", "fails": "Degraded", "suspended": "Suspended"}

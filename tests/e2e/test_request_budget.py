@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tests.apiserver_audit import KOPF_USER_AGENT, AuditLog
 from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
+from tests.e2e.demo import SMALL as SMALL_SHAPE
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, run_of, wait_for_phase, wait_until
 
 RUNS = 3
@@ -22,17 +23,7 @@ WINDOW_SECONDS = 30  # 0 requests expected; the budget allows 3 in this window
 OPERATOR_USER_AGENT = "fsdp-operator"  # handlers.USER_AGENT: the operator's own Python client
 PER_RUN_PER_MINUTE = 2
 KOPF_TIMER_RECHECK_SECONDS = 60
-# One GPU and no EFA per run and a small head, so that every run fits on the fake nodes at once (the system
-# node takes two default heads); one Ray Train worker.
-SMALL = {
-    "cluster.workers": 1,
-    "cluster.gpusPerWorker": 1,
-    "cluster.efaPerWorker": 0,
-    "cluster.head.cpu": "1",
-    "cluster.head.memory": "4Gi",
-    "network.efa": "disabled",
-    "training.maxSteps": 400,
-}
+SMALL = {**SMALL_SHAPE, "training.maxSteps": 400}  # every run fits the fake nodes at once
 
 
 def test_running_runs_cost_at_most_two_requests_a_minute_each_and_finished_runs_none(
