@@ -189,6 +189,11 @@ def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -
     return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
 
 
+def set_suspend(namespace: str, name: str, suspend: bool) -> None:
+    patch = json.dumps({"spec": {"suspend": suspend}})
+    kubectl("patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", patch)
+
+
 def rayclusters(namespace: str) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
     return items

@@ -29,6 +29,7 @@ from tests.harness import (
     kubectl,
     rayclusters,
     run_of,
+    set_suspend,
     wait_for_phase,
     wait_until,
 )
@@ -234,28 +235,10 @@ def test_chart_deployment_runs_the_demo_with_only_the_charts_rbac(
     if suspend:
         name = demo_run(namespace, **{"training.maxSteps": 60})
         wait_for_step(namespace, name, 10)
-        kubectl(
-            "patch",
-            "fsdptrainingrun",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"spec":{"suspend":true}}',
-        )
+        set_suspend(namespace, name, True)
         wait_for_phase(namespace, name, "Suspended", timeout=60)
         wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
-        kubectl(
-            "patch",
-            "fsdptrainingrun",
-            name,
-            "-n",
-            namespace,
-            "--type=merge",
-            "-p",
-            '{"spec":{"suspend":false}}',
-        )
+        set_suspend(namespace, name, False)
     else:
         name = demo_run(namespace)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)

@@ -29,6 +29,7 @@ from tests.harness import (
     kubectl,
     kubectl_json,
     rayclusters,
+    set_suspend,
     wait_for_phase,
     wait_until,
 )
@@ -195,17 +196,13 @@ def test_suspend_then_unsuspend_continues_from_the_checkpoint(
 ) -> None:
     name = demo_run(namespace, **{"training.maxSteps": 80})
     wait_for_step(namespace, name, 10)
-    kubectl(
-        "patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}'
-    )
+    set_suspend(namespace, name, True)
     suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
     wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
     saved = checkpoint_steps_in_s3(s3, namespace, name)
     assert saved, "suspending must keep the checkpoints"
 
-    kubectl(
-        "patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":false}}'
-    )
+    set_suspend(namespace, name, False)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     assert run["status"]["attempt"] == 2 and run["status"]["progress"]["step"] == 80
     latest_before = suspended["status"]["checkpoints"]["latest"]["step"]
