@@ -288,3 +288,18 @@ def test_a_pods_disruption_names_the_pod_and_kubernetes_reason() -> None:
     }
     assert pod_disruption(pod) == "pod llm-gpu-workers-x7k2p (EvictionByEvictionAPI: Eviction API: evicting)"
     assert pod_disruption({"metadata": {"name": "p"}, "status": {"conditions": [{"type": "Ready"}]}}) is None
+
+
+def test_a_permanent_failure_names_its_reason_once() -> None:
+    failed = progress(
+        0,
+        phase="failed",
+        error="DataError: cannot read s3://b/missing.jsonl",
+        error_kind="data",
+        updated_at=NOW - dt.timedelta(seconds=5),
+    )
+    status = reconcile(spec(), running(), observe(job=job("FAILED"), progress=failed)).status
+    assert status.message == "DataError: cannot read s3://b/missing.jsonl"
+    config = progress(0, phase="failed", error="unknown column", error_kind="config", updated_at=NOW)
+    named = reconcile(spec(), running(), observe(job=job("FAILED"), progress=config)).status
+    assert named.message == "InvalidConfig: unknown column"
