@@ -121,12 +121,19 @@ class OperatorProcess:
             self.process.wait(timeout=30)
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen[Any] | None) -> None:
+    """SIGTERM by pid, SIGKILL when it has not exited 30 s later."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=30)
 
 
 def delete_namespace(name: str) -> None:

@@ -25,7 +25,6 @@ import ipaddress
 import json
 import os
 import shutil
-import signal
 import ssl
 import subprocess
 import urllib.request
@@ -38,7 +37,8 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO, LocalCluster, free_port, kubectl, kubectl_json, wait_until
+from fsdp_operator import api, builder
+from tests.harness import REPO, LocalCluster, free_port, kubectl, kubectl_json, stop_process, wait_until
 
 KUEUE_BIN = REPO / "bin" / "kueue"
 KUEUE_CRDS = REPO / "bin" / "kueue-crds"
@@ -215,14 +215,7 @@ class KueueProcess:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else "(no log)"
 
     def stop(self) -> None:
-        """SIGTERM by pid (the manager is the launcher's pid: it execs), SIGKILL after 30 s."""
-        if self.process and self.process.poll() is None:
-            os.kill(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.kill(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
+        stop_process(self.process)  # the manager is the launcher's pid: it execs
 
     def visibility(self, path: str) -> Any:
         """GET on Kueue's visibility API (visibility.kueue.x-k8s.io/v1beta2) straight on its loopback port,
@@ -392,79 +385,31 @@ def raycluster(
     priority_class: str | None = None,
     image: str = "rayproject/ray:2.58.0",
 ) -> dict[str, Any]:
-    """A suspended RayCluster shaped like the operator's (operator/fsdp_operator/builder.py): a head kept off
-    the GPU instance type by node affinity, requesting cpu and memory, and one worker group of GPU+EFA pods
-    on that instance type (in one zone when given), requests equal to limits."""
-    labels = {LABEL_QUEUE: queue}
-    if priority_class:
-        labels[LABEL_PRIORITY] = priority_class
-    head = {"cpu": "1", "memory": "2Gi"}
-    worker = {"cpu": "8", "memory": "32Gi", GPU: str(gpus_per_worker), EFA: str(efa_per_worker)}
-    selector = {LABEL_INSTANCE_TYPE: GPU_INSTANCE_TYPE}
-    if zone:
-        selector[LABEL_ZONE] = zone
-    return {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayCluster",
-        "metadata": {"name": name, "labels": labels},
-        "spec": {
-            "suspend": True,  # no Kueue webhook out of cluster: the creator suspends
-            "rayVersion": "2.58.0",
-            "enableInTreeAutoscaling": False,
-            "headGroupSpec": {
-                "rayStartParams": {"num-gpus": "0"},
-                "template": {
-                    "spec": {
-                        "containers": [
-                            {
-                                "name": "ray-head",
-                                "image": image,
-                                "resources": {"requests": head, "limits": head},
-                            }
-                        ],
-                        "affinity": {
-                            "nodeAffinity": {
-                                "requiredDuringSchedulingIgnoredDuringExecution": {
-                                    "nodeSelectorTerms": [
-                                        {
-                                            "matchExpressions": [
-                                                {
-                                                    "key": LABEL_INSTANCE_TYPE,
-                                                    "operator": "NotIn",
-                                                    "values": [GPU_INSTANCE_TYPE],
-                                                }
-                                            ]
-                                        }
-                                    ]
-                                }
-                            }
-                        },
-                    }
-                },
+    """A RayCluster as the operator builds it for a queued run (suspended, with the queue and priority
+    labels), small enough for the quotas here, without a run to own it (the garbage collector would delete
+    it)."""
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {
+            "model": {"source": "m"},
+            "checkpoint": {"storagePath": "s3://b/p"},
+            "network": {"efa": "preferred" if efa_per_worker else "disabled"},
+            "cluster": {
+                "workers": workers,
+                "gpusPerWorker": gpus_per_worker,
+                "efaPerWorker": efa_per_worker,
+                "cpu": "8",
+                "memory": "32Gi",
+                "head": {"cpu": "1", "memory": "2Gi"},
+                "queueName": queue,
+                "workloadPriorityClass": priority_class,
             },
-            "workerGroupSpecs": [
-                {
-                    "groupName": "gpu-workers",
-                    "replicas": workers,
-                    "minReplicas": workers,
-                    "maxReplicas": workers,
-                    "rayStartParams": {},
-                    "template": {
-                        "spec": {
-                            "nodeSelector": selector,
-                            "containers": [
-                                {
-                                    "name": "ray-worker",
-                                    "image": image,
-                                    "resources": {"requests": worker, "limits": worker},
-                                }
-                            ],
-                        }
-                    },
-                }
-            ],
-        },
-    }
+        }
+    )
+    run = builder.RunRef(name=name, namespace="unused", uid=str(uuid.uuid4()))
+    manifest = builder.build_raycluster(spec, run, image, zone)
+    for key in ("namespace", "ownerReferences"):
+        manifest["metadata"].pop(key)
+    return manifest
 
 
 def unique(prefix: str) -> str:

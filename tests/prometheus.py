@@ -7,9 +7,7 @@ wait is bounded and names what it waited for. Queries go through its HTTP API, a
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import signal
 import subprocess
 import urllib.error
 import urllib.parse
@@ -20,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from tests.harness import free_port, wait_until
+from tests.harness import free_port, stop_process, wait_until
 
 RULES = Path(__file__).resolve().parents[1] / "charts" / "fsdp-operator" / "files" / "prometheus-rules.yaml"
 
@@ -93,14 +91,7 @@ class Prometheus:
             return False
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.kill(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.kill(self.process.pid, signal.SIGKILL)
-            self.process.wait(timeout=30)
+        stop_process(self.process)
 
     def api(self, path: str, **params: str) -> Any:
         """GET /api/v1/<path>: the `data` of a successful answer; else an AssertionError with the error."""
