@@ -49,10 +49,13 @@ class LocalCluster:
 
 
 def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    """Runs the repo's kubectl against the local cluster (KUBECONFIG comes from the session fixture)."""
-    return subprocess.run(
-        [str(REPO / "bin" / "kubectl"), *args], input=input, text=True, capture_output=True, check=check
-    )
+    """Runs the repo's kubectl against the local cluster (KUBECONFIG comes from the session fixture); with
+    check, a failure says what kubectl printed."""
+    done = subprocess.run([str(REPO / "bin" / "kubectl"), *args], input=input, text=True, capture_output=True)
+    if check and done.returncode != 0:
+        output = (done.stderr.strip() or done.stdout.strip())[-2000:]
+        raise AssertionError(f"kubectl {' '.join(args)} exited {done.returncode}: {output}")
+    return done
 
 
 def kubectl_json(*args: str) -> Any:
