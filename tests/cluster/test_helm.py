@@ -197,12 +197,37 @@ def test_every_rendered_object_passes_a_server_side_dry_run(
         assert applied.returncode == 0, applied.stderr
 
 
+def test_operator_pod_is_admitted_where_pod_security_is_restricted(namespace: str) -> None:
+    kubectl("label", "namespace", namespace, "pod-security.kubernetes.io/enforce=restricted")
+    [deployment] = of_kind(template(), "Deployment")
+    # The chart's service account is not created here; the pod's security does not depend on it.
+    spec = {**deployment["spec"]["template"]["spec"], "serviceAccountName": "default"}
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "operator"}, "spec": spec}
+
+    def create(manifest: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        document = json.dumps(manifest)
+        return kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", input=document, check=False)
+
+    admitted = create(pod)
+    assert admitted.returncode == 0, admitted.stderr
+    # The namespace does enforce: the same pod without its security contexts is refused.
+    loose = json.loads(json.dumps(pod))
+    del loose["spec"]["securityContext"]
+    for container in loose["spec"]["containers"]:
+        del container["securityContext"]
+    refused = create(loose)
+    assert refused.returncode != 0 and 'violates PodSecurity "restricted:latest"' in refused.stderr
+
+
 def test_users_with_edit_manage_runs_and_view_reads_them(namespace: str, crd_installed: None) -> None:
     release = f"a{namespace[-6:]}"
     helm("install", release, str(CHART), "-n", namespace, "--wait=false", "--skip-crds")
     try:
         kubectl("create", "rolebinding", "alice-edit", "--clusterrole=edit", "--user=alice", "-n", namespace)
         kubectl("create", "rolebinding", "bob-view", "--clusterrole=view", "--user=bob", "-n", namespace)
+        # carol may only manage runs: the chart's own role, bound in one namespace.
+        runs_only = f"--clusterrole={release}-fsdp-operator-edit"
+        kubectl("create", "rolebinding", "carol-runs", runs_only, "--user=carol", "-n", namespace)
         run = "fsdptrainingruns.fsdp.training.dev"
 
         def aggregated() -> bool:
@@ -214,6 +239,10 @@ def test_users_with_edit_manage_runs_and_view_reads_them(namespace: str, crd_ins
         assert not can_i(
             "patch", run, namespace, "alice", subresource="status"
         )  # the status is the operator's
+        assert can_i("create", run, namespace, "carol") and can_i("delete", run, namespace, "carol")
+        for verb, resource in (("create", "pods"), ("get", "secrets"), ("create", "rayclusters.ray.io")):
+            assert not can_i(verb, resource, namespace, "carol"), f"carol can {verb} {resource}"
+        assert not can_i("create", run, "default", "carol")
     finally:
         helm("uninstall", release, "-n", namespace)
 
