@@ -186,9 +186,11 @@ def test_rendered_manifests_follow_the_values() -> None:
 def test_every_rendered_object_passes_a_server_side_dry_run(
     local_cluster: LocalCluster, namespace: str
 ) -> None:
+    lists = json.dumps({namespace: {"serviceAccounts": ["trainer"]}})
     values = [
         ["--set", "crds.manage=true"],
         ["--set", f"watchNamespaces={{{namespace}}},replicaCount=1,leaderElection.enabled=false"],
+        ["--set", "admissionPolicy.enabled=true", "--set-json", f"admissionPolicy.namespaces={lists}"],
     ]
     for extra in values:
         out = helm("template", "dry", str(CHART), "-n", namespace, "--kube-version", "1.35.0", *extra).stdout
