@@ -28,6 +28,7 @@ from typing import Any
 from tests.harness import STATE, LocalCluster
 
 KOPF_USER_AGENT = "kopf/"  # kopf's aiohttp session: kopf/<version>
+OPERATOR_USER_AGENT = "fsdp-operator"  # handlers.USER_AGENT: the operator's own Python client
 PYTHON_CLIENT_USER_AGENT = "OpenAPI-Generator/"  # the kubernetes package: OpenAPI-Generator/<v>/python
 
 RequestKind = tuple[str, str, str]  # (verb, resource, subresource); resource "" for a non-resource URL

@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from fsdp_trainer.contract import (
     PLAIN_TEXT,
@@ -249,6 +249,11 @@ class RecoverySpec(ContractModel):
     )
 
 
+class SecretKeyRef(ContractModel):
+    name: str = Field(max_length=253, pattern=DNS_SUBDOMAIN, description="A Secret in the run's namespace.")
+    key: str = Field(max_length=253, pattern=r"^[-._a-zA-Z0-9]+$", description="The key within the Secret.")
+
+
 class RuntimeEnvSpec(ContractModel):
     pip: list[Annotated[str, Field(max_length=256, pattern=PIP_REQUIREMENT)]] = Field(
         default_factory=list,
@@ -266,13 +271,29 @@ class RuntimeEnvSpec(ContractModel):
         f"{', '.join(p + '*' for p in RESERVED_ENV_PREFIXES)} (NCCL and libfabric go in network.ncclEnv).",
     )
 
-    @field_validator("env")
+    secret_env: dict[Annotated[str, Field(max_length=128)], SecretKeyRef] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Environment variables from Secrets in the run's namespace (an HF token, for instance), "
+        "set in the Ray pods by Kubernetes; the job inherits them. The operator never reads the Secret: its "
+        "value appears nowhere in the run, its status, its events or run.json. Names as for env, and not "
+        "also in env.",
+    )
+
+    @field_validator("env", "secret_env")
     @classmethod
-    def _no_runtime_steering(cls, env: dict[str, str]) -> dict[str, str]:
+    def _no_runtime_steering(cls, env: dict[str, Any]) -> dict[str, Any]:
         refused = sorted(name for name in env if reserved_env(name) or not re.fullmatch(ENV_NAME, name))
         if refused:
             raise ValueError(f"these environment names are not allowed: {', '.join(refused)}")
         return env
+
+    @model_validator(mode="after")
+    def _one_source_per_name(self) -> RuntimeEnvSpec:
+        both = sorted(set(self.env) & set(self.secret_env))
+        if both:
+            raise ValueError(f"set in both env and secretEnv: {', '.join(both)}")
+        return self
 
 
 class CleanupPolicy(StrEnum):

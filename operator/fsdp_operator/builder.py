@@ -100,6 +100,14 @@ def efa_environment(spec: api.FSDPTrainingRunSpec) -> dict[str, str]:
     return env
 
 
+def _secret_env(spec: api.FSDPTrainingRunSpec) -> list[dict[str, Any]]:
+    """Kubernetes resolves these in the pods; the operator passes references and never reads a Secret."""
+    return [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
+        for name, ref in spec.runtime_env.secret_env.items()
+    ]
+
+
 def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
@@ -126,6 +134,8 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[
             }
         ],
     }
+    if spec.runtime_env.secret_env:  # the job's driver runs on the head
+        pod["containers"][0]["env"] = _secret_env(spec)
     if head.node_selector:
         pod["nodeSelector"] = dict(head.node_selector)
     else:  # keep the head off the GPU nodes it would otherwise take a slot on
@@ -169,9 +179,9 @@ def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: 
         "resources": {"requests": resources, "limits": dict(resources)},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    env = efa_environment(spec)
+    env = [{"name": k, "value": v} for k, v in efa_environment(spec).items()] + _secret_env(spec)
     if env:
-        container["env"] = [{"name": k, "value": v} for k, v in env.items()]
+        container["env"] = env
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "nodeSelector": node_selector,

@@ -41,16 +41,25 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "spec.checkpoint.storagePath must not contain . or .. segments: each run's prefix must stay under it",
         ".checkpoint.storagePath",
     ),
+    *(
+        (
+            f"!has(self.runtimeEnv.{field}) || self.runtimeEnv.{field}.all(k, k.matches('{api.ENV_NAME}')"
+            " && !(k in " + _cel_list(api.RESERVED_ENV_NAMES) + ")"
+            " && !" + _cel_list(api.RESERVED_ENV_PREFIXES) + ".exists(p, k.startsWith(p)))",
+            f"spec.runtimeEnv.{field} names must be environment names and must not steer the runtime: "
+            + ", ".join(api.RESERVED_ENV_NAMES)
+            + ", "
+            + ", ".join(p + "*" for p in api.RESERVED_ENV_PREFIXES)
+            + " are refused (NCCL and libfabric settings go in spec.network.ncclEnv)",
+            f".runtimeEnv.{field}",
+        )
+        for field in ("env", "secretEnv")
+    ),
     (
-        "!has(self.runtimeEnv.env) || self.runtimeEnv.env.all(k, k.matches('" + api.ENV_NAME + "')"
-        " && !(k in " + _cel_list(api.RESERVED_ENV_NAMES) + ")"
-        " && !" + _cel_list(api.RESERVED_ENV_PREFIXES) + ".exists(p, k.startsWith(p)))",
-        "spec.runtimeEnv.env names must be environment names and must not steer the runtime: "
-        + ", ".join(api.RESERVED_ENV_NAMES)
-        + ", "
-        + ", ".join(p + "*" for p in api.RESERVED_ENV_PREFIXES)
-        + " are refused (NCCL and libfabric settings go in spec.network.ncclEnv)",
-        ".runtimeEnv.env",
+        "!has(self.runtimeEnv.env) || !has(self.runtimeEnv.secretEnv)"
+        " || !self.runtimeEnv.secretEnv.exists(k, k in self.runtimeEnv.env)",
+        "spec.runtimeEnv.secretEnv names must not also be set in spec.runtimeEnv.env",
+        ".runtimeEnv.secretEnv",
     ),
     *(
         (

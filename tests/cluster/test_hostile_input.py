@@ -86,6 +86,28 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("env name with a dash", with_spec("runtimeEnv.env", {"A-B": "1"}), "spec.runtimeEnv.env"),
     ("env name with a digit first", with_spec("runtimeEnv.env", {"1A": "1"}), "spec.runtimeEnv.env"),
     ("ncclEnv LD_PRELOAD", with_spec("network.ncclEnv", {"LD_PRELOAD": "/tmp/x.so"}), "spec.network.ncclEnv"),
+    (
+        "secretEnv LD_PRELOAD",
+        with_spec("runtimeEnv.secretEnv", {"LD_PRELOAD": {"name": "s", "key": "k"}}),
+        "spec.runtimeEnv.secretEnv",
+    ),
+    (
+        "secretEnv AWS_*",
+        with_spec("runtimeEnv.secretEnv", {"AWS_SECRET_ACCESS_KEY": {"name": "s", "key": "k"}}),
+        "spec.runtimeEnv.secretEnv",
+    ),
+    (
+        "secretEnv name also in env",
+        with_spec(
+            "runtimeEnv", {"env": {"HF_TOKEN": "x"}, "secretEnv": {"HF_TOKEN": {"name": "s", "key": "t"}}}
+        ),
+        "spec.runtimeEnv.secretEnv",
+    ),
+    (
+        "secretEnv Secret name",
+        with_spec("runtimeEnv.secretEnv", {"HF_TOKEN": {"name": "../other", "key": "k"}}),
+        "spec.runtimeEnv.secretEnv.HF_TOKEN.name",
+    ),
     ("storage prefix with ..", with_spec("checkpoint.storagePath", "s3://b/team-a/../team-b"), "storagePath"),
     ("storage prefix ending in ..", with_spec("checkpoint.storagePath", "s3://b/x/.."), "storagePath"),
     ("storage prefix with .", with_spec("checkpoint.storagePath", "s3://b/./x"), "storagePath"),

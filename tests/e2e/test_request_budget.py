@@ -13,14 +13,13 @@ import uuid
 from collections import Counter
 from pathlib import Path
 
-from tests.apiserver_audit import KOPF_USER_AGENT, AuditLog
+from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
 from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
 from tests.e2e.demo import SMALL as SMALL_SHAPE
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, run_of, wait_for_phase, wait_until
 
 RUNS = 3
 WINDOW_SECONDS = 30  # 0 requests expected; the budget allows 3 in this window
-OPERATOR_USER_AGENT = "fsdp-operator"  # handlers.USER_AGENT: the operator's own Python client
 PER_RUN_PER_MINUTE = 2
 KOPF_TIMER_RECHECK_SECONDS = 60
 SMALL = {**SMALL_SHAPE, "training.maxSteps": 400}  # every run fits the fake nodes at once

@@ -123,3 +123,12 @@ def test_the_entrypoint_hands_hostile_strings_to_the_trainer_verbatim() -> None:
     argv = shlex.split(submission.entrypoint(config, "run-1"))
     assert argv[:3] == ["python", "-m", "fsdp_trainer"] and argv[-2:] == ["--submission-id", "run-1"]
     assert json.loads(argv[4])["data"]["source"] == hostile
+
+
+def test_secret_env_reaches_head_and_workers_as_references_only() -> None:
+    spec = CASES["aws-sample"].model_copy(deep=True)
+    spec.runtime_env.secret_env = {"HF_TOKEN": api.SecretKeyRef(name="hf", key="token")}
+    reference = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    for group in _groups(builder.build_raycluster(spec, RUN, IMAGE, None)):
+        [container] = group["template"]["spec"]["containers"]
+        assert reference in container["env"], container["name"]

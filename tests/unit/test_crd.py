@@ -103,6 +103,9 @@ def test_pydantic_refuses_what_the_apiserver_refuses() -> None:
         {"network": {"ncclEnv": {"PYTHONPATH": "/tmp"}}},
         {"data": {"source": "s3://b/\u202ex"}},
         {"cluster": {"cpu": "lots"}},
+        {"runtimeEnv": {"secretEnv": {"LD_PRELOAD": {"name": "s", "key": "k"}}}},
+        {"runtimeEnv": {"env": {"HF_TOKEN": "x"}, "secretEnv": {"HF_TOKEN": {"name": "s", "key": "k"}}}},
+        {"runtimeEnv": {"secretEnv": {"HF_TOKEN": {"name": "Bad_Name", "key": "k"}}}},
     ]
     for change in refused:
         try:
