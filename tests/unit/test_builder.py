@@ -132,3 +132,28 @@ def test_secret_env_reaches_head_and_workers_as_references_only() -> None:
     for group in _groups(builder.build_raycluster(spec, RUN, IMAGE, None)):
         [container] = group["template"]["spec"]["containers"]
         assert reference in container["env"], container["name"]
+
+
+def test_the_operators_own_aws_identity_reaches_neither_the_pods_nor_the_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The operator runs with its own role (IRSA sets these in its pod); a run's pods and job get the run's.
+    operator_identity = {
+        "AWS_ROLE_ARN": "arn:aws:iam::123456789012:role/fsdp-operator",
+        "AWS_WEB_IDENTITY_TOKEN_FILE": "/var/run/secrets/eks.amazonaws.com/serviceaccount/token",
+        "AWS_ACCESS_KEY_ID": "AKIAOPERATOR",
+        "AWS_SECRET_ACCESS_KEY": "operator-secret",
+    }
+    for name, value in operator_identity.items():
+        monkeypatch.setenv(name, value)
+    for case, spec in CASES.items():
+        config = submission.trainer_config(spec, RUN, cpu_only=False)
+        made = json.dumps(
+            [
+                builder.build_raycluster(spec, RUN, IMAGE, "us-west-2a"),
+                submission.runtime_env(spec),
+                submission.entrypoint(config, "run-1"),
+            ]
+        )
+        leaked = [name for name, value in operator_identity.items() if name in made or value in made]
+        assert leaked == [], f"{case}: {leaked}"
