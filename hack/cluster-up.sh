@@ -24,22 +24,8 @@ mkdir -p "$STATE/logs" "$STATE/pids"
 trap 'status=$?; if ((status)); then log "cluster-up failed (exit $status)"; dump_logs; fi' EXIT
 
 write_env_file
-# Start the Ray head first: it is the slowest part and needs nothing from Kubernetes. Jobs inherit its
-# environment: the local S3 endpoint and credentials (as a node role would give them), and no hub access.
-# `ray start` turns --node-ip-address 127.0.0.1 into the host's address unless Ray's single-machine switch is
-# set (named for the platforms where it is the default); with it the node and all its servers stay on loopback.
-# RAY_ADDRESS, as KubeRay sets it in its pods: without it Ray processes that look the cluster up (Ray Train's
-# placement-group cleaner asks the state API) read /tmp/ray/ray_current_cluster, which --temp-dir leaves stale
-# or absent, and every job's shutdown waited 12 s for that lookup to time out.
-log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
-mkdir -p "$RAY_TMP"
-(source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
-    RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT &&
-  start_daemon ray "$VENV/bin/ray" start --head --block \
-  --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
-  --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
-  --dashboard-agent-listen-port "$RAY_DASHBOARD_AGENT_PORT" \
-  --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
+# Start the Ray head first: it is the slowest part and needs nothing from Kubernetes.
+"$root/hack/ray-head.sh" start
 
 log "starting S3/EC2 server (moto) on 127.0.0.1:$S3_PORT"
 start_daemon moto "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import reliability as reliability_table
 from tests.harness import (
     REPO,
     LocalCluster,
@@ -152,3 +153,25 @@ def operator(namespace: str, crd_installed: None, tmp_path: Path) -> Iterator[Op
     finally:
         proc.stop()
         print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-6000:]}")
+
+
+@pytest.fixture
+def reliability(request: pytest.FixtureRequest) -> reliability_table.Recorder:
+    """Records the test's row of docs/reliability.md (the fault, the behaviour asserted, the figure)."""
+    rows = request.config.stash.setdefault(reliability_table.ROWS, {})
+    return reliability_table.Recorder(rows, request.node.nodeid)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """A whole run (the configured test paths, nothing deselected) that passed rewrites the table."""
+    config = session.config
+    whole = (
+        config.args_source == pytest.Config.ArgsSource.TESTPATHS
+        and not config.option.keyword
+        and not config.option.markexpr
+        and not config.option.deselect
+    )
+    rows = config.stash.get(reliability_table.ROWS, {})
+    order = reliability_table.fault_tests(session.items)
+    if whole and exitstatus == 0 and order and set(order) <= set(rows):
+        reliability_table.write_table(rows, order)

@@ -139,6 +139,13 @@ def stop_process(process: subprocess.Popen[Any] | None) -> None:
         process.wait(timeout=30)
 
 
+def restart_ray_head() -> None:
+    """Kills every process of the local Ray head at once, as when its pod dies, and starts a new one on the
+    same ports (hack/ray-head.sh): its GCS knows none of the old head's jobs."""
+    restart = subprocess.run([str(REPO / "hack" / "ray-head.sh"), "restart"], capture_output=True, text=True)
+    assert restart.returncode == 0, f"hack/ray-head.sh restart failed: {restart.stderr[-3000:]}"
+
+
 def delete_namespace(name: str) -> None:
     """Deletes a test's namespace once its operator is stopped: releases the runs' finalizers and waits for
     the pods only, so that the next test finds the fake GPUs free; the namespace may finish deleting later."""

@@ -25,6 +25,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.kueue import KueueProcess, kueue_fixture, unique  # noqa: F401 (the fixture)
+from tests.reliability import Recorder
 
 ZONE = "us-west-2a"
 
@@ -83,7 +84,12 @@ def test_second_run_waits_queued_with_kueues_reason_then_runs_after_the_first(
 
 
 def test_preempted_run_is_queued_keeps_its_checkpoints_spends_no_restart_and_resumes(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, queue: Queue, kueue: KueueProcess
+    namespace: str,
+    lifecycle_operator: OperatorProcess,
+    s3: Any,
+    queue: Queue,
+    kueue: KueueProcess,
+    reliability: Recorder,
 ) -> None:
     low, high = unique("low"), unique("high")
     kueue.priority_class(low, 100)
@@ -132,3 +138,9 @@ def test_preempted_run_is_queued_keeps_its_checkpoints_spends_no_restart_and_res
     )
     assert progress["resumedFromStep"] >= entry["resumedFromStep"]
     assert [r.reason for r in run_record(s3, namespace, victim).restarts] == ["Preempted"]
+    reliability.record(
+        "Kueue preempts a running run for one of higher priority",
+        "the run is Queued with its checkpoints, spends no restart, and resumes when admitted again",
+        f"{status['restarts']['count']} restarts, {status['restarts']['preemptions']} preemption, "
+        f"resumed from step {entry['resumedFromStep']}, finished at step {status['progress']['step']}",
+    )

@@ -5,6 +5,7 @@ Each run is the CPU demo (tiny Qwen2, byte tokenizer, real text): 40 steps, a ch
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -25,14 +26,19 @@ from tests.harness import (
     OperatorProcess,
     conditions_of,
     drift,
+    example,
     fields_others_own,
     kubectl,
     kubectl_json,
     rayclusters,
+    restart_ray_head,
     set_suspend,
     wait_for_phase,
     wait_until,
 )
+from tests.reliability import Recorder, seconds_between
+
+EVERY_STEPS = example("cpu-demo")["spec"]["checkpoint"]["everySteps"]
 
 
 def test_run_goes_from_preflight_to_succeeded_with_its_record(
@@ -74,7 +80,7 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
 
 
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path, reliability: Recorder
 ) -> None:
     # Rank 1 dies at step 25, once; with no in-job retries the whole job fails. Checkpoints are asynchronous:
     # by step 25 the one of step 10 is complete (a save waits for the one before), that of step 20 may be.
@@ -99,10 +105,21 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     assert "Restarting" in {e["reason"] for e in events["items"]}
     assert run_record(s3, namespace, name).restarts[0].resumed_from_step == restart["resumedFromStep"]
+    reliability.record(
+        "A rank dies at step 25 (its process exits); no retries inside the job",
+        "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",
+        f"restart {seconds_between(tmp_path / 'killed', restart['time']):.0f} s after the death, "
+        f"resumed from step {restart['resumedFromStep']}",
+    )
 
 
 def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_checkpoint(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster, tmp_path: Path
+    namespace: str,
+    lifecycle_operator: OperatorProcess,
+    s3: Any,
+    local_cluster: LocalCluster,
+    tmp_path: Path,
+    reliability: Recorder,
 ) -> None:
     # Rank 1 stops making progress at step 15 while every process stays alive: Ray sees a RUNNING job, so only
     # the operator's hang timeout (60 s, the smallest allowed) can end it.
@@ -122,10 +139,20 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     client = JobSubmissionClient(local_cluster.ray_dashboard_url)
     assert str(client.get_job_status(first)) in ("STOPPED", "JobStatus.STOPPED")
     assert run_record(s3, namespace, name).restarts[0].reason == "Hang"
+    reliability.record(
+        "A rank stops making progress at step 15, every process alive (Ray reports RUNNING)",
+        "stopped after the hang timeout (60 s, the least allowed), resumed from the checkpoint of step 10",
+        f"restart {seconds_between(tmp_path / 'hung', hang['time']):.0f} s after the hang began, "
+        f"resumed from step {hang['resumedFromStep']}",
+    )
 
 
 def test_operator_restarted_mid_run_submits_no_second_job(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster
+    namespace: str,
+    lifecycle_operator: OperatorProcess,
+    s3: Any,
+    local_cluster: LocalCluster,
+    reliability: Recorder,
 ) -> None:
     name = demo_run(namespace)
     wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)
@@ -136,14 +163,22 @@ def test_operator_restarted_mid_run_submits_no_second_job(
     jobs = JobSubmissionClient(local_cluster.ray_dashboard_url).list_jobs()
     ours = [j.submission_id for j in jobs if (j.metadata or {}).get("run") == name]
     assert ours == [run["status"]["jobSubmissionId"]]
+    reliability.record(
+        "The operator SIGKILLed while a run trains, then started again",
+        "it adopts the running job: no second submission, no restart",
+        f"{len(ours)} Ray job, attempt {run['status']['attempt']}, "
+        f"{run['status']['restarts']['count']} restarts",
+    )
 
 
 def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
     name = demo_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 80})
     run = wait_for_step(namespace, name, 10)
     [lost] = rayclusters(namespace)
+    step_at_loss = run["status"]["progress"]["step"]
+    deleted = dt.datetime.now(dt.UTC)
     kubectl("delete", "raycluster", lost["metadata"]["name"], "-n", namespace, "--wait=false")
     run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = run["status"]
@@ -156,10 +191,39 @@ def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
     # The recreated cluster runs the digest pinned from the first one.
     worker = recreated["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
     assert worker["image"] == status["image"]["digest"]
+    reliability.record(
+        "The run's RayCluster deleted by hand while it trains",
+        "recreated under the same name with the pinned image digest, resumed from the latest checkpoint",
+        f"restart {seconds_between(deleted, restart['time']):.0f} s after the delete, resumed from step "
+        f"{restart['resumedFromStep']} (at least step {step_at_loss} reached before)",
+    )
+
+
+def test_ray_head_killed_mid_run_is_job_lost_and_training_resumes_from_the_checkpoint(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
+) -> None:
+    name = demo_run(namespace, **{"training.maxSteps": 80})
+    step_at_kill = wait_for_step(namespace, name, 10)["status"]["progress"]["step"]
+    restart_ray_head()  # the job's processes die with the head; the new head has never heard of the job
+    answering = dt.datetime.now(dt.UTC)
+    done = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+    status = done["status"]
+    [restart] = status["restarts"]["history"]
+    assert restart["reason"] == "JobLost" and "Ray no longer knows job" in restart["message"], restart
+    assert status["attempt"] == 2 and status["restarts"]["count"] == 1 and status["progress"]["step"] == 80
+    lost = step_at_kill - restart["resumedFromStep"]
+    # At most one checkpoint interval (10) lost, plus the one a save in flight at the kill did not finish.
+    assert 0 <= lost <= 2 * EVERY_STEPS
+    reliability.record(
+        "The Ray head SIGKILLed with all its processes while a run trains; a new head on the same ports",
+        f"JobLost (the new head never heard of the job), resumed; at most {2 * EVERY_STEPS} steps redone",
+        f"JobLost {seconds_between(answering, restart['time']):.0f} s after the new head answered, resumed "
+        f"from step {restart['resumedFromStep']}, {lost} steps redone",
+    )
 
 
 def test_permanent_error_fails_without_using_up_restarts(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
     name = demo_run(namespace, **{"data.source": f"s3://{BUCKET}/data/no-such-file.jsonl"})
     run = wait_for_phase(namespace, name, "Failed", timeout=RUN_TIMEOUT)
@@ -167,10 +231,16 @@ def test_permanent_error_fails_without_using_up_restarts(
     assert failed["reason"] == "DataError", failed
     assert "no-such-file.jsonl" in failed["message"]
     assert run["status"]["restarts"]["count"] == 0 and run["spec"]["recovery"]["maxRestarts"] == 3
+    reliability.record(
+        "The training data does not exist (a permanent error)",
+        "Failed at once with reason DataError naming the file; none of the 3 restarts spent",
+        f"Failed {seconds_between(run['metadata']['creationTimestamp'], failed['lastTransitionTime']):.0f} s "
+        f"after creation, {run['status']['restarts']['count']} restarts",
+    )
 
 
 def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
     # Rank 1 dies at step 12 in every attempt (no marker): one restart is allowed, the second failure ends it.
     fault = "rank=1,step=12"
@@ -189,6 +259,11 @@ def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
     assert status["restarts"]["count"] == 1 and status["attempt"] == 2
     assert status["restarts"]["history"][0]["resumedFromStep"] == 10
     assert run_record(s3, namespace, name).phase == "Failed"
+    reliability.record(
+        "A rank dies at step 12 in every attempt; maxRestarts 1",
+        "exactly maxRestarts restarts, then Failed with reason RestartsExhausted",
+        f"{status['restarts']['count']} restart, {status['attempt']} attempts, {failed['reason']}",
+    )
 
 
 def test_suspend_then_unsuspend_continues_from_the_checkpoint(
@@ -231,7 +306,7 @@ def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
 
 
 def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_restart(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path, reliability: Recorder
 ) -> None:
     # maxRestarts 0: a counted restart would fail the run. A worker pod is evicted through the Eviction API
     # (the apiserver marks it DisruptionTarget: EvictionByEvictionAPI, as a drain does) and, as with a lost
@@ -253,3 +328,9 @@ def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_rest
     assert status["attempt"] == 2 and status["progress"]["step"] == 40
     [entry] = status["restarts"]["history"]
     assert entry["reason"] == "Preempted" and "EvictionByEvictionAPI" in entry["message"], entry
+    reliability.record(
+        "A worker pod evicted (Eviction API, as a drain does) and its rank lost; maxRestarts 0",
+        "a preemption: the run resumes without spending a restart",
+        f"{status['restarts']['count']} restarts, {status['restarts']['preemptions']} preemption, "
+        f"resumed from step {entry['resumedFromStep']}",
+    )

@@ -13,6 +13,7 @@ from ray.job_submission import JobSubmissionClient
 
 from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, rayclusters, wait_for_phase
+from tests.reliability import Recorder
 
 
 def killed_at(proc: OperatorProcess, point: str) -> None:
@@ -39,6 +40,7 @@ def test_operator_killed_after_a_submission_submits_nothing_twice(
     point: str,
     trainer_fault: bool,
     attempts: int,
+    reliability: Recorder,
 ) -> None:
     name = f"fault-{uuid.uuid4().hex[:6]}"
     changes: dict[str, Any] = {"recovery.inJobMaxFailures": 0}
@@ -58,6 +60,12 @@ def test_operator_killed_after_a_submission_submits_nothing_twice(
         ours = sorted(j.submission_id for j in jobs if (j.metadata or {}).get("run") == name)
         assert ours == [f"{status['jobSubmissionId'][:-2]}-{n}" for n in range(1, attempts + 1)], ours
         assert len(rayclusters(namespace)) <= 1  # deleted at the end (DeleteCluster), never two
+        when = "during a restart" if trainer_fault else "before the status says it runs"
+        reliability.record(
+            f"The operator SIGKILLed right after submitting a job, {when}; started again",
+            "the job is adopted, never submitted twice; one RayCluster",
+            f"{len(ours)} Ray job(s) for {attempts} attempt(s)",
+        )
     finally:
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         proc.stop()

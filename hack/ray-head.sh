@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The local cluster's Ray head, on 127.0.0.1 with the ports of hack/lib.sh.
+#   start    start it (cluster-up does; cluster-up waits for its dashboard with the rest)
+#   restart  SIGKILL every process of the head at once (GCS, raylet, dashboard, job drivers and workers), as
+#            when its pod dies, then start a new one on the same ports: its GCS knows no job of the old one.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/hack/lib.sh"
+
+start() {
+  # Jobs inherit the head's environment: the local S3 endpoint and credentials (as a node role would give
+  # them), and no hub access. `ray start` turns --node-ip-address 127.0.0.1 into the host's address unless
+  # Ray's single-machine switch is set (named for the platforms where it is the default); with it the node and
+  # all its servers stay on loopback. RAY_ADDRESS, as KubeRay sets it in its pods: without it Ray processes
+  # that look the cluster up (Ray Train's placement-group cleaner asks the state API) read
+  # /tmp/ray/ray_current_cluster, which --temp-dir leaves stale or absent, and every job's end waited 12 s
+  # for that lookup to time out.
+  log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
+  mkdir -p "$RAY_TMP"
+  (source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
+    RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT &&
+    start_daemon ray "$VENV/bin/ray" start --head --block \
+      --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
+      --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
+      --dashboard-agent-listen-port "$RAY_DASHBOARD_AGENT_PORT" \
+      --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
+}
+
+kill_all() {
+  local pid leftovers
+  pid=$(cat "$STATE/pids/ray.pid")
+  kill -KILL -- "-$pid" 2>/dev/null || true
+  # Ray's raylet and workers can outlive `ray start --block`; they all carry our temp dir on their command line.
+  leftovers=$(pgrep -f -- "$RAY_TMP" || true)
+  if [[ -n $leftovers ]]; then
+    kill -KILL $leftovers 2>/dev/null || true
+  fi
+  wait_for "the old Ray head's ports to be free" 60 require_free_ports "$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" \
+    "$RAY_CLIENT_PORT" "$RAY_DASHBOARD_AGENT_PORT"
+}
+
+case ${1:-} in
+start) start ;;
+restart)
+  kill_all
+  start
+  wait_for "Ray dashboard" 300 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
+  log "Ray head restarted"
+  ;;
+*)
+  echo "usage: $0 start|restart" >&2
+  exit 2
+  ;;
+esac
