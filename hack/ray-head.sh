@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The local cluster's Ray head, on 127.0.0.1 with the ports of hack/lib.sh.
-#   start    start it (cluster-up does; cluster-up waits for its dashboard with the rest)
-#   restart  SIGKILL every process of the head at once (GCS, raylet, dashboard, job drivers and workers), as
-#            when its pod dies, then start a new one on the same ports: its GCS knows no job of the old one.
+#   start    start it (and return: cluster-up waits for its dashboard with the rest)
+#   kill     SIGKILL every process of the head at once (GCS, raylet, dashboard, job drivers and workers), as
+#            when its pod dies; a head started afterwards on the same ports knows no job of the old one.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -30,8 +30,10 @@ start() {
 kill_all() {
   local pid leftovers
   pid=$(cat "$STATE/pids/ray.pid")
-  kill -KILL -- "-$pid" 2>/dev/null || true
-  # Ray's raylet and workers can outlive `ray start --block`; they all carry our temp dir on their command line.
+  # `ray start` leads a session of its own (start_daemon): its servers share its process group, while
+  # workers and job drivers get groups of their own in the same session. Anything that left the session
+  # still carries our temp dir on its command line.
+  pkill -KILL -s "$pid" 2>/dev/null || true
   leftovers=$(pgrep -f -- "$RAY_TMP" || true)
   if [[ -n $leftovers ]]; then
     kill -KILL $leftovers 2>/dev/null || true
@@ -42,14 +44,9 @@ kill_all() {
 
 case ${1:-} in
 start) start ;;
-restart)
-  kill_all
-  start
-  wait_for "Ray dashboard" 300 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
-  log "Ray head restarted"
-  ;;
+kill) kill_all ;;
 *)
-  echo "usage: $0 start|restart" >&2
+  echo "usage: $0 start|kill" >&2
   exit 2
   ;;
 esac

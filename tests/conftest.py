@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from tests.harness import (
     REPO,
     LocalCluster,
     OperatorProcess,
+    answers,
     apply_crd,
     delete_namespace,
     free_port,
@@ -121,7 +121,9 @@ def s3_endpoint() -> Iterator[str]:
         AWS_DEFAULT_REGION="us-west-2",
     )
     try:
-        wait_until(f"S3 server at {endpoint}", lambda: _answers(endpoint), timeout=30, interval=0.3)
+        wait_until(
+            f"S3 server at {endpoint}", lambda: answers(f"{endpoint}/moto-api/"), timeout=30, interval=0.3
+        )
         yield endpoint
     finally:
         os.environ.clear()
@@ -129,14 +131,6 @@ def s3_endpoint() -> Iterator[str]:
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
-
-
-def _answers(endpoint: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.fixture(scope="session")

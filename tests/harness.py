@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,11 +140,23 @@ def stop_process(process: subprocess.Popen[Any] | None) -> None:
         process.wait(timeout=30)
 
 
-def restart_ray_head() -> None:
-    """Kills every process of the local Ray head at once, as when its pod dies, and starts a new one on the
-    same ports (hack/ray-head.sh): its GCS knows none of the old head's jobs."""
-    restart = subprocess.run([str(REPO / "hack" / "ray-head.sh"), "restart"], capture_output=True, text=True)
-    assert restart.returncode == 0, f"hack/ray-head.sh restart failed: {restart.stderr[-3000:]}"
+def ray_head(action: str) -> None:
+    """hack/ray-head.sh: `kill` every process of the local Ray head at once, as when its pod dies; `start` a
+    new one on the same ports (its GCS knows none of the old head's jobs) and wait for its dashboard."""
+    done = subprocess.run([str(REPO / "hack" / "ray-head.sh"), action], capture_output=True, text=True)
+    assert done.returncode == 0, f"hack/ray-head.sh {action} failed: {done.stderr[-3000:]}"
+    if action == "start":
+        url = os.environ["RAY_DASHBOARD_URL"] + "/api/version"
+        wait_until("the new Ray head's dashboard", lambda: answers(url), timeout=300)
+
+
+def answers(url: str) -> bool:
+    """Whether an HTTP server answers at url with a success."""
+    try:
+        with urllib.request.urlopen(url, timeout=5):
+            return True
+    except OSError:
+        return False
 
 
 def delete_namespace(name: str) -> None:
