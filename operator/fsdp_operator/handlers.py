@@ -55,7 +55,9 @@ API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call th
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
-ADMISSION_MEMORY_SECONDS = 120.0  # an admitted run reserves its slots until its pods show up in the view
+# A run this process admitted reserves its slots until the view shows it admitted (its status write came back)
+# or done with them (finished, suspended); at most this long.
+ADMISSION_MEMORY_SECONDS = 120.0
 CONFLICT_RETRIES = 3
 USER_AGENT = "fsdp-operator"
 # Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
@@ -297,6 +299,7 @@ def _competitors(
         if labels.get("ray.io/node-type") == "worker" and pod.get("spec", {}).get("nodeName"):
             placed[(pod["metadata"]["namespace"], labels.get(LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
+    done_with_slots: set[str] = set()
     for other in indexes.all(indexes.runs):
         meta = other["metadata"]
         if meta["uid"] == run.uid:
@@ -308,6 +311,7 @@ def _competitors(
         status = other.get("status") or {}
         phase = status.get("phase")
         if phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero:
+            done_with_slots.add(meta["uid"])
             continue
         admitted = phase in api.ACTIVE_PHASES
         cluster = builder.ray_cluster_name(meta["name"])
@@ -325,7 +329,7 @@ def _competitors(
         )
     now = time.monotonic()
     for uid, (when, competitor) in list(ctx.admitted.items()):
-        if now - when > ADMISSION_MEMORY_SECONDS:
+        if now - when > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
             del ctx.admitted[uid]
         elif uid != run.uid and (uid not in found or not found[uid].admitted):
             found[uid] = competitor  # admitted by this process; the index has not caught up yet

@@ -36,7 +36,7 @@ from tests.harness import (
     wait_until,
 )
 from tests.netproxy import BlackHoleProxy
-from tests.reliability import Recorder
+from tests.reliability import Recorder, seconds_between
 
 
 @pytest.fixture
@@ -143,9 +143,15 @@ def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
         assert [c["metadata"]["name"] for c in rayclusters(namespace)] == [
             run_of(namespace, first)["status"]["rayClusterName"]
         ]
-        wait_for_phase(namespace, first, "Succeeded", timeout=RUN_TIMEOUT)
+        first_done = wait_for_phase(namespace, first, "Succeeded", timeout=RUN_TIMEOUT)
+        finished = conditions_of(first_done)["Finished"]
         done = wait_for_phase(namespace, second, "Succeeded", timeout=RUN_TIMEOUT)
         assert done["status"]["zone"] == "us-west-2a" and done["status"]["restarts"]["count"] == 0
+        # Admitted once the first run's workers were gone (its reservation ended when it finished), within a
+        # few re-checks, not when the operator's memory of admitting the first run expired (120 s).
+        admitted = conditions_of(done)["Preflight"]
+        waited = seconds_between(finished["lastTransitionTime"], admitted["lastTransitionTime"])
+        assert waited < 30, f"{second} was admitted {waited:.0f} s after {first} finished"
     finally:
         stop(proc, [namespace])
 
