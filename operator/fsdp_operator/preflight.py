@@ -179,6 +179,9 @@ def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[
     return dict(reserved)
 
 
+WAITING_FOR_EARLIER_RUN = "WaitingForEarlierRun"
+
+
 def first_in_line(
     spec: api.FSDPTrainingRunSpec, created: str, name: str, competitors: Iterable[Competitor]
 ) -> PreflightResult | None:
@@ -196,7 +199,7 @@ def first_in_line(
         return None
     return PreflightResult(
         False,
-        "WaitingForEarlierRun",
+        WAITING_FOR_EARLIER_RUN,
         f"{earlier[0][1]}, created earlier, waits for {spec.cluster.instance_type} capacity too and is "
         "admitted first",
     )

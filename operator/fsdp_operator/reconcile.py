@@ -32,7 +32,7 @@ from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
-from fsdp_operator.preflight import PreflightResult
+from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, Transport
 
@@ -597,9 +597,14 @@ class _Pass:
         if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
             self.finish(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}")
             return self.decision
-        new.next_check_time = obs.now + dt.timedelta(seconds=self.spec.preflight.recheck_seconds)
         # The preflight reason's Warning above already says why.
         self.transition(Phase.PENDING, "Waiting", f"waiting for capacity: {result.message}", announce=False)
+        if result.reason == WAITING_FOR_EARLIER_RUN:
+            # Its turn comes with the earlier run's admission, which the next pass sees in the cache: check
+            # again then, not a whole recheckSeconds later (runs created together would all wait a minute).
+            new.next_check_time = None
+            return self.decision
+        new.next_check_time = obs.now + dt.timedelta(seconds=self.spec.preflight.recheck_seconds)
         self.requeue(self.spec.preflight.recheck_seconds)
         return self.decision
 

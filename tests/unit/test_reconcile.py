@@ -6,7 +6,7 @@ import datetime as dt
 from typing import Any
 
 from fsdp_operator import api, conditions
-from fsdp_operator.preflight import PreflightResult
+from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
 from fsdp_operator.reconcile import (
     ClusterObservation,
     Observation,
@@ -59,6 +59,16 @@ def test_no_capacity_waits_and_rechecks_without_a_cluster() -> None:
     assert again.events == []
     pre2 = conditions.condition(again.status.conditions, conditions.PREFLIGHT)
     assert pre2 is not None and pre2.last_transition_time == NOW
+
+
+def test_a_run_behind_an_earlier_one_checks_again_at_the_next_pass_not_a_minute_later() -> None:
+    behind = PreflightResult(
+        False, WAITING_FOR_EARLIER_RUN, "ns/first, created earlier, ... is admitted first"
+    )
+    decision = reconcile(spec(), api.FSDPTrainingRunStatus(), obs(preflight=behind))
+    assert decision.status.phase == api.Phase.PENDING and not decision.create_cluster
+    assert decision.status.next_check_time is None and decision.requeue_after is None
+    assert needs_preflight(spec(), decision.status, cluster_exists=False, now=NOW + dt.timedelta(seconds=2))
 
 
 def test_no_capacity_with_fail_policy_fails() -> None:
