@@ -16,7 +16,7 @@ if ! KUBECONFIG=$STATE/kubeconfig kubectl get --raw /readyz >/dev/null 2>&1; the
   echo "kube-apiserver: not ready"
   ok=1
 fi
-if ! curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version" >/dev/null; then
+if ! ray_dashboard_answers; then
   echo "ray dashboard: not answering"
   ok=1
 fi

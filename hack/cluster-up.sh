@@ -60,6 +60,6 @@ start_daemon kuberay "$root/bin/ray-operator" --kubeconfig "$KUBECONFIG" \
 
 wait_for "S3 server" 120 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
 wait_for "KubeRay operator" 180 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
-wait_for "Ray dashboard" 300 curl -sf "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version"
+wait_for "Ray dashboard" 300 ray_dashboard_answers
 wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node --all
 log "local cluster up in $(($(date +%s) - start))s; source $STATE/env"

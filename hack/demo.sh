@@ -23,6 +23,7 @@ else
   storage=s3://fsdp-demo/runs
   # Pods under KWOK run nothing: jobs go to the local Ray head, which trains on CPU.
   operator_env=(FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE=override "FSDP_OPERATOR_DASHBOARD_URL=$RAY_DASHBOARD_URL"
+    "FSDP_OPERATOR_DASHBOARD_TOKEN=$FSDP_LOCAL_RAY_TOKEN"
     FSDP_OPERATOR_TRAINER_DEVICE=cpu "FSDP_OPERATOR_AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL")
   log "uploading the demo corpus to s3://fsdp-demo/data/"
   "$PY" - <<'EOF'

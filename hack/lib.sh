@@ -68,7 +68,15 @@ dump_logs() {
   done
 }
 
+# ray_dashboard_answers: the local Ray head's job API answers a caller with its token.
+ray_dashboard_answers() {
+  curl -sf -H "X-Ray-Authorization: Bearer $(sed -n 's/^export FSDP_LOCAL_RAY_TOKEN=//p' "$STATE/env")" \
+    "http://127.0.0.1:$RAY_DASHBOARD_PORT/api/version" >/dev/null
+}
+
 write_env_file() {
+  local ray_token
+  ray_token=$(od -An -N24 -tx1 /dev/urandom | tr -d ' \n')
   cat >"$STATE/env" <<ENV
 export KUBECONFIG=$STATE/kubeconfig
 export AWS_ENDPOINT_URL=http://127.0.0.1:$S3_PORT
@@ -77,6 +85,7 @@ export AWS_SECRET_ACCESS_KEY=testing
 export AWS_DEFAULT_REGION=us-west-2
 export RAY_DASHBOARD_URL=http://127.0.0.1:$RAY_DASHBOARD_PORT
 export RAY_GCS_ADDRESS=127.0.0.1:$RAY_GCS_PORT
+export FSDP_LOCAL_RAY_TOKEN=$ray_token
 export FSDP_LOCAL_CLUSTER_STATE=$STATE
 export APISERVER_AUDIT_LOG=$APISERVER_AUDIT_LOG
 ENV

@@ -48,6 +48,16 @@ class LocalCluster:
     def ray_dashboard_url(self) -> str:
         return self.env["RAY_DASHBOARD_URL"]
 
+    @property
+    def ray_token_header(self) -> dict[str, str]:
+        """What the local Ray head (token auth, as every run's cluster) asks of a caller."""
+        return {"X-Ray-Authorization": f"Bearer {self.env['FSDP_LOCAL_RAY_TOKEN']}"}
+
+    def ray_jobs(self) -> Any:
+        from ray.job_submission import JobSubmissionClient
+
+        return JobSubmissionClient(self.ray_dashboard_url, headers=self.ray_token_header)
+
 
 def kubectl(*args: str, input: str | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Runs the repo's kubectl against the local cluster (KUBECONFIG comes from the session fixture); with
@@ -146,14 +156,15 @@ def ray_head(action: str) -> None:
     done = subprocess.run([str(REPO / "hack" / "ray-head.sh"), action], capture_output=True, text=True)
     assert done.returncode == 0, f"hack/ray-head.sh {action} failed: {done.stderr[-3000:]}"
     if action == "start":
-        url = os.environ["RAY_DASHBOARD_URL"] + "/api/version"
-        wait_until("the new Ray head's dashboard", lambda: answers(url), timeout=300)
+        local = LocalCluster.from_env_file()
+        url = local.ray_dashboard_url + "/api/version"
+        wait_until("the new Ray head's dashboard", lambda: answers(url, local.ray_token_header), timeout=300)
 
 
-def answers(url: str) -> bool:
+def answers(url: str, headers: dict[str, str] | None = None) -> bool:
     """Whether an HTTP server answers at url with a success."""
     try:
-        with urllib.request.urlopen(url, timeout=5):
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=5):
             return True
     except OSError:
         return False

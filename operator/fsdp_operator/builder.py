@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from fsdp_operator import api
+from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_trainer.contract import EfaPolicy
 
 RAY_VERSION = "2.58.0"
@@ -23,6 +25,9 @@ LABEL_KUEUE_PRIORITY = "kueue.x-k8s.io/priority-class"
 GPU = "nvidia.com/gpu"
 EFA = "vpc.amazonaws.com/efa"
 WORKER_GROUP = "gpu-workers"
+LABEL_RAY_CLUSTER = "ray.io/cluster"  # KubeRay puts it on every pod of a RayCluster
+LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
+RAY_AUTH_TOKEN_KEY = "token"
 # EC2 families whose EFA supports GPUDirect RDMA; elsewhere (g5, g6, ...) NCCL stages through host memory.
 GPUDIRECT_RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6")
 # KubeRay derives pod and Service names from the cluster name: keep them DNS-1035 labels within 63 chars.
@@ -108,6 +113,70 @@ def _secret_env(spec: api.FSDPTrainingRunSpec) -> list[dict[str, Any]]:
     ]
 
 
+def ray_auth_secret_name(run_name: str) -> str:
+    return f"{ray_cluster_name(run_name)}-ray-auth"
+
+
+def ray_auth_token(key: bytes, namespace: str, cluster_name: str) -> str:
+    """The Ray token of a run's cluster, derived from the operator's key: the operator never reads it back (it
+    has no get on Secrets), and a run deleted and applied again under its name finds the same token in a
+    Secret not yet collected."""
+    return hmac.new(key, f"{namespace}/{cluster_name}".encode(), hashlib.sha256).hexdigest()
+
+
+def build_ray_auth_secret(run: RunRef, token: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": ray_auth_secret_name(run.name),
+            "namespace": run.namespace,
+            "labels": run_labels(run),
+            "ownerReferences": [owner_reference(run)],
+        },
+        "type": "Opaque",
+        "stringData": {RAY_AUTH_TOKEN_KEY: token},
+    }
+
+
+def _ray_auth_env(run: RunRef) -> list[dict[str, Any]]:
+    """Ray's token auth (Ray >= 2.52): its dashboard, job API and GCS refuse a caller without the token."""
+    token = {"secretKeyRef": {"name": ray_auth_secret_name(run.name), "key": RAY_AUTH_TOKEN_KEY}}
+    return [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": token}]
+
+
+def build_network_policy(
+    run: RunRef, operator_namespace: str, operator_pod_labels: dict[str, str], cidrs: list[str]
+) -> dict[str, Any]:
+    """Ingress to the run's Ray pods: from each other on any port (Ray's own traffic); on the dashboard port
+    (jobs, logs: code execution) from the operator's pods and the given address ranges only. Egress is open:
+    the pods read the hub and S3."""
+    ray_pods = {"matchLabels": {LABEL_RAY_CLUSTER: ray_cluster_name(run.name)}}
+    dashboard_peers: list[dict[str, Any]] = [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]
+    if operator_pod_labels:
+        dashboard_peers.insert(
+            0,
+            {
+                "namespaceSelector": {"matchLabels": {LABEL_NAMESPACE_NAME: operator_namespace}},
+                "podSelector": {"matchLabels": dict(operator_pod_labels)},
+            },
+        )
+    ingress: list[dict[str, Any]] = [{"from": [{"podSelector": ray_pods}]}]
+    if dashboard_peers:
+        ingress.append({"from": dashboard_peers, "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]})
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": {
+            "name": ray_cluster_name(run.name),
+            "namespace": run.namespace,
+            "labels": run_labels(run),
+            "ownerReferences": [owner_reference(run)],
+        },
+        "spec": {"podSelector": ray_pods, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
 def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
@@ -121,7 +190,7 @@ def _pod_common(spec: api.FSDPTrainingRunSpec, run: RunRef) -> dict[str, Any]:
     return common
 
 
-def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[str, Any]:
+def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, ray_auth: bool) -> dict[str, Any]:
     head = spec.cluster.head
     resources = {"cpu": head.cpu, "memory": head.memory}
     pod: dict[str, Any] = {
@@ -134,8 +203,9 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[
             }
         ],
     }
-    if spec.runtime_env.secret_env:  # the job's driver runs on the head
-        pod["containers"][0]["env"] = _secret_env(spec)
+    env = (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)  # the job's driver runs on the head
+    if env:
+        pod["containers"][0]["env"] = env
     if head.node_selector:
         pod["nodeSelector"] = dict(head.node_selector)
     else:  # keep the head off the GPU nodes it would otherwise take a slot on
@@ -164,7 +234,9 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str) -> dict[
     }
 
 
-def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None) -> dict[str, Any]:
+def _worker_group(
+    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None, ray_auth: bool
+) -> dict[str, Any]:
     cluster = spec.cluster
     resources = {"cpu": cluster.cpu, "memory": cluster.memory, GPU: str(cluster.gpus_per_worker)}
     if uses_efa(spec):
@@ -179,7 +251,8 @@ def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: 
         "resources": {"requests": resources, "limits": dict(resources)},
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    env = [{"name": k, "value": v} for k, v in efa_environment(spec).items()] + _secret_env(spec)
+    env = [{"name": k, "value": v} for k, v in efa_environment(spec).items()]
+    env += (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)
     if env:
         container["env"] = env
     pod: dict[str, Any] = {
@@ -201,9 +274,10 @@ def _worker_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: 
 
 
 def build_raycluster(
-    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None
+    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None, ray_auth: bool = True
 ) -> dict[str, Any]:
-    """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone.
+    """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone; with
+    ray_auth, every Ray process takes the token of the run's Secret (build_ray_auth_secret).
 
     With a Kueue queue it is created suspended, as Kueue's defaulting webhook would make it (and the
     webhook may not run): Kueue unsuspends it on admission, and the operator never writes spec.suspend."""
@@ -228,8 +302,8 @@ def build_raycluster(
             **cluster_spec,
             "rayVersion": RAY_VERSION,
             "enableInTreeAutoscaling": False,
-            "headGroupSpec": _head_group(spec, run, image),
-            "workerGroupSpecs": [_worker_group(spec, run, image, zone)],
+            "headGroupSpec": _head_group(spec, run, image, ray_auth),
+            "workerGroupSpecs": [_worker_group(spec, run, image, zone, ray_auth)],
         },
     }
 

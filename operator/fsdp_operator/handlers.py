@@ -13,9 +13,11 @@ the conditional status write keeps out any that slip through). A pass:
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
@@ -50,7 +52,8 @@ from fsdp_trainer.contract import CheckpointRef, RunRecord, run_prefix
 
 log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
-LABEL_RAY_CLUSTER = "ray.io/cluster"
+RAY_AUTH_KEY_FIELD = "key"
+RAY_TOKEN_HEADER = "X-Ray-Authorization"  # Ray's header for callers behind a proxy that owns Authorization
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the handlers make
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
@@ -82,6 +85,7 @@ class Kube:
         api_client.user_agent = USER_AGENT  # tells the operator's requests apart in audit logs and metrics
         self.custom = client.CustomObjectsApi(api_client)
         self.core = client.CoreV1Api(api_client)
+        self.networking = client.NetworkingV1Api(api_client)
 
     @property
     def configuration(self) -> Any:
@@ -96,6 +100,52 @@ class Kube:
         except ApiException as error:
             if error.status != 409:  # created by an earlier pass: same name, same run
                 raise
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> None:
+        """A Secret or NetworkPolicy of a run; an existing one of that name is taken as made by an earlier
+        pass (its content is derived from the run's name, so an older one says the same)."""
+        namespace = manifest["metadata"]["namespace"]
+        body = cast(Any, manifest)
+        try:
+            if manifest["kind"] == "Secret":
+                self.core.create_namespaced_secret(namespace, body, _request_timeout=API_TIMEOUT)
+            else:
+                self.networking.create_namespaced_network_policy(
+                    namespace, body, _request_timeout=API_TIMEOUT
+                )
+        except ApiException as error:
+            if error.status != 409:
+                raise
+
+    def ray_auth_key(self, namespace: str, name: str) -> bytes:
+        """The key of every run's Ray token, from the operator's own Secret, made on first start. Two replicas
+        starting at once: the second create fails (409) and reads the first one's."""
+        for _ in range(2):
+            try:
+                secret = self.core.read_namespaced_secret(name, namespace, _request_timeout=API_TIMEOUT)
+                return base64.b64decode((secret.data or {})[RAY_AUTH_KEY_FIELD])
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+            key = secrets.token_bytes(32)
+            body = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": {builder.LABEL_MANAGED_BY: builder.MANAGER},
+                },
+                "type": "Opaque",
+                "data": {RAY_AUTH_KEY_FIELD: base64.b64encode(key).decode()},
+            }
+            try:
+                self.core.create_namespaced_secret(namespace, cast(Any, body), _request_timeout=API_TIMEOUT)
+                return key
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+        raise RuntimeError(f"Secret {namespace}/{name} was created and is gone again")
 
     def delete_raycluster(self, namespace: str, name: str) -> None:
         try:
@@ -235,26 +285,39 @@ class Context:
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
     disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
+    ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
+
+    def ray_token(self, namespace: str, cluster_name: str) -> str | None:
+        if self.settings.dashboard_address_mode == DashboardAddressMode.OVERRIDE:
+            token = self.settings.dashboard_token
+            return token.get_secret_value() if token else None
+        if not self.settings.ray_token_auth:
+            return None
+        assert self.ray_auth_key is not None, "read at start"
+        return builder.ray_auth_token(self.ray_auth_key, namespace, cluster_name)
 
     def disruption_since(self, namespace: str, cluster_name: str, since: dt.datetime | None) -> str | None:
         seen = self.disruptions.get((namespace, cluster_name))
         return seen[1] if seen is not None and since is not None and seen[0] >= since else None
 
-    def dashboard_auth(self) -> DashboardAuth | None:
-        """Through the apiserver's service proxy the dashboard needs the operator's own credentials: its
-        bearer token (refreshed by the client's hook), its client certificate, and the cluster's CA."""
+    def dashboard_auth(self, namespace: str, cluster_name: str) -> DashboardAuth | None:
+        """The run's Ray token in Ray's own header (the apiserver's proxy passes it on and strips
+        Authorization). Through that proxy, the operator's own credentials too: its bearer token (refreshed
+        by the client's hook), its client certificate, and the cluster's CA."""
+        ray_token = self.ray_token(namespace, cluster_name)
+        ray_headers = ((RAY_TOKEN_HEADER, f"Bearer {ray_token}"),) if ray_token else ()
         if self.settings.dashboard_address_mode != DashboardAddressMode.SERVICE_PROXY:
-            return None
+            return DashboardAuth(headers=ray_headers) if ray_headers else None
         configuration = self.kube.configuration
         token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
         cert = (configuration.cert_file, configuration.key_file) if configuration.cert_file else None
         verify: str | bool = configuration.ssl_ca_cert or bool(configuration.verify_ssl)
-        headers = (("Authorization", token),) if token else ()
+        headers = ((("Authorization", token),) if token else ()) + ray_headers
         return DashboardAuth(headers=headers, verify=verify, client_cert=cert)
 
     def jobs(self, namespace: str, cluster_name: str) -> Jobs:
         address = dashboard_url(self.settings, namespace, cluster_name, self.kube.configuration.host)
-        key = (address, self.dashboard_auth())
+        key = (address, self.dashboard_auth(namespace, cluster_name))
         if key not in self.job_clients:
             self.job_clients[key] = Jobs(address, key[1])
         return self.job_clients[key]
@@ -297,7 +360,7 @@ def _competitors(
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
         if labels.get("ray.io/node-type") == "worker" and pod.get("spec", {}).get("nodeName"):
-            placed[(pod["metadata"]["namespace"], labels.get(LABEL_RAY_CLUSTER, ""))] += 1
+            placed[(pod["metadata"]["namespace"], labels.get(builder.LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
     done_with_slots: set[str] = set()
     for other in indexes.all(indexes.runs):
@@ -409,7 +472,7 @@ def _desired_cluster(
     # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
     image = status.image.digest or _requested_image(ctx, spec)
     zone = None if spec.cluster.queue_name else status.zone  # Kueue's flavor pins the zone of a queued run
-    return builder.build_raycluster(spec, run, image, zone)
+    return builder.build_raycluster(spec, run, image, zone, ray_auth=ctx.settings.ray_token_auth)
 
 
 def _observe_cluster(
@@ -430,7 +493,11 @@ def _observe_cluster(
         )
     # Compared with what it was built from: pinning the digest after the first pull is not a change.
     built_with = (raycluster["metadata"].get("annotations") or {}).get(builder.ANNOTATION_IMAGE)
-    desired = builder.build_raycluster(spec, run, built_with, status.zone) if built_with else None
+    desired = (
+        builder.build_raycluster(spec, run, built_with, status.zone, ray_auth=ctx.settings.ray_token_auth)
+        if built_with
+        else None
+    )
     drift = builder.cluster_drift(desired or _desired_cluster(ctx, run, spec, status), raycluster)
     return observe_cluster(raycluster, drift)
 
@@ -556,6 +623,7 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
         if decision.delete_cluster:
             ctx.kube.delete_raycluster(run.namespace, cluster_name)
         if decision.create_cluster:
+            _create_cluster_guards(ctx, run)
             ctx.kube.create_raycluster(_desired_cluster(ctx, run, spec, decision.status))
             fault_point("after-create-cluster", decision.status.attempt)
         if decision.submit_attempt is not None:
@@ -565,6 +633,21 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
         message = f"{type(error).__name__}: {error}"[:500]
         ctx.action_errors[run.uid] = message
         log.warning("%s/%s: action failed, the next pass decides: %s", run.namespace, run.name, message)
+
+
+def _create_cluster_guards(ctx: Context, run: builder.RunRef) -> None:
+    """What keeps the run's Ray dashboard (its job API runs code) to the operator: the token Secret its pods
+    read, and the NetworkPolicy. Both before the RayCluster, whose pods need the Secret to start."""
+    settings = ctx.settings
+    token = ctx.ray_token(run.namespace, builder.ray_cluster_name(run.name))
+    if settings.ray_token_auth and token:
+        ctx.kube.create_if_absent(builder.build_ray_auth_secret(run, token))
+    if settings.network_policy:
+        ctx.kube.create_if_absent(
+            builder.build_network_policy(
+                run, settings.lease_namespace, settings.operator_pod_labels, settings.dashboard_ingress_cidrs
+            )
+        )
 
 
 def fault_point(name: str, attempt: int) -> None:
@@ -694,6 +777,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         settings.background.instant_exit_timeout = 1.0
 
     @kopf.on.startup(registry=registry)
+    def read_ray_auth_key(**_: Any) -> None:
+        if settings.ray_token_auth:
+            ctx.ray_auth_key = ctx.kube.ray_auth_key(settings.lease_namespace, settings.ray_auth_key_secret)
+
+    @kopf.on.startup(registry=registry)
     def export_runs(**kwargs: Any) -> None:
         metrics.RUNS.index = kwargs["runs"]  # kopf's live index of the runs: each scrape of /metrics reads it
 
@@ -707,14 +795,14 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index("", "v1", "pods", labels=ours, id="ray_pods", registry=registry)
     def ray_pods(body: kopf.Body, **_: Any) -> Any:
-        cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
+        cluster = (body["metadata"].get("labels") or {}).get(builder.LABEL_RAY_CLUSTER)
         return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
 
     @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
     def on_ray_pod_event(body: kopf.Body, **_: Any) -> None:
         # Remembered here, not read from the index: a disrupted pod is deleted soon after, often before the
         # job it served is seen failing.
-        cluster = (body["metadata"].get("labels") or {}).get(LABEL_RAY_CLUSTER)
+        cluster = (body["metadata"].get("labels") or {}).get(builder.LABEL_RAY_CLUSTER)
         disruption = pod_disruption(body)
         if cluster and disruption:
             now = dt.datetime.now(dt.UTC).replace(microsecond=0)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Self
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 # Where a kubelet mounts the pod's namespace, next to its service-account token.
@@ -45,6 +46,38 @@ class Settings(BaseSettings):
     dashboard_urls: dict[str, str] = Field(
         default_factory=dict,
         description="With override: per-namespace dashboard addresses (JSON object), before dashboard_url.",
+    )
+    dashboard_token: SecretStr | None = Field(
+        default=None,
+        description="With override: the Ray token of the one dashboard every run is sent to (a shared head "
+        "cannot take per-run tokens); unset: the dashboard has no token auth.",
+    )
+    ray_token_auth: bool = Field(
+        default=True,
+        description="Ray's token auth on every run's cluster (RAY_AUTH_MODE=token, Ray >= 2.52): a token per "
+        "run in a Secret of the run, derived from a key in the operator's namespace.",
+    )
+    ray_auth_key_secret: str = Field(
+        default="fsdp-operator-ray-auth-key",
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The Secret, in the Lease's namespace, with the key of the per-run Ray tokens; the "
+        "operator creates it at start when absent.",
+    )
+    network_policy: bool = Field(
+        default=True,
+        description="A NetworkPolicy per run: its Ray pods admit each other, and on the dashboard port only "
+        "the operator's pods and dashboard_ingress_cidrs.",
+    )
+    operator_pod_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Labels of the operator's pods (JSON object), admitted to each run's dashboard from the "
+        "Lease's namespace; the chart sets them.",
+    )
+    dashboard_ingress_cidrs: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Address ranges also admitted to each run's dashboard, comma-separated: the apiserver's "
+        "with service-proxy.",
     )
     trainer_device: TrainerDevice = Field(
         default=TrainerDevice.GPU, description="gpu in production; cpu when the Ray head has no GPUs."
@@ -86,11 +119,18 @@ class Settings(BaseSettings):
         default=32, ge=1, le=512, description="Threads that run handlers (each run's pass holds one)."
     )
 
-    @field_validator("watch_namespaces", mode="before")
+    @field_validator("watch_namespaces", "dashboard_ingress_cidrs", mode="before")
     @classmethod
-    def _split_namespaces(cls, value: object) -> object:
+    def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
-            return [ns.strip() for ns in value.split(",") if ns.strip()]
+            return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("dashboard_ingress_cidrs")
+    @classmethod
+    def _valid_cidrs(cls, value: list[str]) -> list[str]:
+        for cidr in value:
+            ipaddress.ip_network(cidr)  # its ValueError names the bad range
         return value
 
     @model_validator(mode="after")

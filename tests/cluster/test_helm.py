@@ -113,6 +113,11 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
             assert can_i(verb, "leases.coordination.k8s.io", namespace, sa), f"{sa} cannot {verb} leases"
         assert not can_i("update", "leases.coordination.k8s.io", "default", sa)  # only its own namespace's
         assert not can_i("delete", "pods", namespace, sa)
+        # Each run's token Secret and NetworkPolicy are created; no Secret there is ever read (the key's
+        # get is limited to its own name).
+        assert can_i("create", "secrets", namespace, sa)
+        assert can_i("create", "networkpolicies.networking.k8s.io", namespace, sa)
+        assert not can_i("get", "secrets", namespace, sa) and not can_i("list", "secrets", namespace, sa)
         assert can_i("create", "rayclusters.ray.io", "default", sa) is not scoped
     finally:
         helm("uninstall", release, "-n", namespace)

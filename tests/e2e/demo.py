@@ -29,6 +29,7 @@ def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:
     return {
         "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
         "FSDP_OPERATOR_DASHBOARD_URL": local_cluster.ray_dashboard_url,
+        "FSDP_OPERATOR_DASHBOARD_TOKEN": local_cluster.env["FSDP_LOCAL_RAY_TOKEN"],
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
     }

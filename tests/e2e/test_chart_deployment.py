@@ -184,6 +184,8 @@ def chart_operator(
             {"name": "FSDP_OPERATOR_TRAINER_DEVICE", "value": "cpu"},
             {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
             {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
+            # The local Ray head is shared by every run, so it has one token, not each run's own.
+            {"name": "FSDP_OPERATOR_DASHBOARD_TOKEN", "value": local_cluster.env["FSDP_LOCAL_RAY_TOKEN"]},
         ],
     }
     if "metrics" in yaml.safe_load((CHART / "values.yaml").read_text()):

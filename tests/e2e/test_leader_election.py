@@ -14,7 +14,6 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
-from ray.job_submission import JobSubmissionClient
 
 from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
 from tests.harness import (
@@ -154,7 +153,7 @@ def test_killed_leader_is_replaced_within_30s_and_the_run_has_one_job_per_attemp
     assert took_over < TAKEOVER_LIMIT
 
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
-    jobs = JobSubmissionClient(local_cluster.ray_dashboard_url).list_jobs()
+    jobs = local_cluster.ray_jobs().list_jobs()
     ours = [j for j in jobs if (j.metadata or {}).get("run") == name]
     assert len(ours) == run["status"]["attempt"], [(j.submission_id, j.status) for j in ours]
     assert [c["metadata"]["name"] for c in rayclusters(namespace)] == [run["status"]["rayClusterName"]]

@@ -10,8 +10,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ray.job_submission import JobSubmissionClient
-
 from tests.e2e.demo import (
     BUCKET,
     RUN_TIMEOUT,
@@ -59,6 +57,14 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     manifest = demo_manifest(name, cleanupPolicy="KeepCluster")
     assert drift(namespace, manifest, field_manager=None) == ""  # applied client-side
     assert fields_others_own(namespace, manifest, applier="kubectl-client-side-apply") == []
+
+    # Only the operator reaches the run's dashboard: its pods read the run's token Secret, and a NetworkPolicy
+    # (accepted by the apiserver) admits to them only each other; both go with the run.
+    cluster = status["rayClusterName"]
+    uid = run["metadata"]["uid"]
+    for kind, child in (("secret", f"{cluster}-ray-auth"), ("networkpolicy", cluster)):
+        owners = kubectl_json("get", kind, child, "-n", namespace)["metadata"]["ownerReferences"]
+        assert [o["uid"] for o in owners] == [uid], (kind, owners)
 
     # Every checkpoint the status lists exists, complete, in S3.
     listed = {c["step"] for c in status["checkpoints"]["recent"]}
@@ -136,7 +142,7 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     assert hang["reason"] == "Hang" and hang["resumedFromStep"] == 10, hang
     assert status["progress"]["step"] == 40
     # The hung job was stopped, not left holding the workers.
-    client = JobSubmissionClient(local_cluster.ray_dashboard_url)
+    client = local_cluster.ray_jobs()
     assert str(client.get_job_status(first)) in ("STOPPED", "JobStatus.STOPPED")
     assert run_record(s3, namespace, name).restarts[0].reason == "Hang"
     reliability.record(
@@ -280,7 +286,7 @@ def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
     submission = run["status"]["jobSubmissionId"]
     kubectl("delete", "fsdptrainingrun", name, "-n", namespace, "--timeout=60s")
     wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
-    client = JobSubmissionClient(local_cluster.ray_dashboard_url)
+    client = local_cluster.ray_jobs()
     wait_until(
         "the Ray job to be stopped",
         lambda: str(client.get_job_status(submission)) in ("STOPPED", "JobStatus.STOPPED"),

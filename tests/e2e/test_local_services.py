@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
 import uuid
 
 import boto3
-from ray.job_submission import JobStatus, JobSubmissionClient
+import pytest
+from ray.job_submission import JobStatus
 
-from tests.harness import LocalCluster, wait_until
+from tests.harness import LocalCluster, answers, wait_until
 
 
 def test_s3_bucket_put_and_get(local_cluster: LocalCluster) -> None:
@@ -31,8 +34,20 @@ def test_ec2_api_knows_g6_12xlarge_and_its_efa_support(local_cluster: LocalClust
     assert info["GpuInfo"]["Gpus"][0]["Count"] == 4
 
 
+def test_the_local_dashboard_refuses_callers_without_the_ray_token(local_cluster: LocalCluster) -> None:
+    # As on every run's cluster (RAY_AUTH_MODE=token): the job API, which runs code, needs the token; the
+    # health endpoints (KubeRay's probes) do not.
+    jobs = f"{local_cluster.ray_dashboard_url}/api/jobs/"
+    for headers, code in (({}, 401), ({"X-Ray-Authorization": "Bearer not-the-token"}, 403)):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(jobs, headers=headers), timeout=10)
+        assert refused.value.code == code, refused.value
+    assert answers(jobs, local_cluster.ray_token_header)
+    assert answers(f"{local_cluster.ray_dashboard_url}/api/gcs_healthz")
+
+
 def test_ray_job_submitted_to_the_local_dashboard_succeeds(local_cluster: LocalCluster) -> None:
-    client = JobSubmissionClient(local_cluster.ray_dashboard_url)
+    client = local_cluster.ray_jobs()
     job_id = client.submit_job(
         entrypoint='python -c "import ray; ray.init(); '
         "print('sum', ray.get(ray.remote(lambda: 40 + 2).remote()))\"",

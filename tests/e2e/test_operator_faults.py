@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ray.job_submission import JobSubmissionClient
 
 from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, rayclusters, wait_for_phase
@@ -56,7 +55,7 @@ def test_operator_killed_after_a_submission_submits_nothing_twice(
         run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
         status = run["status"]
         assert status["attempt"] == attempts and status["restarts"]["count"] == attempts - 1
-        jobs = JobSubmissionClient(local_cluster.ray_dashboard_url).list_jobs()
+        jobs = local_cluster.ray_jobs().list_jobs()
         ours = sorted(j.submission_id for j in jobs if (j.metadata or {}).get("run") == name)
         assert ours == [f"{status['jobSubmissionId'][:-2]}-{n}" for n in range(1, attempts + 1)], ours
         assert len(rayclusters(namespace)) <= 1  # deleted at the end (DeleteCluster), never two

@@ -77,7 +77,7 @@ def test_aws_sample_shape() -> None:
         "topology.kubernetes.io/zone": "us-west-2b",
     }
     assert {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "64Gi"}} in worker_pod["volumes"]
-    env = {e["name"]: e["value"] for e in worker_pod["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in worker_pod["containers"][0]["env"]}
     assert env["FI_PROVIDER"] == "efa" and env["NCCL_DEBUG"] == "INFO"
     assert "NCCL_NET" not in env  # preferred: fall-back allowed, and reported
     assert "FI_EFA_USE_DEVICE_RDMA" not in env  # g6 has no GPUDirect RDMA
@@ -88,7 +88,7 @@ def test_aws_sample_shape() -> None:
 
 def test_efa_required_pins_nccl_to_libfabric_and_p5_gets_gpudirect() -> None:
     worker_pod = _groups(builder.build_raycluster(CASES["p5-efa-required"], RUN, IMAGE, None))[1]
-    env = {e["name"]: e["value"] for e in worker_pod["template"]["spec"]["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in worker_pod["template"]["spec"]["containers"][0]["env"]}
     assert env["NCCL_NET"] == "Libfabric" and env["FI_EFA_USE_DEVICE_RDMA"] == "1"
 
 
@@ -96,7 +96,58 @@ def test_without_efa_there_is_no_efa_request_and_no_efa_environment() -> None:
     worker_pod = _groups(builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None))[1]
     container = worker_pod["template"]["spec"]["containers"][0]
     assert "vpc.amazonaws.com/efa" not in container["resources"]["limits"]
-    assert "env" not in container
+    assert [e["name"] for e in container["env"]] == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN"]
+    without_auth = builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None, ray_auth=False)
+    assert "env" not in _groups(without_auth)[1]["template"]["spec"]["containers"][0]
+
+
+def test_every_ray_process_takes_the_runs_token_from_the_runs_secret() -> None:
+    token = builder.ray_auth_token(b"k" * 32, RUN.namespace, builder.ray_cluster_name(RUN.name))
+    secret = builder.build_ray_auth_secret(RUN, token)
+    assert (
+        secret["stringData"] == {"token": token}
+        and secret["metadata"]["ownerReferences"][0]["uid"] == RUN.uid
+    )
+    reference = {"secretKeyRef": {"name": secret["metadata"]["name"], "key": "token"}}
+    for group in _groups(builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, None)):
+        [container] = group["template"]["spec"]["containers"]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", container["name"]
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"] == reference, container["name"]
+
+
+def test_ray_tokens_differ_per_cluster_and_key_and_are_stable() -> None:
+    key, other_key = b"a" * 32, b"b" * 32
+    token = builder.ray_auth_token(key, "team-a", "run-1")
+    assert token == builder.ray_auth_token(key, "team-a", "run-1") and len(token) == 64
+    others = {
+        builder.ray_auth_token(key, "team-b", "run-1"),
+        builder.ray_auth_token(key, "team-a", "run-2"),
+        builder.ray_auth_token(other_key, "team-a", "run-1"),
+    }
+    assert token not in others and len(others) == 3
+
+
+def test_network_policy_admits_the_clusters_own_pods_and_only_the_operator_on_the_dashboard() -> None:
+    policy = builder.build_network_policy(
+        RUN, "ops", {"app.kubernetes.io/name": "fsdp-operator"}, ["10.0.0.0/16"]
+    )
+    cluster = {"matchLabels": {"ray.io/cluster": builder.ray_cluster_name(RUN.name)}}
+    spec = policy["spec"]
+    assert spec["podSelector"] == cluster and spec["policyTypes"] == ["Ingress"]
+    own, dashboard = spec["ingress"]
+    assert own == {"from": [{"podSelector": cluster}]}  # Ray's own traffic, every port
+    assert dashboard["ports"] == [{"protocol": "TCP", "port": 8265}]
+    assert dashboard["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ops"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "fsdp-operator"}},
+        },
+        {"ipBlock": {"cidr": "10.0.0.0/16"}},
+    ]
+    assert policy["metadata"]["ownerReferences"][0]["uid"] == RUN.uid
+    # An operator outside the cluster with no ranges given: nobody else reaches the dashboard.
+    assert builder.build_network_policy(RUN, "ops", {}, [])["spec"]["ingress"] == [own]
 
 
 def test_kueue_queue_label_only_when_set() -> None:
