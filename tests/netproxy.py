@@ -4,12 +4,15 @@
         client = JobSubmissionClient(proxy.url)   # works: bytes pass through
         proxy.black_hole()                        # now every request hangs until the client's own timeout
         proxy.pass_through()                      # new connections work again
+        proxy.crash()                             # as a killed server: connections reset, new ones too
 
 In black-hole mode the proxy still accepts new connections and reads what clients send, but it never answers
 and never closes them (no FIN, no RST): what a hung server or a silently dropping network looks like. The
 connections that were open when the hole opened stop forwarding in both directions and stay swallowed, since
 their byte streams are cut at an arbitrary point; only connections made after `pass_through()` forward
-again. `close()` (or leaving the `with` block) closes every socket the proxy holds.
+again. In crash mode every open connection is reset (RST) at once and new ones are reset as soon as they are
+accepted: a server killed and not yet back, for clients that retry. `close()` (or leaving the `with` block)
+closes every socket the proxy holds.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import struct
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +36,7 @@ class _Connection:
     black_holed: bool
     client: asyncio.StreamWriter | None = None
     upstream: asyncio.StreamWriter | None = None
+    crashed: bool = False
 
     def swallow(self) -> None:
         """Stops forwarding for good; the client side stays open and unanswered."""
@@ -47,6 +52,22 @@ class _Connection:
         if self.upstream is not None:
             self.upstream.close()
 
+    def reset(self) -> None:
+        """Closes both sides at once with RST, not FIN, as the kernel does for a process that died."""
+        if self.crashed:
+            return
+        self.black_holed = self.crashed = True
+        linger = struct.pack("ii", 1, 0)
+        for writer in (self.client, self.upstream):
+            if writer is not None:
+                with contextlib.suppress(OSError, AttributeError):  # AttributeError: no socket left
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                writer.transport.abort()
+        if self.client is None:
+            with contextlib.suppress(OSError):
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            self.sock.close()
+
 
 class BlackHoleProxy:
     """A TCP proxy on 127.0.0.1 (a free port) in front of target_host:target_port, on its own thread."""
@@ -57,6 +78,7 @@ class BlackHoleProxy:
         self.port = 0
         self.accepted = 0  # connections accepted so far, in either mode
         self._black_hole = False
+        self._crashed = False
         self._connections: set[_Connection] = set()
         self._handlers: set[asyncio.Task[None]] = set()
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -83,6 +105,10 @@ class BlackHoleProxy:
     def pass_through(self) -> None:
         """New connections are forwarded to the target again."""
         self._run(self._set_black_hole, False)
+
+    def crash(self) -> None:
+        """From now on every connection, open or new, is reset, until pass_through()."""
+        self._run(self._crash)
 
     def close(self) -> None:
         """Stops listening and closes every client and upstream socket; idempotent."""
@@ -126,6 +152,9 @@ class BlackHoleProxy:
         while True:
             client, _ = await self._loop.sock_accept(self._listener)
             self.accepted += 1
+            if self._crashed:
+                _Connection(client, black_holed=True).reset()
+                continue
             connection = _Connection(client, black_holed=self._black_hole)
             self._connections.add(connection)
             handler = self._loop.create_task(self._handle(connection))
@@ -133,10 +162,15 @@ class BlackHoleProxy:
             handler.add_done_callback(self._handlers.discard)
 
     def _set_black_hole(self, on: bool) -> None:
-        self._black_hole = on
+        self._black_hole, self._crashed = on, False
         if on:
             for connection in self._connections:
                 connection.swallow()
+
+    def _crash(self) -> None:
+        self._crashed = True
+        for connection in list(self._connections):
+            connection.reset()
 
     async def _shutdown(self) -> None:
         tasks = [*self._handlers, *([self._acceptor] if self._acceptor else [])]
@@ -152,7 +186,7 @@ class BlackHoleProxy:
                 reader, connection.client = await asyncio.open_connection(sock=connection.sock)
                 if not connection.black_holed:
                     await self._forward(connection, reader)
-                if connection.black_holed:
+                if connection.black_holed and not connection.crashed:
                     while await reader.read(_CHUNK):  # read and ignore until the client gives up
                         pass
                     await self._loop.create_future()  # never answer, never close: only close() ends this

@@ -1,5 +1,5 @@
-"""The black-hole proxy: pass-through answers, a black hole makes clients time out (never refused or reset),
-and pass-through works again afterwards; close() closes every socket."""
+"""The black-hole proxy: pass-through answers, a black hole makes clients time out (never refused or reset), a
+crash resets at once, and pass-through works again afterwards; close() closes every socket."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import http.client
 import socket
 import threading
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -101,6 +102,25 @@ def test_open_connection_stops_forwarding(proxy: BlackHoleProxy) -> None:
         connection.request("GET", "/")  # same keep-alive connection
         with pytest.raises(TimeoutError):
             connection.getresponse()
+    finally:
+        connection.close()
+    proxy.pass_through()
+    assert get(proxy.url, timeout=5) == b"hello"
+
+
+def test_crash_resets_open_and_new_connections_until_pass_through(proxy: BlackHoleProxy) -> None:
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+    try:
+        connection.request("GET", "/")
+        assert connection.getresponse().read() == b"hello"
+        proxy.crash()
+        started = time.monotonic()
+        with pytest.raises(ConnectionError):  # reset (or seen closed), at once: no timeout
+            connection.request("GET", "/")  # same keep-alive connection
+            connection.getresponse()
+        with pytest.raises((ConnectionError, http.client.RemoteDisconnected, urllib.error.URLError)):
+            get(proxy.url, timeout=5)
+        assert time.monotonic() - started < 2
     finally:
         connection.close()
     proxy.pass_through()

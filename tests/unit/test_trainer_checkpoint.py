@@ -176,3 +176,27 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
         [checkpoint_name(s, "20260101T000000000000") for s in (24, 32)] + [unfinished.name]
     )
     assert not leftover.exists()
+
+
+def test_a_manifest_storage_cannot_read_right_now_stops_pruning_and_resuming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # S3 resets the connection while pruning reads the manifest of step 16: taken as "no manifest", that
+    # complete checkpoint would be deleted as a partial leftover older than the newest.
+    run = tmp_path / "run"
+    for step in (8, 16, 24):
+        write_checkpoint(run, step)
+    unreadable = checkpoint_name(16, "20260101T000000000000")
+    read_text = Location.read_text
+
+    def flaky(location: Location) -> str:
+        if unreadable in location.path:
+            raise OSError("Connection reset by peer")
+        return read_text(location)
+
+    monkeypatch.setattr(Location, "read_text", flaky)
+    with pytest.raises(OSError, match="reset"):
+        prune(Location.parse(str(run)), keep=2)
+    assert len(list(run.iterdir())) == 3
+    with pytest.raises(OSError, match="reset"):  # not a silent resume from an older checkpoint
+        find_resume_point(Location.parse(str(run)), "auto", "s2", FINGERPRINT)

@@ -152,13 +152,17 @@ class Candidate:
 
 
 def inspect(location: Location) -> Candidate:
+    """A checkpoint directory as storage holds it. A manifest that cannot be read right now (OSError: S3
+    unreachable) raises: taken as missing, it would make a complete checkpoint look partial, to be skipped by
+    resumption and deleted by pruning. One that is not a valid manifest is broken for good: no manifest."""
     listing = location.list_files()
     manifest = None
     if MANIFEST_FILE in listing:
+        text = location.child(MANIFEST_FILE).read_text()
         try:
-            manifest = CheckpointManifest.model_validate_json(location.child(MANIFEST_FILE).read_text())
-        except (ValidationError, OSError) as error:
-            log.warning("unreadable manifest in %s: %s", location.uri, error)
+            manifest = CheckpointManifest.model_validate_json(text)
+        except ValidationError as error:
+            log.warning("invalid manifest in %s: %s", location.uri, error)
     return Candidate(location, manifest, listing)
 
 
@@ -408,7 +412,10 @@ class CheckpointSaver:
         location.child(MANIFEST_FILE).write_text(manifest.to_json())
         size = sum(all_files.values())
         log.info("checkpoint step %d complete at %s (%d bytes)", manifest.step, location.uri, size)
-        prune(self.run, self.keep)
+        try:
+            prune(self.run, self.keep)
+        except OSError as error:  # the checkpoint is complete; old ones go at the next save's pruning
+            log.warning("pruning %s after step %d failed: %s", self.run.uri, manifest.step, error)
         return manifest
 
 
