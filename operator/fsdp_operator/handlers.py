@@ -754,6 +754,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         # Same credentials as the kubernetes client: in-cluster service account, else KUBECONFIG.
         return kopf.login_via_client(**kwargs)
 
+    watch_seconds = settings.watch_timeout_seconds
+    watch_deadline = watch_seconds + max(5, watch_seconds // 10)
+
     @kopf.on.startup(registry=registry)
     def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         # Keep kopf's bookkeeping in annotations, out of the status schema we own.
@@ -763,14 +766,15 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         )
         settings.persistence.finalizer = f"{api.GROUP}/finalizer"
         settings.posting.level = logging.WARNING
-        # Bounded API calls, and watches that are restarted when they go quiet (a stalled stream would
-        # otherwise freeze the cache silently).
+        # Bounded API calls, and watches renewed every watch_timeout_seconds: the apiserver ends each one
+        # then, and a connection that went silent without closing (no FIN, no RST) is dropped by the client a
+        # little later, instead of freezing the cache until TCP gives up. A renewal resumes from the last
+        # resourceVersion; when etcd has compacted it away (410 Gone), kopf lists again.
         settings.networking.connect_timeout = 10
         settings.networking.request_timeout = 60
         settings.watching.connect_timeout = 10
-        settings.watching.server_timeout = 300
-        settings.watching.client_timeout = 330
-        settings.watching.inactivity_timeout = 600
+        settings.watching.server_timeout = watch_seconds
+        settings.watching.client_timeout = settings.watching.inactivity_timeout = watch_deadline
         # A run's timer is stopped by the status write that finished the run, while that same timer handler
         # is still returning: wait a second for it instead of kopf's 60 s poll, which touches the finished
         # run once more (a patch per finished run, and its timer kept a minute).

@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     observe_interval_seconds: float = Field(
         default=15, gt=0, le=30, description="Seconds between observations of a running job."
     )
+    watch_timeout_seconds: int = Field(
+        default=60,
+        ge=5,
+        le=600,
+        description="Seconds each watch request lasts before it is renewed: a watch connection gone silent "
+        "(a dead peer that never closed it) is noticed and replaced within about this long.",
+    )
     leader_election: bool = Field(
         default=True, description="Reconcile only while holding the Lease, so one of several replicas acts."
     )

@@ -56,6 +56,7 @@ def test_flags() -> None:
         ({"FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": "10.0.0.0/16,10.0.0.300/32"}, "dashboard_ingress_cidrs"),
         ({"FSDP_OPERATOR_OPERATOR_POD_LABELS": "app=operator"}, "operator_pod_labels"),
         ({"FSDP_OPERATOR_RAY_AUTH_KEY_SECRET": "Key_Secret"}, "ray_auth_key_secret"),
+        ({"FSDP_OPERATOR_WATCH_TIMEOUT_SECONDS": "1"}, "watch_timeout_seconds"),
     ],
 )
 def test_bad_settings_name_the_setting(
