@@ -8,6 +8,7 @@ import json
 import uuid
 from typing import Any
 
+from fsdp_operator.settings import Settings
 from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
 from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, demo_run
 from tests.harness import OperatorProcess, kubectl, rayclusters, run_of, wait_for_phase
@@ -42,11 +43,16 @@ def test_a_secret_for_the_pods_env_is_passed_by_reference_and_its_value_is_recor
         "progress.json": s3_text("progress.json"),
     }
     assert [where for where, text in records.items() if value in text] == []
+    # The operator's own Secret requests: it creates the run's Ray token Secret, and reads (or makes) its key;
+    # it never reads another Secret, the run's least of all.
     audit = AuditLog.of_local_cluster()
-    read = [
+    key = Settings.model_fields["ray_auth_key_secret"].default
+    requests = [
         request
         for agent in (KOPF_USER_AGENT, OPERATOR_USER_AGENT)
         for request in audit.requests(agent, since)
         if request.resource == "secrets"
     ]
-    assert read == [], "the operator asked the apiserver for secrets"
+    reads = [r for r in requests if r.verb != "create" and not (r.verb == "get" and r.name == key)]
+    assert reads == [], "the operator read a Secret other than its own key"
+    assert "hf" not in {r.name for r in requests}
