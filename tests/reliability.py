@@ -89,8 +89,8 @@ def _versions() -> str:
 
 def seconds_between(start: Path | dt.datetime | str, end: Path | dt.datetime | str) -> float:
     """Seconds from one moment to another: a file's modification (a fault's marker), a datetime, or an
-    RFC 3339 time from a status."""
-    return (_moment(end) - _moment(start)).total_seconds()
+    RFC 3339 time from a status. Status times have whole seconds, so under a second reads as 0, never less."""
+    return max((_moment(end) - _moment(start)).total_seconds(), 0.0)
 
 
 def _moment(at: Path | dt.datetime | str) -> dt.datetime:
