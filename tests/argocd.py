@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.harness import REPO, free_port, kubectl, wait_until
+from tests.harness import REPO, free_port, kubectl, wait_established, wait_until
 
 NAMESPACE = "argocd"
 ARGOCD = REPO / "bin" / "argocd"
@@ -227,10 +227,7 @@ class ArgoCD:
             "apply", "--server-side", "--force-conflicts",
             "-f", str(crds / "application-crd.yaml"), "-f", str(crds / "appproject-crd.yaml"),
         )  # fmt: skip
-        kubectl(
-            "wait", "--for", "condition=established", "--timeout", "60s",
-            "crd/applications.argoproj.io", "crd/appprojects.argoproj.io",
-        )  # fmt: skip
+        wait_established("crd/applications.argoproj.io", "crd/appprojects.argoproj.io")
         kubectl("create", "namespace", NAMESPACE, check=False)
         objects: list[dict[str, Any]] = [
             _config_map("argocd-cm", {HEALTH_KEY: HEALTH_LUA.read_text()}),

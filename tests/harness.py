@@ -96,9 +96,7 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float, interva
 def apply_crd() -> None:
     """Installs the generated FSDPTrainingRun CRD and waits until the apiserver serves it."""
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kubectl(
-        "wait", "--for", "condition=established", "--timeout", "60s", "crd/fsdptrainingruns.fsdp.training.dev"
-    )
+    wait_established("crd/fsdptrainingruns.fsdp.training.dev")
 
 
 @dataclass
@@ -325,3 +323,18 @@ def restart_exited_control_plane() -> list[str]:
     for component in exited:
         component.start()
     return [c.name for c in exited]
+
+
+def wait_established(*crds: str) -> None:
+    """`kubectl wait --for condition=established`, again while a just-created CRD has no conditions yet
+    (kubectl then exits at once with "accessor error: <nil>" instead of waiting)."""
+    wait_until(
+        f"{', '.join(crds)} to be established",
+        lambda: (
+            kubectl(
+                "wait", "--for", "condition=established", "--timeout", "10s", *crds, check=False
+            ).returncode
+            == 0
+        ),
+        timeout=60,
+    )

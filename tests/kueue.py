@@ -38,7 +38,16 @@ import pytest
 import yaml
 
 from fsdp_operator import api, builder
-from tests.harness import REPO, LocalCluster, free_port, kubectl, kubectl_json, stop_process, wait_until
+from tests.harness import (
+    REPO,
+    LocalCluster,
+    free_port,
+    kubectl,
+    kubectl_json,
+    stop_process,
+    wait_established,
+    wait_until,
+)
 
 KUEUE_BIN = REPO / "bin" / "kueue"
 KUEUE_CRDS = REPO / "bin" / "kueue-crds"
@@ -86,7 +95,7 @@ def install_crds() -> None:
         f"crd/{p.name.removeprefix('kueue.x-k8s.io_').removesuffix('.yaml')}.kueue.x-k8s.io"
         for p in sorted(KUEUE_CRDS.glob("*.yaml"))
     ]
-    kubectl("wait", "--for", "condition=established", "--timeout", "60s", *names)
+    wait_established(*names)
 
 
 def _self_signed_cert(directory: Path) -> None:
