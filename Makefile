@@ -4,6 +4,8 @@ CACHE ?= $(or $(FSDP_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fsdp-oper
 VENV ?= $(or $(FSDP_VENV),$(CACHE)/venv)
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# pytest workers of `make test`, each with a local cluster of its own (hack/lib.sh FSDP_CLUSTER_INSTANCE).
+TEST_WORKERS ?= 2
 
 .PHONY: help
 help: ## list the targets
@@ -36,8 +38,8 @@ lint: venv ## ruff and mypy
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
 
 .PHONY: test
-test: venv tools lint image ## the whole suite: unit, cluster and e2e (brings the local cluster up if needed)
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+test: venv tools lint image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: venv ## the fast tests only (no servers)

@@ -31,7 +31,10 @@ log "starting S3/EC2 server (moto) on 127.0.0.1:$S3_PORT"
 start_daemon moto "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
 
 log "creating control plane with kwokctl (binary runtime)"
-kwokctl create cluster --name "$CLUSTER_NAME" --runtime binary \
+# kwokctl gives etcd, the controller-manager, the scheduler and kwok the highest ports below 32768 that are
+# free at that moment: two clusters created at once would take the same ones, so one creates at a time
+# (--close: the components kwokctl starts must not inherit, and so keep, the lock).
+flock --close /tmp/fsdp-kwokctl-create.lock kwokctl create cluster --name "$CLUSTER_NAME" --runtime binary \
   --kube-apiserver-port "$APISERVER_PORT" \
   --kube-authorization=true \
   --etcd-binary "$root/bin/etcd" \

@@ -3,19 +3,25 @@
 # shellcheck shell=bash
 CACHE=${FSDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fsdp-operator} # builds, kept between clones
 VENV=${FSDP_VENV:-$CACHE/venv}
-STATE=${FSDP_STATE_DIR:-$root/.local-cluster} # pids, logs, kubeconfig, env file of the running cluster
-# Ray puts unix sockets under its temp dir; keep the path short (108-byte limit) and unique per checkout
-# (FSDP_RAY_TMP moves it, for a second cluster from the same checkout).
-RAY_TMP=${FSDP_RAY_TMP:-/tmp/fsdp-ray-$(printf '%s' "$root" | sha1sum | cut -c1-8)}
-CLUSTER_NAME=${CLUSTER_NAME:-fsdp-local}
-APISERVER_PORT=${APISERVER_PORT:-36443}
-S3_PORT=${S3_PORT:-36900}
-RAY_GCS_PORT=${RAY_GCS_PORT:-36379}
-RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-36265}
-RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-36001}
-RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-36365} # Ray's default, 52365, would be shared by two heads
-KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-36080}
-KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-36081}
+# FSDP_CLUSTER_INSTANCE=N runs another cluster beside the first from the same checkout (the suite's second
+# pytest worker uses 1): its own state dir, Ray temp dir and cluster name, and every port moved up by N x 1000.
+INSTANCE=${FSDP_CLUSTER_INSTANCE:-0}
+if ((INSTANCE == 0)); then instance_suffix=""; else instance_suffix="-$INSTANCE"; fi
+port_offset=$((INSTANCE * 1000))
+STATE=${FSDP_STATE_DIR:-$root/.local-cluster$instance_suffix} # pids, logs, kubeconfig, env file of the cluster
+# Ray puts unix sockets under its temp dir; keep the path short (108-byte limit) and unique per checkout and
+# instance (equal-length hashes: no instance's path is a prefix of another's, which pgrep -f relies on).
+RAY_TMP=${FSDP_RAY_TMP:-/tmp/fsdp-ray-$(printf '%s%s' "$root" "$instance_suffix" | sha1sum | cut -c1-8)}
+CLUSTER_NAME=${CLUSTER_NAME:-fsdp-local$instance_suffix}
+APISERVER_PORT=${APISERVER_PORT:-$((36443 + port_offset))}
+S3_PORT=${S3_PORT:-$((36900 + port_offset))}
+RAY_GCS_PORT=${RAY_GCS_PORT:-$((36379 + port_offset))}
+RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-$((36265 + port_offset))}
+RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-$((36001 + port_offset))}
+# Ray's default agent port, 52365, would be shared by two heads.
+RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-$((36365 + port_offset))}
+KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-$((36080 + port_offset))}
+KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-$((36081 + port_offset))}
 export KWOK_WORKDIR=$STATE/kwok
 # kwokctl writes the apiserver's audit log here (hack/cluster/audit-policy.yaml), rotated at 50 MB, 2 kept.
 APISERVER_AUDIT_LOG=$KWOK_WORKDIR/clusters/$CLUSTER_NAME/logs/audit.log

@@ -9,11 +9,13 @@ import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests import reliability as reliability_table
 from tests.harness import (
+    INSTANCE,
     REPO,
     LocalCluster,
     OperatorProcess,
@@ -28,12 +30,23 @@ from tests.harness import (
 TIERS = ("unit", "cluster", "e2e")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # The hack/ scripts this process runs (cluster-up, ray-head.sh, ...) act on this process's cluster.
+    os.environ["FSDP_CLUSTER_INSTANCE"] = str(INSTANCE)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks each test with its tier, and runs the slow tiers first: pytest-xdist hands whole files to its
+    workers in this order, so the long end-to-end files start early and the many short ones even out the
+    end."""
+    tiers: dict[str, str] = {}
     for item in items:
         tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
         if tier is None:
             raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/cluster or tests/e2e")
         item.add_marker(getattr(pytest.mark, tier))
+        tiers[item.nodeid] = tier
+    items.sort(key=lambda item: ("e2e", "cluster", "unit").index(tiers[item.nodeid]))
 
 
 def _cluster_running() -> bool:
@@ -157,15 +170,30 @@ def reliability(request: pytest.FixtureRequest) -> reliability_table.Recorder:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A whole run (the configured test paths, nothing deselected) that passed rewrites the table."""
+    """A whole run (the configured test paths, nothing deselected) that passed rewrites the table. Under
+    pytest-xdist each worker hands its rows to the controller, which writes the table."""
     config = session.config
+    rows = config.stash.setdefault(reliability_table.ROWS, {})
+    order = config.stash.setdefault(reliability_table.ORDER, reliability_table.fault_tests(session.items))
+    if hasattr(config, "workeroutput"):
+        config.workeroutput["reliability"] = reliability_table.to_wire(rows, order)
+        return
     whole = (
         config.args_source == pytest.Config.ArgsSource.TESTPATHS
         and not config.option.keyword
         and not config.option.markexpr
         and not config.option.deselect
     )
-    rows = config.stash.get(reliability_table.ROWS, {})
-    order = reliability_table.fault_tests(session.items)
     if whole and exitstatus == 0 and order and set(order) <= set(rows):
         reliability_table.write_table(rows, order)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """pytest-xdist's controller: a worker finished; keep the rows it recorded (every worker collected the
+    same tests, so any one's order is the order)."""
+    wire = getattr(node, "workeroutput", {}).get("reliability")
+    if wire:
+        rows, order = reliability_table.from_wire(wire)
+        node.config.stash.setdefault(reliability_table.ROWS, {}).update(rows)
+        node.config.stash[reliability_table.ORDER] = order

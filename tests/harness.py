@@ -18,7 +18,11 @@ from typing import Any, TypeVar
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
-STATE = Path(os.environ.get("FSDP_STATE_DIR", REPO / ".local-cluster"))
+# Which local cluster this process uses (hack/lib.sh, FSDP_CLUSTER_INSTANCE): pytest-xdist's worker gwN uses
+# instance N, so that two workers never share a control plane, a Ray head or an S3 server.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+INSTANCE = int(_WORKER[2:] if _WORKER else os.environ.get("FSDP_CLUSTER_INSTANCE", "0"))
+STATE = Path(os.environ.get("FSDP_STATE_DIR") or REPO / f".local-cluster{f'-{INSTANCE}' if INSTANCE else ''}")
 T = TypeVar("T")
 
 
@@ -283,7 +287,7 @@ class ControlPlaneComponent:
 
     @classmethod
     def all_of_local_cluster(cls) -> list[ControlPlaneComponent]:
-        cluster = STATE / "kwok" / "clusters" / "fsdp-local"
+        [cluster] = (STATE / "kwok" / "clusters").iterdir()
         documents = yaml.safe_load_all((cluster / "kwok.yaml").read_text())
         return [
             cls(c["name"], [c["binary"], *c.get("args", [])], Path(c["workDir"]))

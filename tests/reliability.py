@@ -11,6 +11,7 @@ import re
 from dataclasses import astuple, dataclass
 from importlib.metadata import version
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from tests.harness import REPO
 
 TABLE = REPO / "docs" / "reliability.md"
 ROWS = pytest.StashKey[dict[str, "Row"]]()
+ORDER = pytest.StashKey[list[str]]()  # every fault test collected, in collection order
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,15 @@ class Recorder:
 
 def fault_tests(items: list[pytest.Item]) -> list[str]:
     return [item.nodeid for item in items if "reliability" in getattr(item, "fixturenames", ())]
+
+
+def to_wire(rows: dict[str, Row], order: list[str]) -> dict[str, Any]:
+    """Rows and order as plain data, the only kind pytest-xdist passes from a worker to its controller."""
+    return {"rows": {test: list(astuple(row)) for test, row in rows.items()}, "order": order}
+
+
+def from_wire(wire: dict[str, Any]) -> tuple[dict[str, Row], list[str]]:
+    return {test: Row(*cells) for test, cells in wire["rows"].items()}, list(wire["order"])
 
 
 def write_table(rows: dict[str, Row], order: list[str], path: Path = TABLE) -> None:
