@@ -1,6 +1,7 @@
 """FSDP2 and checkpoint state in one CPU process (a one-rank gloo group): the root keeps its parameters after
 forward, an asynchronous checkpoint holds the state of its own step while training goes on, a failed save is
-never resumable, and a resumed run takes its hyperparameters from its own configuration."""
+never resumable (both on local disk and in S3), and a resumed run takes its hyperparameters from its own
+configuration."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from fsdp_trainer import checkpoint, optim, parallelize
 from fsdp_trainer.contract import FsdpSpec, TrainingSpec, Versions
 from fsdp_trainer.storage import Location
+from tests.unit.test_trainer_storage import s3_run  # noqa: F401  (a fixture)
 
 FINGERPRINT = "0123456789abcdef"
 
@@ -53,9 +55,18 @@ def weights(app: checkpoint.AppState) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in app.model.named_parameters()}
 
 
-def saver(run: Path) -> checkpoint.CheckpointSaver:
+def saver(run: Location) -> checkpoint.CheckpointSaver:
     identity = checkpoint.SaveIdentity("run", "job-1", FINGERPRINT, "data-0", 1, Versions())
-    return checkpoint.CheckpointSaver(Location.parse(str(run)), identity, 0, 3, torch.device("cpu"))
+    return checkpoint.CheckpointSaver(run, identity, 0, 3, torch.device("cpu"))
+
+
+@pytest.fixture(params=["local disk", "S3"])
+def run(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
+    """The run's storage: a local directory, or a prefix in a real S3 server (boto3's upload path)."""
+    if request.param == "S3":
+        s3_location: Location = request.getfixturevalue("s3_run")
+        return s3_location
+    return Location.parse(str(tmp_path))
 
 
 def test_the_root_keeps_its_parameters_after_forward_and_the_blocks_reshard() -> None:
@@ -68,11 +79,11 @@ def test_the_root_keeps_its_parameters_after_forward_and_the_blocks_reshard() ->
     assert block_group.post_forward_mesh_info is not None, "FULL_SHARD blocks free their parameters"
 
 
-def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_path: Path) -> None:
+def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(run: Location) -> None:
     app = sharded_app(TrainingSpec(learning_rate=1e-2))
     train_step(app)
     at_save = weights(app)
-    checkpoints = saver(tmp_path)
+    checkpoints = saver(run)
     checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
     for _ in range(3):  # the save is in flight: these steps change the weights it is writing
         train_step(app)
@@ -82,7 +93,7 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
     assert (result.manifest.step, result.manifest.fingerprint) == (1, FINGERPRINT)
     assert not all(torch.equal(at_save[name], now) for name, now in weights(app).items())
 
-    found = checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT)
+    found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
     assert found is not None
     restored = sharded_app(TrainingSpec(learning_rate=1e-2))
     checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
@@ -92,7 +103,7 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(tmp_pa
 
 
 def test_a_save_that_fails_midway_leaves_nothing_resumable(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    run: Location, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     app = sharded_app(TrainingSpec())
     train_step(app)
@@ -103,13 +114,13 @@ def test_a_save_that_fails_midway_leaves_nothing_resumable(
         raise OSError("connection reset")
 
     monkeypatch.setattr(Location, "upload_from", upload_then_lose_the_connection)
-    checkpoints = saver(tmp_path)
+    checkpoints = saver(run)
     checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
     with pytest.raises(OSError, match="connection reset"):
         checkpoints.wait()
     checkpoints.close()
-    assert any(tmp_path.glob("checkpoint_*/.metadata")), "the shards are there"
-    assert checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT) is None
+    assert [".metadata" in saved.listing for saved in checkpoint.run_checkpoints(run)] == [True], "shards"
+    assert checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT) is None
 
 
 def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Path) -> None:
@@ -117,7 +128,7 @@ def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Pat
     app = sharded_app(first)
     train_step(app)
     train_step(app)
-    checkpoints = saver(tmp_path)
+    checkpoints = saver(Location.parse(str(tmp_path)))
     checkpoints.start(app, checkpoint.checkpoint_name(2, "a"), loss=4.0)
     checkpoints.wait()
     checkpoints.close()

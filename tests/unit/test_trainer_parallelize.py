@@ -40,6 +40,7 @@ def test_activation_checkpointing_layers() -> None:
     assert checkpointed_layer_indices(ActivationCheckpointing.NONE, 4) == []
     assert checkpointed_layer_indices(ActivationCheckpointing.FULL, 4) == [0, 1, 2, 3]
     assert checkpointed_layer_indices(ActivationCheckpointing.SELECTIVE, 5) == [0, 2, 4]
+    assert checkpointed_layer_indices(ActivationCheckpointing.SELECTIVE_OP, 3) == [0, 1, 2]
 
 
 def test_cpu_trains_in_fp32_and_gpus_in_the_requested_dtype() -> None:

@@ -1,9 +1,13 @@
-"""Storage operations whose order matters to the user: the exported model is replaced, never emptied first."""
+"""Storage operations whose order matters to the user: the exported model is replaced, never emptied first;
+and uploads to S3 (a real S3 server on loopback) store every file whole."""
 
 from __future__ import annotations
 
+import os
+import uuid
 from pathlib import Path
 
+import boto3
 import pytest
 
 from fsdp_trainer.storage import Location
@@ -38,3 +42,41 @@ def test_a_failed_upload_keeps_the_previous_model(tmp_path: Path, monkeypatch: p
     with pytest.raises(OSError):
         destination.replace_with(str(new))
     assert (tmp_path / "model" / "model.safetensors").read_text() == "old weights"
+
+
+@pytest.fixture
+def s3_run(s3_endpoint: str) -> Location:
+    """A run prefix in a fresh bucket of the test S3 server."""
+    bucket = f"trainer-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(
+        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
+    )
+    return Location.parse(f"s3://{bucket}/runs/run-1")
+
+
+def test_a_directory_uploaded_to_s3_arrives_byte_for_byte(tmp_path: Path, s3_run: Location) -> None:
+    contents = {
+        "__0_0.distcp": os.urandom(9 << 20),  # above boto3's 8 MiB threshold: a multipart upload
+        "__1_0.distcp": os.urandom(1000),
+        ".metadata": b"dcp metadata",
+        "nested/rng_rank00000.pt": b"rng",
+    }
+    local = tmp_path / "checkpoint"
+    for name, content in contents.items():
+        (local / name).parent.mkdir(parents=True, exist_ok=True)
+        (local / name).write_bytes(content)
+    destination = s3_run.child("checkpoint_00000001_a")
+    destination.upload_from(str(local))
+    assert destination.list_files() == {name: len(content) for name, content in contents.items()}
+    for name, content in contents.items():
+        assert destination.child(name).read_bytes() == content, name
+
+
+def test_replacing_a_model_in_s3_leaves_exactly_the_new_files(tmp_path: Path, s3_run: Location) -> None:
+    destination = s3_run.child("model")
+    destination.child("pytorch_model.bin").write_text("an older format")
+    destination.child("model.safetensors").write_text("old weights")
+    _, new = exported(tmp_path)
+    destination.replace_with(str(new))
+    assert destination.list_files() == {"model.safetensors": 11, "config.json": 2}
+    assert destination.child("model.safetensors").read_text() == "new weights"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -366,7 +367,10 @@ class CheckpointSaver:
             local_files: dict[str, int] = {}
             try:
                 started = time.perf_counter()
-                dcp_save(staged, checkpoint_id=local_dir, process_group=self.group)
+                # Not synced to disk: the local files are a staging copy the upload reads back at once, and
+                # the checkpoint is durable only once storage holds it.
+                writer = FileSystemWriter(local_dir, sync_files=False)
+                dcp_save(staged, storage_writer=writer, process_group=self.group)
                 written = time.perf_counter()
                 local_files = {e.name: e.stat().st_size for e in os.scandir(local_dir) if e.is_file()}
                 location.upload_from(local_dir)

@@ -75,6 +75,7 @@ class ActivationCheckpointing(StrEnum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
+    SELECTIVE_OP = "selective-op"
 
 
 class Schedule(StrEnum):
@@ -132,11 +133,18 @@ class FsdpSpec(ContractModel):
     )
     activation_checkpointing: ActivationCheckpointing = Field(
         default=ActivationCheckpointing.NONE,
-        description="Recompute activations in backward: none, full (every decoder layer) or selective "
-        "(every other layer).",
+        description="Recompute activations in backward: none, full (every decoder layer), selective "
+        "(every other layer) or selective-op (in every layer, keep the outputs of attention and of every "
+        "other matmul and recompute the rest, as torchtitan's per-operation policy does).",
     )
     cpu_offload: bool = Field(default=False, description="Offload sharded parameters and optimizer to CPU.")
     compile: bool = Field(default=False, description="torch.compile each decoder layer before sharding.")
+    reduce_every_micro_step: bool = Field(
+        default=False,
+        description="Reduce-scatter gradients after every micro-step rather than after the last one of a "
+        "step: each rank then accumulates only its shard of the gradients (less memory with "
+        "gradAccumulation > 1) for one reduce-scatter per micro-step.",
+    )
 
 
 class TrainingSpec(ContractModel):
@@ -153,6 +161,13 @@ class TrainingSpec(ContractModel):
     weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
     max_grad_norm: float = Field(default=1.0, ge=0, description="Gradient clipping norm; 0 disables it.")
     seed: int = Field(default=0, ge=0, description="Seed for initialisation, data order and dropout.")
+    loss_chunk_tokens: int = Field(
+        default=0,
+        ge=0,
+        description="Compute the output projection and cross-entropy this many tokens at a time, "
+        "recomputing each chunk's logits in backward, so the logits of a whole micro-batch never exist at "
+        "once (large vocabularies); 0 computes them in one piece.",
+    )
     log_every: int = Field(
         default=10,
         ge=1,

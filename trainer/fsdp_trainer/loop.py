@@ -17,7 +17,7 @@ import torch.distributed as dist
 from pydantic import BaseModel
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer import checkpoint, data, distributed, model, optim, parallelize, transport
+from fsdp_trainer import checkpoint, chunked_loss, data, distributed, model, optim, parallelize, transport
 from fsdp_trainer.contract import (
     MODEL_DIR,
     Precision,
@@ -164,6 +164,8 @@ class Worker:
             device_type,
         )
         root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
+        if training.loss_chunk_tokens:
+            chunked_loss.install(lm, training.loss_chunk_tokens)
         if resume_from is not None:
             weights: Literal["initialise", "load", "checkpoint"] = "checkpoint"
         elif config.model.from_config is not None:
@@ -272,15 +274,19 @@ class Worker:
         """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
         norm before clipping, as device tensors (reading them is the metrics processor's host sync)."""
         training, device, state = self.config.training, self.runtime.device, session.state
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(training.grad_accumulation):
-            indices = session.layout.micro_batch_indices(state.data_position, micro_step, self.runtime.rank)
-            batch = session.datasets.train.samples(indices).to(device)
-            # Gradients are reduce-scattered only after the last micro-step of the step.
-            session.root.set_requires_gradient_sync(micro_step == training.grad_accumulation - 1)
-            loss = session.lm(input_ids=batch, labels=batch).loss / training.grad_accumulation
-            loss.backward()
-            loss_sum += loss.detach()
+        micro_batches = (  # read one at a time, as each micro-step begins
+            session.datasets.train.samples(
+                session.layout.micro_batch_indices(state.data_position, micro_step, self.runtime.rank)
+            ).to(device)
+            for micro_step in range(training.grad_accumulation)
+        )
+        loss_sum = optim.accumulate_gradients(
+            session.lm,
+            session.root,
+            micro_batches,
+            training.grad_accumulation,
+            self.config.fsdp.reduce_every_micro_step,
+        )
         grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
         session.optimizer.step()
         session.scheduler.step()

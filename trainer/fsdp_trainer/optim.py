@@ -7,6 +7,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer.contract import Schedule, TrainingSpec
 
@@ -42,6 +43,28 @@ def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.A
     ]
     on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
     return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=on_cuda or None)
+
+
+def accumulate_gradients(
+    lm: torch.nn.Module,
+    root: FSDPModule,
+    micro_batches: Iterable[torch.Tensor],
+    micro_steps: int,
+    reduce_every_micro_step: bool,
+) -> torch.Tensor:
+    """Forward and backward over one optimizer step's `micro_steps` micro-batches, each loss scaled by
+    1 / micro_steps; returns the sum of the scaled losses as a device tensor.
+
+    By default gradients are reduce-scattered once, after the last micro-step, and accumulate unsharded
+    before it (the fewest collectives); with reduce_every_micro_step they are reduce-scattered after every
+    micro-step and accumulate as this rank's shard (1 / shard-size of the memory)."""
+    losses = []
+    for micro_step, batch in enumerate(micro_batches):
+        root.set_requires_gradient_sync(reduce_every_micro_step or micro_step == micro_steps - 1)
+        loss = lm(input_ids=batch, labels=batch).loss / micro_steps
+        loss.backward()
+        losses.append(loss.detach())
+    return torch.stack(losses).sum()
 
 
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

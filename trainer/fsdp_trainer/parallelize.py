@@ -4,8 +4,10 @@ so a tied embedding stays in one group, and is not resharded after forward)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -16,6 +18,11 @@ from torch.distributed.fsdp import (
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
+)
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    create_selective_checkpoint_contexts,
 )
 
 from fsdp_trainer.contract import ActivationCheckpointing, FsdpSpec, Precision, ShardingStrategy
@@ -78,20 +85,55 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 
 def checkpointed_layer_indices(mode: ActivationCheckpointing, count: int) -> list[int]:
-    if mode == ActivationCheckpointing.FULL:
+    if mode in (ActivationCheckpointing.FULL, ActivationCheckpointing.SELECTIVE_OP):
         return list(range(count))
     if mode == ActivationCheckpointing.SELECTIVE:
         return list(range(0, count, 2))
     return []
 
 
+_aten = torch.ops.aten
+_MATMULS = {_aten.mm.default, _aten.addmm.default}
+# Outputs kept by per-operation selective checkpointing (torchtitan's list, plus CPU attention and addmm for
+# projections with a bias): costly to recompute; everything else (norms, activations, elementwise) is cheap.
+_KEPT_OPS = _MATMULS | {
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def _keep_attention_and_every_other_matmul(
+    matmuls: dict[bool, int], context: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any
+) -> CheckpointPolicy:
+    """torchtitan's per-operation policy: the first, third, ... matmul of a layer's forward are kept and
+    the others recomputed, halving the matmul activations for a share of the matmul time; counted
+    separately in forward and in recomputation, which must make the same choices."""
+    if op in _MATMULS:
+        matmuls[context.is_recompute] += 1
+        keep = matmuls[context.is_recompute] % 2 == 1
+    else:
+        keep = op in _KEPT_OPS
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _per_operation_contexts() -> tuple[Any, Any]:
+    """Fresh matmul counts for each checkpointed forward (and its recomputation)."""
+    policy = functools.partial(_keep_attention_and_every_other_matmul, {False: 0, True: 0})
+    contexts: tuple[Any, Any] = create_selective_checkpoint_contexts(policy)  # type: ignore[no-untyped-call]
+    return contexts
+
+
 def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype: torch.dtype) -> FSDPModule:
     """Shards `model` in place and returns it as the FSDP root. Gradients always reduce in fp32."""
     layers = decoder_layers(model)
-    for index in checkpointed_layer_indices(
-        ActivationCheckpointing(spec.activation_checkpointing), len(layers)
-    ):
-        layers[index] = checkpoint_wrapper(layers[index])
+    mode = ActivationCheckpointing(spec.activation_checkpointing)
+    for index in checkpointed_layer_indices(mode, len(layers)):
+        if mode == ActivationCheckpointing.SELECTIVE_OP:
+            layers[index] = checkpoint_wrapper(layers[index], context_fn=_per_operation_contexts)
+        else:
+            layers[index] = checkpoint_wrapper(layers[index])
     if spec.compile:
         for layer in layers:
             layer.compile()
