@@ -50,6 +50,11 @@ demo: venv tools ## the main job end to end (local cluster, or the cluster in KU
 	@hack/demo.sh
 
 .PHONY: bench
-bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU; GPU script in bench/
+bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU, load; GPU script in bench/
 	$(PY) bench/control_plane.py
 	$(PY) bench/trainer_cpu.py
+	$(PY) bench/load.py
+
+.PHONY: bench-load
+bench-load: venv tools ## 200 runs beside 200 KubeRay RayJobs, then a 30-minute soak (about an hour)
+	$(PY) bench/load.py $(LOAD_ARGS)

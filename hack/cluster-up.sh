@@ -56,13 +56,8 @@ kubectl apply --server-side -f "$root/bin/kuberay-crds/" >/dev/null
 # The limits below are generous on purpose: a loaded 2-core machine can be several times slower than usual.
 wait_for "KubeRay CRDs established" 180 kubectl wait --for condition=established --timeout 5s crd/rayclusters.ray.io crd/rayjobs.ray.io
 
-log "starting the KubeRay operator out of cluster"
-start_daemon kuberay "$root/bin/ray-operator" --kubeconfig "$KUBECONFIG" \
-  --enable-leader-election=false --metrics-addr "127.0.0.1:$KUBERAY_METRICS_PORT" \
-  --health-probe-bind-address "127.0.0.1:$KUBERAY_HEALTH_PORT"
-
+"$root/hack/kuberay.sh" start
 wait_for "S3 server" 120 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
-wait_for "KubeRay operator" 180 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
 wait_for "Ray dashboard" 300 ray_dashboard_answers
 wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node --all
 log "local cluster up in $(($(date +%s) - start))s; source $STATE/env"

@@ -1,5 +1,7 @@
 # Shared settings and helpers for the hack/ scripts; sourced, never run. Every port is on 127.0.0.1 and
-# can be moved with the environment variable of the same name.
+# can be moved with the environment variable of the same name. They lie below Linux's ephemeral range
+# (32768-60999): a port in it can be taken by any outgoing connection while its server is down, and a test
+# that stops KubeRay for three minutes then could not start it again on its port.
 # shellcheck shell=bash
 CACHE=${FSDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fsdp-operator} # builds, kept between clones
 VENV=${FSDP_VENV:-$CACHE/venv}
@@ -13,15 +15,15 @@ STATE=${FSDP_STATE_DIR:-$root/.local-cluster$instance_suffix} # pids, logs, kube
 # instance (equal-length hashes: no instance's path is a prefix of another's, which pgrep -f relies on).
 RAY_TMP=${FSDP_RAY_TMP:-/tmp/fsdp-ray-$(printf '%s%s' "$root" "$instance_suffix" | sha1sum | cut -c1-8)}
 CLUSTER_NAME=${CLUSTER_NAME:-fsdp-local$instance_suffix}
-APISERVER_PORT=${APISERVER_PORT:-$((36443 + port_offset))}
-S3_PORT=${S3_PORT:-$((36900 + port_offset))}
-RAY_GCS_PORT=${RAY_GCS_PORT:-$((36379 + port_offset))}
-RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-$((36265 + port_offset))}
-RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-$((36001 + port_offset))}
+APISERVER_PORT=${APISERVER_PORT:-$((26443 + port_offset))}
+S3_PORT=${S3_PORT:-$((26900 + port_offset))}
+RAY_GCS_PORT=${RAY_GCS_PORT:-$((26379 + port_offset))}
+RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-$((26265 + port_offset))}
+RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-$((26001 + port_offset))}
 # Ray's default agent port, 52365, would be shared by two heads.
-RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-$((36365 + port_offset))}
-KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-$((36080 + port_offset))}
-KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-$((36081 + port_offset))}
+RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-$((26365 + port_offset))}
+KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-$((26080 + port_offset))}
+KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-$((26081 + port_offset))}
 export KWOK_WORKDIR=$STATE/kwok
 # kwokctl writes the apiserver's audit log here (hack/cluster/audit-policy.yaml), rotated at 50 MB, 2 kept.
 APISERVER_AUDIT_LOG=$KWOK_WORKDIR/clusters/$CLUSTER_NAME/logs/audit.log

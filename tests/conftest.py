@@ -53,7 +53,8 @@ def _cluster_running() -> bool:
     return subprocess.run([REPO / "hack" / "cluster-status.sh"], capture_output=True).returncode == 0
 
 
-# What failed cluster-up attempts printed, repeated at the very end of the run where CI's tail shows it.
+# What failed cluster-up attempts printed, repeated at the very end of the run where CI's tail shows it
+# (pytest-xdist's workers hand theirs to the controller, which prints the summary).
 _cluster_up_failures: list[str] = []
 
 
@@ -177,6 +178,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     order = config.stash.setdefault(reliability_table.ORDER, reliability_table.fault_tests(session.items))
     if hasattr(config, "workeroutput"):
         config.workeroutput["reliability"] = reliability_table.to_wire(rows, order)
+        config.workeroutput["cluster_up_failures"] = _cluster_up_failures
         return
     whole = (
         config.args_source == pytest.Config.ArgsSource.TESTPATHS
@@ -191,7 +193,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: Any, error: object) -> None:
     """pytest-xdist's controller: a worker finished; keep the rows it recorded (every worker collected the
-    same tests, so any one's order is the order)."""
+    same tests, so any one's order is the order) and what its failed cluster starts printed."""
+    _cluster_up_failures.extend(getattr(node, "workeroutput", {}).get("cluster_up_failures", []))
     wire = getattr(node, "workeroutput", {}).get("reliability")
     if wire:
         rows, order = reliability_table.from_wire(wire)

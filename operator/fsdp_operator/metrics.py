@@ -13,6 +13,7 @@ one of ERROR_KINDS; no label is taken from a message or other free text.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import functools
 import time
@@ -207,6 +208,17 @@ class RunsCollector(Collector):
         yield GaugeMetricFamily(
             f"{PREFIX}leader", "1 while this replica holds the Lease and reconciles, else 0.", self.leading()
         )
+        try:
+            tasks = len(asyncio.all_tasks())  # scraped on the operator's loop (serve); none elsewhere
+        except RuntimeError:
+            tasks = None
+        if tasks is not None:
+            yield GaugeMetricFamily(
+                f"{PREFIX}asyncio_tasks",
+                "Tasks on the operator's event loop (kopf's watchers, workers and timers): flat while the "
+                "runs are; a rise with a steady set of runs is a leak.",
+                tasks,
+            )
         per_run = PerRun(self.clock())
         for body in self.runs():
             per_run.add(body)

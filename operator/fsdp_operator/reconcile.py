@@ -816,14 +816,20 @@ class _Pass:
 
     def check_liveness(self) -> None:
         """Setup timeout until the attempt's first training record (heartbeats keep it alive), then the hang
-        timeout; neither while progress cannot be read, but a run that can be observed neither in S3 nor in
-        Ray for longer than the hang timeout is restarted."""
+        timeout; neither while progress cannot be read, nor after the trainer's final record while Ray cannot
+        be asked, but a run that can be observed neither in S3 nor in Ray for longer than the hang timeout is
+        restarted."""
         new, obs, recovery = self.new, self.obs, self.spec.recovery
         if obs.storage_error is not None:
             if obs.job is None and self.unobservable_too_long():
                 self.fail_attempt(self.unobservable_failure())
             return
         record = self.attempt_progress()
+        if record is not None and record.phase == "finished" and obs.job is None:
+            # The trainer is done and silent on purpose; only Ray can tell how its job ended, and Ray cannot
+            # be asked now. Restarting for that silence would train a finished run again.
+            self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+            return
         started = obs.job.start_time if obs.job else None
         if record is not None and record.phase != "starting":
             quiet, limit, reason = (

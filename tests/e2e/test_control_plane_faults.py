@@ -4,16 +4,21 @@ change, and create nothing twice:
 - its connection to the apiserver goes silent: every watch and request black-holed behind a loopback proxy
   (accepted, never answered, never closed: a dead NAT entry or peer) while runs are created, changed and
   deleted directly; it must notice its dead watches by itself (renewed every watch_timeout_seconds);
-- kube-apiserver or etcd is killed (SIGKILL) for 30 s and started again as it was: the apiserver comes back
-  with an empty watch cache, so every watch resumed from an older resourceVersion is refused (410 Gone) and
-  the operator must list again.
+- kube-apiserver or etcd is killed (SIGKILL) for 30 s and started again as it was. While the apiserver is
+  down, etcd is compacted to its latest revision: the apiserver comes back with an empty watch cache above a
+  compacted history, so every watch resumed from before is refused (410 Gone) and the operator must list
+  again. One run waits for capacity and one trains (a real Ray job) meanwhile.
 
-The runs wait for capacity (more GPUs than the fake nodes have): no Ray job is needed to see the operator act.
+The runs changed during the faults wait for capacity (more GPUs than the fake nodes have): no Ray job is
+needed to see the operator act on them.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -21,6 +26,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
 from tests.harness import (
     ControlPlaneComponent,
     LocalCluster,
@@ -132,17 +138,63 @@ def apiserver_ready() -> bool:
     return kubectl("get", "--raw", "/readyz", check=False).returncode == 0
 
 
+def runs_path(namespace: str) -> str:
+    return f"/apis/fsdp.training.dev/v1alpha1/namespaces/{namespace}/fsdptrainingruns"
+
+
+def runs_resource_version(namespace: str) -> str:
+    listed = json.loads(kubectl("get", "--raw", runs_path(namespace)).stdout)
+    return str(listed["metadata"]["resourceVersion"])
+
+
+def watch_from(namespace: str, resource_version: str) -> str:
+    """What a watch of the namespace's runs from that resourceVersion gets in its first second."""
+    query = f"?watch=1&resourceVersion={resource_version}&timeoutSeconds=1"
+    return kubectl("get", "--raw", runs_path(namespace) + query).stdout
+
+
+def compact_etcd() -> int:
+    """Compacts the local cluster's etcd to its current revision (physically), through its gRPC gateway."""
+    etcd = ControlPlaneComponent.of_local_cluster("etcd")
+    [urls] = [arg.split("=", 1)[1] for arg in etcd.command if arg.startswith("--listen-client-urls=")]
+    endpoint = urls.split(",")[0]
+
+    def post(path: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"{endpoint}{path}", json.dumps(body).encode(), {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            found: dict[str, Any] = json.load(answer)
+            return found
+
+    revision = int(post("/v3/kv/range", {"key": base64.b64encode(b"/").decode()})["header"]["revision"])
+    post("/v3/kv/compaction", {"revision": str(revision), "physical": True})
+    return revision
+
+
+def progress_step(namespace: str, name: str) -> int:
+    found = kubectl("get", "fsdptrainingrun", name, "-n", namespace, "-o", "jsonpath={.status.progress.step}")
+    return int(found.stdout or 0)
+
+
 @pytest.mark.parametrize("component", ["kube-apiserver", "etcd"])
 def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
-    component: str, namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path,
-    reliability: Recorder,
+    component: str, namespace: str, crd_installed: None, local_cluster: LocalCluster, s3: Any,
+    tmp_path: Path, reliability: Recorder,
 ) -> None:  # fmt: skip
     killed = ControlPlaneComponent.of_local_cluster(component)
-    proc = OperatorProcess(namespace, {}, tmp_path / "operator.log").start()
+    proc = OperatorProcess(namespace, lifecycle_env(local_cluster), tmp_path / "operator.log").start()
     try:
         apply(namespace, run_named("before"))
+        training = demo_run(namespace, **SMALL, **{"training.maxSteps": 60})
         wait_for_phase(namespace, "before", "Pending", timeout=60)
+        wait_until(f"run {training} to train", lambda: progress_step(namespace, training) >= 1, RUN_TIMEOUT)
+        step_at_kill = progress_step(namespace, training)
+        listed_at = runs_resource_version(namespace)  # no older than any position of the operator's watches
+        kubectl("create", "configmap", "written-after-the-list", "-n", namespace)
         killed.kill()
+        if component == "kube-apiserver":  # etcd forgets the history the operator's watches would resume from
+            compacted = compact_etcd()
         time.sleep(KILLED_SECONDS)
         started = time.monotonic()
         restarted = restart_exited_control_plane()  # it, and what lost its leader lease meanwhile
@@ -153,22 +205,35 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
             120,
         )
         ready = time.monotonic() - started
+        if component == "kube-apiserver":  # its watch cache starts afresh, above a compacted history
+            refusal = watch_from(namespace, listed_at)
+            assert '"code":410' in refusal, f"a watch from {listed_at} was not refused: {refusal[:500]}"
         changed = time.monotonic()
         apply(namespace, run_named("after"))
         set_suspend(namespace, "before", True)
         handled = seconds_until_phases(namespace, {"after": "Pending", "before": "Suspended"}, changed, 90)
         assert proc.process is not None and proc.process.poll() is None, "the operator exited"
-        assert rayclusters(namespace) == []
+        assert len(rayclusters(namespace)) <= 1, "the training run's RayCluster, never a second one"
+        status = wait_for_phase(namespace, training, "Succeeded", timeout=RUN_TIMEOUT)["status"]
+        assert status["attempt"] == 1 and status["restarts"]["count"] == 0, status
     finally:
         restart_exited_control_plane()  # whatever failed above: the next tests need a whole control plane
         wait_until("the apiserver to be ready", apiserver_ready, 120)
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         proc.stop()
         print(f"--- operator log ---\n{proc.log.read_text()[-4000:]}")
+    compaction = (
+        f", etcd compacted to revision {compacted} meanwhile: every watch resumed from before is refused "
+        "with 410 Gone"
+        if component == "kube-apiserver"
+        else ""
+    )
     reliability.record(
-        f"{component} SIGKILLed for {KILLED_SECONDS} s under a running operator, then started again",
+        f"{component} SIGKILLed for {KILLED_SECONDS} s under a running operator, then started again"
+        f"{compaction}",
         "the same operator process acts on a run created and a run suspended right after; nothing created "
-        "twice",
+        "twice; a run training meanwhile finishes without a restart",
         f"apiserver ready {ready:.0f} s after the restart; both changes handled within "
-        f"{max(handled.values()):.0f} s",
+        f"{max(handled.values()):.0f} s; the training run was at step {step_at_kill} at the kill, finished "
+        "with 0 restarts",
     )

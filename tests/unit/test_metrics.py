@@ -230,3 +230,5 @@ def test_metrics_are_served_over_http(index: dict[tuple[str, str], Store]) -> No
         "fsdp_operator_leader 0.0" in text
         and 'fsdp_operator_run_step{name="tiny",namespace="ml"} 25.0' in text
     )
+    tasks = re.search(r"^fsdp_operator_asyncio_tasks (\d+)", text, re.M)
+    assert tasks and int(tasks.group(1)) >= 2, "the scrape's own task and the test's are on the loop"

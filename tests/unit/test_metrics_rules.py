@@ -31,6 +31,7 @@ ALERTS = {
 # Every series the operator exports (histograms with their _bucket/_count/_sum; counters with _total).
 SERIES = {
     "fsdp_operator_leader",
+    "fsdp_operator_asyncio_tasks",
     "fsdp_operator_runs",
     "fsdp_operator_run_phase",
     "fsdp_operator_run_info",

@@ -152,6 +152,17 @@ def test_hang_counts_from_the_attempts_own_training_records_only() -> None:
     assert hung.status.restarts.history[-1].reason == "Hang"
 
 
+def test_a_finished_trainer_is_not_a_hang_while_ray_cannot_be_asked() -> None:
+    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    finished = record("finished", seconds_ago=700, step=100)
+    waiting = reconcile(run_spec, status(), observe(dashboard_error="ReadTimeout", progress=finished))
+    assert waiting.status.phase == api.Phase.RUNNING and waiting.status.restarts.count == 0
+    assert condition(waiting, conditions.JOB_RUNNING).reason == "DashboardUnreachable"
+    # With Ray answering, a job still running long after the trainer's last record is stuck after all.
+    stuck = reconcile(run_spec, status(), observe(job=job("RUNNING"), progress=finished))
+    assert stuck.status.restarts.history[-1].reason == "Hang"
+
+
 def test_neither_s3_nor_ray_readable_for_longer_than_the_bound_restarts() -> None:
     run_spec = spec(recovery={"hangTimeoutSeconds": 600})
     blind = observe(storage_read=True, storage_error="s3: timeout", dashboard_error="ReadTimeout")

@@ -1,0 +1,441 @@
+"""Load: N FSDPTrainingRuns created at once beside N KubeRay RayJobs of the same shape, on the same apiserver
+and fake nodes, in one run; then a soak with the N runs training.
+
+- Fake capacity is added for both (clones of the local cluster's g6.12xlarge and system nodes, removed at the
+  end); every run and RayJob is one head (1 CPU) and one worker (1 GPU), in ten namespaces per kind.
+- The runs' Ray dashboard is a stand-in (bench/ray_standin.py) that speaks Ray's job API and writes progress
+  and checkpoints to S3 as the trainer does: one local Ray head cannot host 200 drivers on two cores. The
+  operator runs with its defaults otherwise (observe every 15 s, one process, watching the ten namespaces).
+- Figures: from each object's create to its RayCluster created and ready (KubeRay's `state: ready`, the same
+  event for both kinds), p50 and p99 per kind and their ratio; the runs' create to Running; apiserver requests
+  by user agent from the apiserver's audit log (it has the user agent; apiserver_request_total does not), per
+  run while they start and per running run per minute in the soak; the operator's peak RSS and CPU seconds;
+  in the soak, its RSS slope and its event loop's task count (fsdp_operator_asyncio_tasks).
+
+    python bench/load.py [--runs 200] [--soak-minutes 30]      (make bench-load; part of make bench)
+
+Prints one JSON document and the markdown rows of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
+
+import boto3  # noqa: E402
+from kubernetes import client as k8s  # noqa: E402
+from kubernetes import config as k8s_config  # noqa: E402
+from kubernetes import watch as k8s_watch  # noqa: E402
+from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog  # noqa: E402
+from tests.harness import (  # noqa: E402
+    LocalCluster,
+    OperatorProcess,
+    apply_crd,
+    example,
+    free_port,
+    kubectl,
+    kubectl_json,
+    stop_process,
+    wait_until,
+)
+
+from fsdp_operator import api, builder  # noqa: E402
+
+BUCKET = "fsdp-load"
+CORPUS = "data/stdlib-docstrings.jsonl"
+TEAMS = 10
+BENCH_LABEL = "fsdp.training.dev/load-bench"
+KUBERAY_USER_AGENT = "ray-operator"
+IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0"
+SHAPE = {
+    "cluster.workers": 1,
+    "cluster.gpusPerWorker": 1,
+    "cluster.efaPerWorker": 0,
+    "cluster.head.cpu": "1",
+    "cluster.head.memory": "4Gi",
+    "network.efa": "disabled",
+    "training.maxSteps": 1_000_000,  # trains through the soak; deleted at the end
+    "training.logEvery": 10,
+    "checkpoint.everySteps": 100,
+    "data.source": f"s3://{BUCKET}/{CORPUS}",
+    "checkpoint.storagePath": f"s3://{BUCKET}/runs",
+}
+
+
+class Timeline:
+    """When each object was created and when its RayCluster appeared and became ready (monotonic seconds),
+    keyed by (kind, namespace, name) of the object that owns the RayCluster."""
+
+    def __init__(self) -> None:
+        self.created: dict[tuple[str, str, str], float] = {}
+        self.cluster_added: dict[tuple[str, str, str], float] = {}
+        self.cluster_ready: dict[tuple[str, str, str], float] = {}
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+
+    def watch_clusters(self, api_client: k8s.ApiClient) -> None:
+        custom = k8s.CustomObjectsApi(api_client)
+        while not self.stop.is_set():
+            stream = k8s_watch.Watch().stream(
+                custom.list_cluster_custom_object, "ray.io", "v1", "rayclusters", timeout_seconds=30
+            )
+            for event in stream:
+                now, cluster = time.monotonic(), event["object"]
+                owners = cluster["metadata"].get("ownerReferences") or []
+                if not owners:
+                    continue
+                key = (owners[0]["kind"], cluster["metadata"]["namespace"], owners[0]["name"])
+                with self.lock:
+                    self.cluster_added.setdefault(key, now)
+                    if (cluster.get("status") or {}).get("state") == "ready":
+                        self.cluster_ready.setdefault(key, now)
+                if self.stop.is_set():
+                    break
+
+    def latencies(self, kind: str, until: dict[tuple[str, str, str], float]) -> list[float]:
+        return [until[key] - at for key, at in self.created.items() if key[0] == kind and key in until]
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, math.ceil(fraction * len(ordered)) - 1)]
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    return {
+        "n": len(values),
+        "p50": round(percentile(values, 0.5), 2),
+        "p99": round(percentile(values, 0.99), 2),
+    }
+
+
+def add_nodes(template: str, prefix: str, count: int, zones: list[str] | None = None) -> list[str]:
+    """Clones of one of the local cluster's fake nodes (KWOK makes them Ready), labelled for removal."""
+    node = kubectl_json("get", "node", template)
+    names = []
+    for i in range(count):
+        name = f"{prefix}-{i}"
+        labels = {**node["metadata"]["labels"], "kubernetes.io/hostname": name, BENCH_LABEL: "true"}
+        if zones:
+            labels["topology.kubernetes.io/zone"] = zones[i % len(zones)]
+        clone = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {"name": name, "labels": labels, "annotations": node["metadata"]["annotations"]},
+            "spec": {},
+            "status": {k: node["status"][k] for k in ("allocatable", "capacity", "nodeInfo")},
+        }
+        kubectl("apply", "-f", "-", input=json.dumps(clone))
+        names.append(name)
+    return names
+
+
+def run_manifest(name: str) -> dict[str, Any]:
+    manifest = example("cpu-demo", **SHAPE)
+    manifest["metadata"]["name"] = name
+    return manifest
+
+
+def rayjob_manifest(name: str, namespace: str) -> dict[str, Any]:
+    """KubeRay's RayJob with the RayCluster the operator builds for the same spec (as control_plane.py)."""
+    spec = api.FSDPTrainingRunSpec.model_validate(run_manifest(name)["spec"])
+    ref = builder.RunRef(name=name, namespace=namespace, uid=str(uuid.uuid4()))
+    cluster = builder.build_raycluster(spec, ref, IMAGE, None)
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": {"name": name},
+        "spec": {"entrypoint": "python -c 'print(1)'", "rayClusterSpec": cluster["spec"]},
+    }
+
+
+def proc_stat(pid: int) -> dict[str, float]:
+    """RSS and peak RSS (MiB) and CPU seconds of a process, from /proc."""
+    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {
+        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
+        "peak_rss_mib": int(status["VmHWM"].split()[0]) / 1024,
+        "cpu_seconds": (int(fields[11]) + int(fields[12])) / ticks,
+    }
+
+
+def asyncio_tasks(metrics_url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=10) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    found = [line for line in text.splitlines() if line.startswith("fsdp_operator_asyncio_tasks ")]
+    return int(float(found[0].split()[1])) if found else None
+
+
+def requests_by_agent(log: AuditLog, since: datetime, until: datetime) -> Counter[str]:
+    """Requests in [since, until) by user agent up to its first '/' (kopf, fsdp-operator, ray-operator...)."""
+    found: Counter[str] = Counter()
+    for event in log.requests("", since, until):
+        found[event.user_agent.split("/")[0].split(" ")[0]] += 1
+    return found
+
+
+def operator_requests(counts: Counter[str]) -> int:
+    return sum(
+        n for agent, n in counts.items() if agent in (KOPF_USER_AGENT.rstrip("/"), OPERATOR_USER_AGENT)
+    )
+
+
+def phase_counts(namespaces: list[str]) -> Counter[str]:
+    phases: Counter[str] = Counter()
+    for namespace in namespaces:
+        for run in kubectl_json("get", "fsdptrainingruns", "-n", namespace)["items"]:
+            phases[run.get("status", {}).get("phase") or "-"] += 1
+    return phases
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--soak-minutes", type=float, default=30)
+    parser.add_argument("--sample-seconds", type=float, default=30)
+    args = parser.parse_args()
+
+    subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
+    cluster = LocalCluster.from_env_file()
+    os.environ.update(cluster.env)
+    apply_crd()
+    s3 = boto3.client("s3", endpoint_url=cluster.s3_endpoint)
+    if BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]]:
+        s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    s3.upload_file(str(REPO / "examples" / "data" / "stdlib-docstrings.jsonl"), BUCKET, CORPUS)
+
+    both = 2 * args.runs
+    nodes = add_nodes("gpu-a-0", "load-gpu", math.ceil(both / 4), ["us-west-2a", "us-west-2b"])
+    nodes += add_nodes("system-0", "load-system", math.ceil(both / 8))
+    kubectl("wait", "--for", "condition=Ready", "--timeout", "300s", *[f"node/{n}" for n in nodes])
+    run_namespaces = [f"load-runs-{k}" for k in range(TEAMS)]
+    job_namespaces = [f"load-rayjobs-{k}" for k in range(TEAMS)]
+    for namespace in run_namespaces + job_namespaces:
+        kubectl("create", "namespace", namespace)
+
+    work = Path(cluster.env["FSDP_LOCAL_CLUSTER_STATE"]) / "logs"
+    port_file = work / "ray-standin.port"
+    port_file.unlink(missing_ok=True)
+    standin = subprocess.Popen(
+        [sys.executable, str(REPO / "bench" / "ray_standin.py"), "--port-file", str(port_file)],
+        env={**os.environ, "PYTHONPATH": str(REPO / "trainer")},
+        stdout=(work / "ray-standin.log").open("wb"),
+        stderr=subprocess.STDOUT,
+    )
+    wait_until("the Ray stand-in's port", lambda: port_file.exists() and port_file.read_text(), timeout=60)
+    metrics_port = free_port()
+    operator = OperatorProcess(
+        ",".join(run_namespaces),
+        {
+            "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
+            "FSDP_OPERATOR_DASHBOARD_URL": f"http://127.0.0.1:{port_file.read_text()}",
+            "FSDP_OPERATOR_DASHBOARD_TOKEN": "unused-by-the-stand-in",
+            "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
+            "FSDP_OPERATOR_AWS_ENDPOINT_URL": cluster.s3_endpoint,
+            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "15",  # the default (tests observe every 2 s)
+            "FSDP_OPERATOR_METRICS_PORT": str(metrics_port),
+        },
+        work / "load-operator.log",
+    ).start()
+    assert operator.process is not None
+    metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+    audit = AuditLog.of_local_cluster()
+    timeline = Timeline()
+    with k8s_config.new_client_from_config(config_file=cluster.kubeconfig) as api_client:
+        api_client.user_agent = "fsdp-load-bench"
+        watcher = threading.Thread(target=timeline.watch_clusters, args=(api_client,), daemon=True)
+        watcher.start()
+        wait_until("the operator's metrics", lambda: asyncio_tasks(metrics_url), timeout=120)
+        time.sleep(5)  # kopf's watches started: its start-up is not counted against it
+        try:
+            results = measure(args, api_client, timeline, run_namespaces, job_namespaces, operator, audit,
+                              metrics_url)  # fmt: skip
+        finally:
+            timeline.stop.set()
+            operator.stop()
+            stop_process(standin)
+            for namespace in run_namespaces:
+                for run in kubectl("get", "fsdptrainingruns", "-n", namespace, "-o", "name").stdout.split():
+                    kubectl("patch", run, "-n", namespace, "--type=merge",
+                            "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
+            for namespace in run_namespaces + job_namespaces:
+                kubectl(
+                    "delete",
+                    "rayclusters,rayjobs,jobs",
+                    "--all",
+                    "-n",
+                    namespace,
+                    "--wait=false",
+                    check=False,
+                )
+                kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+            kubectl("delete", "nodes", "-l", BENCH_LABEL, "--wait=false", check=False)
+    print(json.dumps(results, indent=2))
+    print_rows(results)
+
+
+def measure(
+    args: argparse.Namespace,
+    api_client: k8s.ApiClient,
+    timeline: Timeline,
+    run_namespaces: list[str],
+    job_namespaces: list[str],
+    operator: OperatorProcess,
+    audit: AuditLog,
+    metrics_url: str,
+) -> dict[str, Any]:
+    assert operator.process is not None
+    pid = operator.process.pid
+    custom = k8s.CustomObjectsApi(api_client)
+
+    def create(kind: str, i: int) -> None:
+        namespace = (run_namespaces if kind == "FSDPTrainingRun" else job_namespaces)[i % TEAMS]
+        name = f"load-{i:03d}"
+        if kind == "FSDPTrainingRun":
+            custom.create_namespaced_custom_object(
+                "fsdp.training.dev", "v1alpha1", namespace, "fsdptrainingruns", run_manifest(name)
+            )
+        else:
+            custom.create_namespaced_custom_object(
+                "ray.io", "v1", namespace, "rayjobs", rayjob_manifest(name, namespace)
+            )
+        with timeline.lock:
+            timeline.created[(kind, namespace, name)] = time.monotonic()
+
+    before = proc_stat(pid)
+    started_at = datetime.now(UTC)
+    with ThreadPoolExecutor(8) as pool:  # the two kinds interleaved, so that neither goes first
+        list(pool.map(lambda task: create(*task), [(k, i) for i in range(args.runs)
+                                                   for k in ("FSDPTrainingRun", "RayJob")]))  # fmt: skip
+    wait_until(
+        f"{2 * args.runs} RayClusters ready",
+        lambda: len(timeline.cluster_ready) >= 2 * args.runs,
+        timeout=1800,
+        interval=5,
+    )
+
+    running_at: dict[tuple[str, str], float] = {}
+
+    def all_running() -> bool:
+        for namespace in run_namespaces:
+            for run in kubectl_json("get", "fsdptrainingruns", "-n", namespace)["items"]:
+                key = (namespace, run["metadata"]["name"])
+                if run.get("status", {}).get("phase") == "Running":
+                    running_at.setdefault(key, time.monotonic())
+        return len(running_at) >= args.runs
+
+    wait_until(f"{args.runs} runs Running", all_running, timeout=1800, interval=2)
+    start_phase_end = datetime.now(UTC)
+    after_start = proc_stat(pid)
+    time.sleep(10)  # the audit log is written when a response completes
+    start_requests = requests_by_agent(audit, started_at, start_phase_end)
+
+    samples: list[tuple[float, float, int | None]] = []  # (seconds into the soak, RSS MiB, tasks)
+    soak_start, soak_at = time.monotonic(), datetime.now(UTC)
+    window_requests: list[float] = []
+    window_start = soak_at
+    while (elapsed := time.monotonic() - soak_start) < args.soak_minutes * 60:
+        samples.append((elapsed, proc_stat(pid)["rss_mib"], asyncio_tasks(metrics_url)))
+        if (datetime.now(UTC) - window_start).total_seconds() >= 300:  # count before the log rotates it away
+            window_end = datetime.now(UTC)
+            minutes = (window_end - window_start).total_seconds() / 60
+            window_requests.append(
+                operator_requests(requests_by_agent(audit, window_start, window_end)) / minutes
+            )
+            window_start = window_end
+        time.sleep(args.sample_seconds)
+    end = proc_stat(pid)
+    phases = phase_counts(run_namespaces)
+
+    created_ready = {
+        kind: {
+            "to_raycluster_created_s": summary(timeline.latencies(kind, timeline.cluster_added)),
+            "to_raycluster_ready_s": summary(timeline.latencies(kind, timeline.cluster_ready)),
+        }
+        for kind in ("FSDPTrainingRun", "RayJob")
+    }
+    to_running = [
+        running_at[(ns, name)] - at
+        for (kind, ns, name), at in timeline.created.items()
+        if kind == "FSDPTrainingRun" and (ns, name) in running_at
+    ]
+    ours, theirs = created_ready["FSDPTrainingRun"], created_ready["RayJob"]
+    slope = statistics.linear_regression([s[0] / 3600 for s in samples], [s[1] for s in samples]).slope
+    tasks = [s[2] for s in samples if s[2] is not None]
+    return {
+        "runs": args.runs,
+        "rayjobs": args.runs,
+        "date": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
+        "machine": f"{os.cpu_count()} CPUs",
+        "latency": created_ready,
+        "ratio_p50_ready": round(
+            ours["to_raycluster_ready_s"]["p50"] / theirs["to_raycluster_ready_s"]["p50"], 2
+        ),
+        "ratio_p99_ready": round(
+            ours["to_raycluster_ready_s"]["p99"] / theirs["to_raycluster_ready_s"]["p99"], 2
+        ),
+        "ratio_p50_created": round(
+            ours["to_raycluster_created_s"]["p50"] / theirs["to_raycluster_created_s"]["p50"], 2
+        ),
+        "ratio_p99_created": round(
+            ours["to_raycluster_created_s"]["p99"] / theirs["to_raycluster_created_s"]["p99"], 2
+        ),
+        "runs_create_to_running_s": summary(to_running),
+        "start_phase_requests_by_user_agent": dict(start_requests.most_common(12)),
+        "operator_requests_per_run_to_running": round(operator_requests(start_requests) / args.runs, 1),
+        "kuberay_requests_per_raycluster_to_ready": round(
+            start_requests[KUBERAY_USER_AGENT] / (2 * args.runs), 1
+        ),
+        "operator_requests_per_running_run_per_minute": [round(r / args.runs, 2) for r in window_requests],
+        "operator": {
+            "rss_mib_idle": round(before["rss_mib"], 1),
+            "rss_mib_all_running": round(after_start["rss_mib"], 1),
+            "peak_rss_mib": round(end["peak_rss_mib"], 1),
+            "cpu_seconds_to_all_running": round(after_start["cpu_seconds"] - before["cpu_seconds"], 1),
+            "cpu_seconds_per_minute_in_soak": round(
+                (end["cpu_seconds"] - after_start["cpu_seconds"]) / max(args.soak_minutes, 1e-9), 2
+            ),
+        },
+        "soak": {
+            "minutes": args.soak_minutes,
+            "phases_at_end": dict(phases),
+            "rss_mib_first_last": [round(samples[0][1], 1), round(samples[-1][1], 1)] if samples else None,
+            "rss_slope_mib_per_hour": round(slope, 2) if len(samples) > 1 else None,
+            "asyncio_tasks_min_max": [min(tasks), max(tasks)] if tasks else None,
+        },
+    }
+
+
+def print_rows(results: dict[str, Any]) -> None:
+    for kind, figures in results["latency"].items():
+        created, ready = figures["to_raycluster_created_s"], figures["to_raycluster_ready_s"]
+        print(f"| {kind} | {created['p50']} / {created['p99']} | {ready['p50']} / {ready['p99']} |")
+
+
+if __name__ == "__main__":
+    main()

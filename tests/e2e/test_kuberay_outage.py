@@ -1,0 +1,79 @@
+"""The KubeRay operator SIGKILLed for three minutes while one run trains and another provisions: nothing
+reconciles RayClusters meanwhile, so the provisioning run's cluster gets no pods and the training run's
+cluster status goes stale. Neither run fails or spends a restart; when KubeRay is back the waiting cluster
+comes up and its run trains."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run
+from tests.harness import (
+    REPO,
+    OperatorProcess,
+    conditions_of,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
+from tests.reliability import Recorder, seconds_between
+
+OUTAGE_SECONDS = 180
+
+
+def kuberay(action: str) -> None:
+    done = subprocess.run([str(REPO / "hack" / "kuberay.sh"), action], capture_output=True, text=True)
+    assert done.returncode == 0, f"hack/kuberay.sh {action} failed: {done.stderr[-3000:]}"
+
+
+def test_kuberay_stopped_for_three_minutes_fails_no_run_and_spends_no_restart(
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
+) -> None:
+    # Trains for longer than the outage; deleted at the end (the fixture deletes every run).
+    training = demo_run(namespace, **SMALL, **{"training.maxSteps": 100_000, "checkpoint.everySteps": 50})
+
+    def stepping() -> dict[str, Any] | None:
+        status = run_of(namespace, training).get("status", {})
+        return status if (status.get("progress", {}).get("step") or 0) >= 2 else None
+
+    wait_until(f"run {training} to train", stepping, timeout=RUN_TIMEOUT)
+    kuberay("kill")
+    try:
+        stopped = time.monotonic()
+        provisioning = demo_run(namespace, **SMALL, **{"training.maxSteps": 20})
+        steps_before = run_of(namespace, training)["status"]["progress"]["step"]
+        phases_seen = set()
+        while time.monotonic() - stopped < OUTAGE_SECONDS:
+            for name in (training, provisioning):
+                status = run_of(namespace, name).get("status", {})
+                phases_seen.add((name, status.get("phase")))
+                assert status.get("phase") not in ("Failed", "Restarting"), f"{name} in the outage: {status}"
+                assert status.get("restarts", {}).get("count", 0) == 0, f"{name} spent a restart: {status}"
+            time.sleep(5)
+        assert (provisioning, "Provisioning") in phases_seen, phases_seen
+        assert rayclusters(namespace), "the provisioning run's RayCluster was never created"
+        steps_after = run_of(namespace, training)["status"]["progress"]["step"]
+        assert steps_after > steps_before, "the training run's progress stopped with KubeRay"
+    finally:
+        kuberay("start")
+    back = datetime.now(UTC)
+
+    run = wait_for_phase(namespace, provisioning, "Running", timeout=RUN_TIMEOUT)
+    ready = conditions_of(run)["ClusterReady"]
+    assert ready["status"] == "True"
+    wait_for_phase(namespace, provisioning, "Succeeded", timeout=RUN_TIMEOUT)
+    for name in (training, provisioning):
+        status = run_of(namespace, name)["status"]
+        assert status["attempt"] == 1 and status["restarts"]["count"] == 0, f"{name}: {status}"
+    assert run_of(namespace, training)["status"]["phase"] == "Running"
+    reliability.record(
+        f"The KubeRay operator SIGKILLed for {OUTAGE_SECONDS} s while one run trains and another provisions",
+        "no run fails or spends a restart; the training run trains on; the provisioning run's cluster comes "
+        "up once KubeRay is back, and it trains to the end",
+        f"{steps_after - steps_before} steps trained during the outage; the waiting cluster ready "
+        f"{seconds_between(back, ready['lastTransitionTime']):.0f} s after KubeRay was back; 0 restarts",
+    )
