@@ -130,22 +130,30 @@ def summary(values: list[float]) -> dict[str, float]:
 def add_nodes(template: str, prefix: str, count: int, zones: list[str] | None = None) -> list[str]:
     """Clones of one of the local cluster's fake nodes (KWOK makes them Ready), labelled for removal."""
     node = kubectl_json("get", "node", template)
-    names = []
+    clones = []
     for i in range(count):
-        name = f"{prefix}-{i}"
-        labels = {**node["metadata"]["labels"], "kubernetes.io/hostname": name, BENCH_LABEL: "true"}
+        labels = {
+            **node["metadata"]["labels"],
+            "kubernetes.io/hostname": f"{prefix}-{i}",
+            BENCH_LABEL: "true",
+        }
         if zones:
             labels["topology.kubernetes.io/zone"] = zones[i % len(zones)]
-        clone = {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {"name": name, "labels": labels, "annotations": node["metadata"]["annotations"]},
-            "spec": {},
-            "status": {k: node["status"][k] for k in ("allocatable", "capacity", "nodeInfo")},
-        }
-        kubectl("apply", "-f", "-", input=json.dumps(clone))
-        names.append(name)
-    return names
+        clones.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {
+                    "name": f"{prefix}-{i}",
+                    "labels": labels,
+                    "annotations": node["metadata"]["annotations"],
+                },
+                "spec": {},
+                "status": {k: node["status"][k] for k in ("allocatable", "capacity", "nodeInfo")},
+            }
+        )
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": clones}))
+    return [clone["metadata"]["name"] for clone in clones]
 
 
 def run_manifest(name: str) -> dict[str, Any]:
@@ -231,7 +239,7 @@ def main() -> None:
 
     both = 2 * args.runs
     nodes = add_nodes("gpu-a-0", "load-gpu", math.ceil(both / 4), ["us-west-2a", "us-west-2b"])
-    nodes += add_nodes("system-0", "load-system", math.ceil(both / 8))
+    nodes += add_nodes("system-0", "load-system", math.ceil(both / 8) + 2)  # a head: 1 of its 8 CPUs
     kubectl("wait", "--for", "condition=Ready", "--timeout", "300s", *[f"node/{n}" for n in nodes])
     run_namespaces = [f"load-runs-{k}" for k in range(TEAMS)]
     job_namespaces = [f"load-rayjobs-{k}" for k in range(TEAMS)]
