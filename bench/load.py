@@ -2,7 +2,8 @@
 and fake nodes, in one run; then a soak with the N runs training.
 
 - Fake capacity is added for both (clones of the local cluster's g6.12xlarge and system nodes, removed at the
-  end); every run and RayJob is one head (1 CPU) and one worker (1 GPU), in ten namespaces per kind.
+  end); every run and RayJob is one head (1 CPU) and one worker (1 GPU, 8 CPUs), in ten namespaces per
+  kind.
 - The runs' Ray dashboard is a stand-in (bench/ray_standin.py) that speaks Ray's job API and writes progress
   and checkpoints to S3 as the trainer does: one local Ray head cannot host 200 drivers on two cores. The
   operator runs with its defaults otherwise (observe every 15 s, one process, watching the ten namespaces).
@@ -63,7 +64,7 @@ BUCKET = "fsdp-load"
 CORPUS = "data/stdlib-docstrings.jsonl"
 TEAMS = 10
 BENCH_LABEL = "fsdp.training.dev/load-bench"
-KUBERAY_USER_AGENT = "ray-operator"
+KUBERAY_USER_AGENT = "kuberay-operator"
 IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0"
 SHAPE = {
     "cluster.workers": 1,
@@ -71,6 +72,8 @@ SHAPE = {
     "cluster.efaPerWorker": 0,
     "cluster.head.cpu": "1",
     "cluster.head.memory": "4Gi",
+    "cluster.cpu": "8",  # four workers to a g6.12xlarge, one per GPU
+    "cluster.memory": "32Gi",
     "network.efa": "disabled",
     "training.maxSteps": 1_000_000,  # trains through the soak; deleted at the end
     "training.logEvery": 10,
@@ -198,7 +201,7 @@ def asyncio_tasks(metrics_url: str) -> int | None:
 
 
 def requests_by_agent(log: AuditLog, since: datetime, until: datetime) -> Counter[str]:
-    """Requests in [since, until) by user agent up to its first '/' (kopf, fsdp-operator, ray-operator...)."""
+    """Requests in [since, until) by user agent up to its first "/": kopf, fsdp-operator, kuberay-operator."""
     found: Counter[str] = Counter()
     for event in log.requests("", since, until):
         found[event.user_agent.split("/")[0].split(" ")[0]] += 1
@@ -238,11 +241,12 @@ def main() -> None:
     s3.upload_file(str(REPO / "examples" / "data" / "stdlib-docstrings.jsonl"), BUCKET, CORPUS)
 
     both = 2 * args.runs
-    nodes = add_nodes("gpu-a-0", "load-gpu", math.ceil(both / 4), ["us-west-2a", "us-west-2b"])
+    nodes = add_nodes("gpu-2a-0", "load-gpu", math.ceil(both / 4), ["us-west-2a", "us-west-2b"])
     nodes += add_nodes("system-0", "load-system", math.ceil(both / 8) + 2)  # a head: 1 of its 8 CPUs
     kubectl("wait", "--for", "condition=Ready", "--timeout", "300s", *[f"node/{n}" for n in nodes])
-    run_namespaces = [f"load-runs-{k}" for k in range(TEAMS)]
-    job_namespaces = [f"load-rayjobs-{k}" for k in range(TEAMS)]
+    bench_id = uuid.uuid4().hex[:4]  # an earlier run's namespaces may still be terminating
+    run_namespaces = [f"load-{bench_id}-runs-{k}" for k in range(TEAMS)]
+    job_namespaces = [f"load-{bench_id}-rayjobs-{k}" for k in range(TEAMS)]
     for namespace in run_namespaces + job_namespaces:
         kubectl("create", "namespace", namespace)
 
