@@ -344,13 +344,6 @@ def measure(
     with ThreadPoolExecutor(8) as pool:  # the two kinds interleaved, so that neither goes first
         list(pool.map(lambda task: create(*task), [(k, i) for i in range(args.runs)
                                                    for k in ("FSDPTrainingRun", "RayJob")]))  # fmt: skip
-    wait_until(
-        f"{2 * args.runs} RayClusters ready",
-        lambda: len(timeline.cluster_ready) >= 2 * args.runs,
-        timeout=1800,
-        interval=5,
-    )
-
     running_at: dict[tuple[str, str], float] = {}
 
     def all_running() -> bool:
@@ -361,7 +354,13 @@ def measure(
                     running_at.setdefault(key, time.monotonic())
         return len(running_at) >= args.runs
 
-    wait_until(f"{args.runs} runs Running", all_running, timeout=1800, interval=2)
+    wait_until(
+        f"{args.runs} runs Running and {2 * args.runs} RayClusters ready",
+        lambda: all_running() and len(timeline.cluster_ready) >= 2 * args.runs,
+        timeout=1800,
+        interval=5,
+    )
+
     start_phase_end = datetime.now(UTC)
     after_start = proc_stat(pid)
     time.sleep(10)  # the audit log is written when a response completes
