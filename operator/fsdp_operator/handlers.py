@@ -367,6 +367,9 @@ def _competitors(
             placed[(pod["metadata"]["namespace"], labels.get(builder.LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
     done_with_slots: set[str] = set()
+    # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once.
+    free_now: dict[str, list[preflight.NodeFree]] = {}
+    free_when_empty: dict[str, list[preflight.NodeFree]] = {}
     for other in indexes.all(indexes.runs):
         meta = other["metadata"]
         if meta["uid"] == run.uid:
@@ -380,19 +383,33 @@ def _competitors(
         if phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero:
             done_with_slots.add(meta["uid"])
             continue
-        admitted = phase in api.ACTIVE_PHASES
-        cluster = builder.ray_cluster_name(meta["name"])
+        name = f"{meta['namespace']}/{meta['name']}"
+        created = meta.get("creationTimestamp", "")
+        if phase in api.ACTIVE_PHASES:
+            cluster = builder.ray_cluster_name(meta["name"])
+            found[meta["uid"]] = preflight.Competitor(
+                name=name,
+                created=created,
+                instance_type=spec.cluster.instance_type,
+                admitted=True,
+                zone=status.get("zone"),
+                workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0),
+            )
+            continue
+        key = preflight.placement_key(spec)
+        if key not in free_now:
+            free_now[key] = preflight.free_worker_nodes(spec, nodes, pods)
+            free_when_empty[key] = preflight.free_worker_nodes(spec, nodes, [])
         found[meta["uid"]] = preflight.Competitor(
-            name=f"{meta['namespace']}/{meta['name']}",
-            created=meta.get("creationTimestamp", ""),
+            name=name,
+            created=created,
             instance_type=spec.cluster.instance_type,
-            admitted=admitted,
-            zone=status.get("zone"),
-            workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0)
-            if admitted
-            else spec.cluster.workers,
-            fits_when_empty=admitted
-            or preflight.check_nodes(spec, preflight.free_worker_nodes(spec, nodes, [])).ok,
+            admitted=False,
+            zone=None,
+            workers_not_placed=spec.cluster.workers,
+            fits_when_empty=preflight.check_nodes(spec, free_when_empty[key]).ok,
+            spec=spec,
+            free=tuple(free_now[key]),
         )
     now = time.monotonic()
     for uid, (when, competitor) in list(ctx.admitted.items()):
@@ -411,13 +428,8 @@ def _run_preflight(
         return preflight.check_instance_type(spec, facts)
     nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
-    waiting = preflight.first_in_line(spec, created, f"{run.namespace}/{run.name}", competitors)
-    if waiting is not None:
-        return waiting
     free = preflight.free_worker_nodes(spec, nodes, pods)
-    result = preflight.check_nodes(
-        spec, free, preflight.reservations(competitors, spec.cluster.instance_type)
-    )
+    result = preflight.admit(spec, created, f"{run.namespace}/{run.name}", free, competitors)
     if result.ok:
         ctx.admitted[run.uid] = (
             time.monotonic(),

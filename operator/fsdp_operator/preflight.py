@@ -114,6 +114,11 @@ def placement_of(pod: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def placement_key(spec: api.FSDPTrainingRunSpec) -> str:
+    """What decides which nodes a run's workers may use: runs that agree on it see the same free nodes."""
+    return spec.cluster.model_dump_json(include={"instance_type", "node_selector", "tolerations"})
+
+
 def free_worker_nodes(
     spec: api.FSDPTrainingRunSpec, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
 ) -> list[NodeFree]:
@@ -167,6 +172,8 @@ class Competitor:
     zone: str | None  # where an admitted run's workers go
     workers_not_placed: int  # an admitted run's workers not yet bound to a node, or a waiting run's demand
     fits_when_empty: bool = True  # a waiting run that could fit once the nodes are free
+    spec: api.FSDPTrainingRunSpec | None = None  # a waiting run's spec, to place it ahead of later runs
+    free: tuple[NodeFree, ...] = ()  # the nodes a waiting run's workers could use now
 
 
 def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[str, int]:
@@ -182,27 +189,43 @@ def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[
 WAITING_FOR_EARLIER_RUN = "WaitingForEarlierRun"
 
 
-def first_in_line(
-    spec: api.FSDPTrainingRunSpec, created: str, name: str, competitors: Iterable[Competitor]
-) -> PreflightResult | None:
-    """Runs that compete for one instance type are admitted in creation order: an earlier run still waiting
-    (and able to fit once nodes free up) goes first. Returns why this run waits, or None on its turn."""
+def admit(
+    spec: api.FSDPTrainingRunSpec,
+    created: str,
+    name: str,
+    free: list[NodeFree],
+    competitors: Iterable[Competitor],
+) -> PreflightResult:
+    """Runs that compete for one instance type are admitted in creation order, many in one pass: every earlier
+    run still waiting (that could fit once nodes free up) is placed first, in order, on what the admitted
+    runs' unplaced workers leave; this run is admitted if it fits in what remains. An earlier run that does
+    not fit now holds this one back (no backfill, so a large run is never starved by smaller later ones)."""
+    competitors = list(competitors)
+    reserved = reservations(competitors, spec.cluster.instance_type)
+    # creationTimestamp has whole seconds: the name breaks ties, so every pass agrees on one order.
     earlier = sorted(
-        (c.created, c.name)
-        for c in competitors
-        if not c.admitted
-        and c.fits_when_empty
-        and c.instance_type == spec.cluster.instance_type
-        and (c.created, c.name) < (created, name)  # creationTimestamp has whole seconds: the name breaks ties
+        (
+            c
+            for c in competitors
+            if not c.admitted
+            and c.fits_when_empty
+            and c.instance_type == spec.cluster.instance_type
+            and (c.created, c.name) < (created, name)
+        ),
+        key=lambda c: (c.created, c.name),
     )
-    if not earlier:
-        return None
-    return PreflightResult(
-        False,
-        WAITING_FOR_EARLIER_RUN,
-        f"{earlier[0][1]}, created earlier, waits for {spec.cluster.instance_type} capacity too and is "
-        "admitted first",
-    )
+    for other in earlier:
+        assert other.spec is not None, "a waiting run's record carries its spec"
+        placed = check_nodes(other.spec, list(other.free), reserved)
+        if not placed.ok or placed.zone is None:
+            return PreflightResult(
+                False,
+                WAITING_FOR_EARLIER_RUN,
+                f"{other.name}, created earlier, waits for {spec.cluster.instance_type} capacity too and is "
+                "admitted first",
+            )
+        reserved[placed.zone] = reserved.get(placed.zone, 0) + other.workers_not_placed
+    return check_nodes(spec, free, reserved)
 
 
 def check_nodes(

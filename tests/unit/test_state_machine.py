@@ -355,28 +355,60 @@ def test_dotted_and_undotted_names_do_not_share_a_cluster() -> None:
 # -- capacity ------------------------------------------------------------------------------------------------
 
 
-def _competitor(name: str, created: str, admitted: bool, zone: str | None = None, waiting: int = 2) -> Any:
-    return preflight.Competitor(name, created, "g6.12xlarge", admitted, zone, waiting)
+ZONE_A = [preflight.NodeFree(f"a{i}", "us-west-2a", 4, 1) for i in range(4)]  # four 4-GPU nodes: 4 slots
 
 
-def test_runs_competing_for_nodes_are_admitted_in_creation_order_and_reserve_their_slots() -> None:
-    mine = spec(cluster={"workers": 2, "zone": "us-west-2a"})
-    earlier = _competitor("ns/a", "2026-11-30T10:00:00Z", admitted=False)
-    assert preflight.first_in_line(mine, "2026-11-30T11:00:00Z", "ns/b", [earlier]) is not None
-    assert preflight.first_in_line(mine, "2026-11-30T09:00:00Z", "ns/b", [earlier]) is None
-    # Created in the same second: both passes agree on one order (by name).
-    assert preflight.first_in_line(mine, "2026-11-30T10:00:00Z", "ns/b", [earlier]) is not None
-    assert preflight.first_in_line(mine, "2026-11-30T10:00:00Z", "ns/0", [earlier]) is None
-    impossible = preflight.Competitor("ns/huge", "2026-11-30T10:00:00Z", "g6.12xlarge", False, None, 9, False)
-    assert (
-        preflight.first_in_line(mine, "2026-11-30T11:00:00Z", "ns/b", [impossible]) is None
-    )  # never holds others up
-    free = [preflight.NodeFree(f"n{i}", "us-west-2a", 4, 1) for i in range(2)]
-    assert preflight.check_nodes(mine, free).ok
-    admitted = _competitor("ns/a", "2026-11-30T10:00:00Z", admitted=True, zone="us-west-2a", waiting=2)
-    reserved = preflight.reservations([admitted], "g6.12xlarge")
-    result = preflight.check_nodes(mine, free, reserved)
-    assert not result.ok and result.reason == "InsufficientCapacity"
+def _waiting(name: str, created: str, workers: int = 2, free: list[preflight.NodeFree] = ZONE_A) -> Any:
+    other = spec(cluster={"workers": workers})
+    return preflight.Competitor(
+        name, created, "g6.12xlarge", False, None, workers, workers <= 4, spec=other, free=tuple(free)
+    )
+
+
+def test_runs_competing_for_nodes_are_admitted_in_creation_order_many_in_one_pass() -> None:
+    mine = spec(cluster={"workers": 2})
+    # An earlier waiting run that fits is placed first: this run takes what it leaves, in the same pass.
+    earlier = _waiting("ns/a", "2026-11-30T10:00:00Z")
+    result = preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A, [earlier])
+    assert result.ok and result.zone == "us-west-2a", result
+    # Two earlier runs take all four slots: this run waits for capacity (not for them: they will be admitted).
+    second = _waiting("ns/c", "2026-11-30T10:30:00Z")
+    result = preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A, [earlier, second])
+    assert not result.ok and result.reason == "InsufficientCapacity", result
+    # Created first (or in the same second with a smaller name), this run is placed before them.
+    assert preflight.admit(mine, "2026-11-30T09:00:00Z", "ns/b", ZONE_A, [earlier, second]).ok
+    assert preflight.admit(mine, "2026-11-30T10:00:00Z", "ns/0", ZONE_A, [earlier, second]).ok
+    # An earlier run that does not fit now holds every later run back, even one that would fit (no backfill).
+    big = _waiting("ns/big", "2026-11-30T10:00:00Z", workers=4, free=ZONE_A[:3])
+    result = preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A[:3], [big])
+    assert not result.ok and result.reason == preflight.WAITING_FOR_EARLIER_RUN
+    assert "ns/big" in result.message
+    # A run that could not fit even on empty nodes never holds others up.
+    impossible = _waiting("ns/huge", "2026-11-30T10:00:00Z", workers=9)
+    assert preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A, [impossible]).ok
+    # Admitted runs whose workers are not placed yet keep their slots.
+    admitted = preflight.Competitor("ns/a", "2026-11-30T10:00:00Z", "g6.12xlarge", True, "us-west-2a", 3)
+    result = preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A, [admitted])
+    assert not result.ok and result.reason == "InsufficientCapacity", result
+
+
+def test_admission_agrees_with_each_earlier_runs_own_pass() -> None:
+    """Twenty runs created together on room for ten: every pass, in any order, admits exactly the first ten,
+    and no admitted set overcommits the nodes."""
+    nodes = [preflight.NodeFree(f"n{i}", "us-west-2a", 4, 1) for i in range(5)] + [
+        preflight.NodeFree(f"m{i}", "us-west-2b", 4, 1) for i in range(5)
+    ]
+    runs = [_waiting(f"ns/r{i:02d}", "2026-11-30T10:00:00Z", workers=1, free=nodes) for i in range(20)]
+    admitted: list[preflight.Competitor] = []
+    for run in reversed(runs):  # the latest first: the worst order for a serial queue
+        others = [c for c in runs if c.name != run.name and c not in admitted] + admitted
+        assert run.spec is not None
+        result = preflight.admit(run.spec, run.created, run.name, nodes, others)
+        if result.ok:
+            admitted.append(preflight.Competitor(run.name, run.created, "g6.12xlarge", True, result.zone, 1))
+    assert sorted(c.name for c in admitted) == [f"ns/r{i:02d}" for i in range(10)]
+    per_zone = {z: sum(1 for c in admitted if c.zone == z) for z in ("us-west-2a", "us-west-2b")}
+    assert per_zone == {"us-west-2a": 5, "us-west-2b": 5}
 
 
 def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
