@@ -271,6 +271,7 @@ def main() -> None:
             "FSDP_OPERATOR_AWS_ENDPOINT_URL": cluster.s3_endpoint,
             "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "15",  # the default (tests observe every 2 s)
             "FSDP_OPERATOR_METRICS_PORT": str(metrics_port),
+            "MALLOC_ARENA_MAX": "2",  # as the operator's image sets it (Dockerfile.operator)
         },
         work / "load-operator.log",
     ).start()
@@ -396,7 +397,11 @@ def measure(
         if kind == "FSDPTrainingRun" and (ns, name) in running_at
     ]
     ours, theirs = created_ready["FSDPTrainingRun"], created_ready["RayJob"]
-    slope = statistics.linear_regression([s[0] / 3600 for s in samples], [s[1] for s in samples]).slope
+    slope = (
+        statistics.linear_regression([s[0] / 3600 for s in samples], [s[1] for s in samples]).slope
+        if len(samples) > 1
+        else None
+    )
     tasks = [s[2] for s in samples if s[2] is not None]
     return {
         "runs": args.runs,
@@ -436,7 +441,7 @@ def measure(
             "minutes": args.soak_minutes,
             "phases_at_end": dict(phases),
             "rss_mib_first_last": [round(samples[0][1], 1), round(samples[-1][1], 1)] if samples else None,
-            "rss_slope_mib_per_hour": round(slope, 2) if len(samples) > 1 else None,
+            "rss_slope_mib_per_hour": None if slope is None else round(slope, 2),
             "asyncio_tasks_min_max": [min(tasks), max(tasks)] if tasks else None,
         },
     }

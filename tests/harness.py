@@ -22,7 +22,15 @@ REPO = Path(__file__).resolve().parents[1]
 # instance N, so that two workers never share a control plane, a Ray head or an S3 server.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 INSTANCE = int(_WORKER[2:] if _WORKER else os.environ.get("FSDP_CLUSTER_INSTANCE", "0"))
-STATE = Path(os.environ.get("FSDP_STATE_DIR") or REPO / f".local-cluster{f'-{INSTANCE}' if INSTANCE else ''}")
+STATE = Path(
+    subprocess.run(
+        [REPO / "hack" / "state-dir.sh"],
+        env={**os.environ, "FSDP_CLUSTER_INSTANCE": str(INSTANCE)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+)
 T = TypeVar("T")
 
 

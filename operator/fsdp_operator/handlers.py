@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import functools
+import json
 import logging
 import os
 import secrets
@@ -22,7 +24,7 @@ import signal
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -62,6 +64,7 @@ API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call th
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
+POD_LIST_PAGE = 250
 # A run this process admitted reserves its slots until the view shows it admitted (its status write came back)
 # or done with them (finished, suspended); at most this long.
 ADMISSION_MEMORY_SECONDS = 120.0
@@ -211,11 +214,25 @@ class Kube:
             raise
         return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
 
-    def running_pods(self) -> list[dict[str, Any]]:
-        listed = self.core.list_pod_for_all_namespaces(
-            field_selector="status.phase!=Succeeded,status.phase!=Failed", _request_timeout=API_TIMEOUT
-        )
-        return cast(list[dict[str, Any]], self.core.api_client.sanitize_for_serialization(listed.items))
+    def accelerator_pods(self) -> list[dict[str, Any]]:
+        """Pods of every namespace that hold GPUs or EFA, reduced as the pod index reduces them. Read a page
+        at a time as plain JSON: a busy cluster's whole pod list decoded at once, as client models, is tens
+        of MB that the process keeps long after."""
+        found: list[dict[str, Any]] = []
+        page_token = None
+        while True:
+            response = self.core.list_pod_for_all_namespaces(
+                field_selector="status.phase!=Succeeded,status.phase!=Failed",
+                limit=POD_LIST_PAGE,
+                _continue=page_token,
+                _preload_content=False,
+                _request_timeout=API_TIMEOUT,
+            )
+            page = json.loads(cast(Any, response).data)  # the raw urllib3 response: _preload_content=False
+            found += [preflight.placement_of(p) for p in page["items"] if preflight.holds_accelerators(p)]
+            page_token = page["metadata"].get("continue")
+            if not page_token:
+                return found
 
 
 @dataclass(frozen=True)
@@ -277,7 +294,7 @@ class Context:
     settings: Settings
     kube: Kube
     s3: Any
-    ec2: Any
+    ec2: Callable[[], Any]  # the EC2 client
     package_sha256: str = field(default_factory=submission.package_sha256)
     locks: dict[str, threading.Lock] = field(default_factory=lambda: defaultdict(threading.Lock))
     job_clients: dict[tuple[str, DashboardAuth | None], Jobs] = field(default_factory=dict)
@@ -287,6 +304,8 @@ class Context:
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
+    # run uid -> (generation, its spec as parsed then)
+    specs: dict[str, tuple[int | None, api.FSDPTrainingRunSpec | None]] = field(default_factory=dict)
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
     disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
     ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
@@ -342,11 +361,25 @@ class Context:
             return nodes, list(indexes.all(indexes.accelerator_pods))
         now = time.monotonic()
         if self.pods_view is None or now - self.pods_view[0] > PODS_SNAPSHOT_SECONDS:
-            self.pods_view = (now, self.kube.running_pods())
+            self.pods_view = (now, self.kube.accelerator_pods())
         return nodes, self.pods_view[1]
 
+    def spec_of(self, run: Mapping[str, Any]) -> api.FSDPTrainingRunSpec | None:
+        """Another run's spec, parsed once per generation: admission reads every run's spec in every pass,
+        and parsing them all each time was most of a busy minute's garbage. None for a spec that does not
+        parse."""
+        meta = run["metadata"]
+        cached = self.specs.get(meta["uid"])
+        if cached is None or cached[0] != meta.get("generation"):
+            try:
+                spec = api.FSDPTrainingRunSpec.model_validate(run["spec"])
+            except ValidationError:
+                spec = None
+            cached = self.specs[meta["uid"]] = (meta.get("generation"), spec)
+        return cached[1]
+
     def forget(self, uid: str) -> None:
-        for memory in (self.storages, self.written_records, self.action_errors, self.admitted):
+        for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
             memory.pop(uid, None)
 
 
@@ -374,9 +407,8 @@ def _competitors(
         meta = other["metadata"]
         if meta["uid"] == run.uid:
             continue
-        try:
-            spec = api.FSDPTrainingRunSpec.model_validate(other["spec"])
-        except ValidationError:
+        spec = ctx.spec_of(other)
+        if spec is None:
             continue
         status = other.get("status") or {}
         phase = status.get("phase")
@@ -424,7 +456,7 @@ def _run_preflight(
     ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
 ) -> preflight.PreflightResult:
     if spec.preflight.scale_from_zero:
-        facts = preflight.ec2_instance_type_facts(ctx.ec2, spec.cluster.instance_type)
+        facts = preflight.ec2_instance_type_facts(ctx.ec2(), spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
     nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
@@ -759,7 +791,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         settings=settings,
         kube=Kube(),
         s3=boto3.client("s3", region_name=region, endpoint_url=endpoint, config=bounded),
-        ec2=boto3.client("ec2", region_name=region, endpoint_url=endpoint, config=bounded),
+        # Built on first use: only scale-from-zero runs ask EC2, and its service model costs ~16 MB.
+        ec2=functools.cache(
+            lambda: boto3.client("ec2", region_name=region, endpoint_url=endpoint, config=bounded)
+        ),
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
     ray_clusters = (RAY_GROUP, RAY_VERSION, RAY_PLURAL)

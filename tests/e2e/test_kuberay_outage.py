@@ -33,8 +33,9 @@ def kuberay(action: str) -> None:
 def test_kuberay_stopped_for_three_minutes_fails_no_run_and_spends_no_restart(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
-    # Trains for longer than the outage; deleted at the end (the fixture deletes every run).
-    training = demo_run(namespace, **SMALL, **{"training.maxSteps": 100_000, "checkpoint.everySteps": 50})
+    # Trains well into the outage (about a minute here, at ~45 steps/s), then finishes while KubeRay is still
+    # down, so that its core is not spent for the whole outage; deleted at the end by the fixture.
+    training = demo_run(namespace, **SMALL, **{"training.maxSteps": 3000, "checkpoint.everySteps": 500})
 
     def stepping() -> dict[str, Any] | None:
         status = run_of(namespace, training).get("status", {})
@@ -52,6 +53,7 @@ def test_kuberay_stopped_for_three_minutes_fails_no_run_and_spends_no_restart(
                 status = run_of(namespace, name).get("status", {})
                 phases_seen.add((name, status.get("phase")))
                 assert status.get("phase") not in ("Failed", "Restarting"), f"{name} in the outage: {status}"
+                assert status.get("attempt", 0) <= 1, f"{name} resubmitted in the outage: {status}"
                 assert status.get("restarts", {}).get("count", 0) == 0, f"{name} spent a restart: {status}"
             time.sleep(5)
         assert (provisioning, "Provisioning") in phases_seen, phases_seen
@@ -69,11 +71,11 @@ def test_kuberay_stopped_for_three_minutes_fails_no_run_and_spends_no_restart(
     for name in (training, provisioning):
         status = run_of(namespace, name)["status"]
         assert status["attempt"] == 1 and status["restarts"]["count"] == 0, f"{name}: {status}"
-    assert run_of(namespace, training)["status"]["phase"] == "Running"
+    assert run_of(namespace, training)["status"]["phase"] in ("Running", "Succeeded")
     reliability.record(
         f"The KubeRay operator SIGKILLed for {OUTAGE_SECONDS} s while one run trains and another provisions",
-        "no run fails or spends a restart; the training run trains on; the provisioning run's cluster comes "
-        "up once KubeRay is back, and it trains to the end",
+        "no run fails or spends a restart; the training run trains on (and may finish); the provisioning "
+        "run's cluster comes up once KubeRay is back, and it trains to the end",
         f"{steps_after - steps_before} steps trained during the outage; the waiting cluster ready "
         f"{seconds_between(back, ready['lastTransitionTime']):.0f} s after KubeRay was back; 0 restarts",
     )
