@@ -1,8 +1,8 @@
-"""GPU benchmark: our per-worker loop against baseline A, side by side in one process, offline.
+"""GPU benchmark: our per-worker loop against baselines A and B, one after another on one GPU, offline.
 
 Baseline A (bench/trainer_baseline.py) is a minimal FSDP2 loop with our parallelisation, optimizer and data
 layout and nothing else (no Ray, no progress records, no checkpoints), so the ratio isolates our overhead.
-Both run a Qwen2.5-1.5B-shaped model initialised from its config, bf16 compute, synthetic tokens,
+Ours and A run a Qwen2.5-1.5B-shaped model initialised from its config, bf16 compute, synthetic tokens,
 sequence 2048, micro-batch 4, `--warmup-steps` steps left out and `--steps` measured, with one host sync per
 step on both sides (our loop logs every step here; baseline A reads its loss). Each is run without and with
 per-block torch.compile.
@@ -10,8 +10,15 @@ per-block torch.compile.
 Reported per loop: tokens/s/GPU at p10/p50/p90 over the measured steps, MFU against the spec-sheet bf16 peak
 (fsdp_trainer.metrics) and against a bf16 matmul peak measured here, peak memory over the measured steps
 (counter reset after warm-up), and for our loop the seconds one checkpoint blocked training (saved at the
-last step: the model, AdamW moments and loop state, ~18.5 GB for this shape). Baseline B (torchtitan) is not
-run: it has no Qwen2 model and is not installed on the offline machine.
+last step: the model, AdamW moments and loop state, ~18.5 GB for this shape).
+
+Baseline B is torchtitan's own trainer (PyPI torchtitan, 0.3.0) with the same sizes and settings
+(bench/trainer_torchtitan.py says what differs: it has no Qwen2, so its Qwen3 stands in). It runs after the
+others, as a subprocess (torchrun -m torchtitan.train with our config module), and its figures come from its
+log lines: tokens/s per GPU, its own MFU, and its peak *reserved* memory (ours and A's are peak allocated).
+It runs only where torchtitan imports and a CUDA device is present, and only within --time-budget; otherwise
+the summary records it as not run, with the reason (the import error's text, no CUDA, the budget, or the
+tail of its log when it failed). Its logs go to $OUT/baseline_b_<eager|compiled>.log.
 
     python bench/gpu_fsdp.py                   # one GPU, torch + transformers, no Ray, no network
     python bench/gpu_fsdp.py --tiny            # a seconds-long smoke run, CPU is fine
@@ -25,8 +32,11 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "bench"), str(REPO / "trainer")]
+BENCH = REPO / "bench"
+sys.path[:0] = [str(BENCH), str(REPO / "trainer")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
@@ -87,6 +98,12 @@ def parse_args() -> argparse.Namespace:
         help="per-block torch.compile (default both)",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences: a smoke run")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=450.0,
+        help="seconds the whole benchmark may take; baseline B runs only in what is left (default 450)",
+    )
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
     args = parser.parse_args()
     if args.tiny:
@@ -172,6 +189,104 @@ def baseline_a(config: TrainerConfig, warmup: int) -> dict[str, Any]:
     }
 
 
+BASELINE_B_COMMAND = [
+    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"),
+    *("-m", "torchtitan.train", "--module", "trainer_torchtitan", "--config", "baseline_b"),
+]
+# torchtitan's per-step log line (MetricsProcessor.log, colours off), after the logger's prefix:
+# "step:  7  loss:  11.93  grad_norm:  3.4  memory: 31.52GiB(22.05%)  tps: 20,109  tflops: 207.5  mfu: 20.98%"
+TORCHTITAN_STEP = re.compile(
+    r"step:\s*(?P<step>\d+)\s+loss:.*?memory:\s*(?P<memory_gib>[\d.]+)GiB.*?tps:\s*(?P<tps>[\d,]+)"
+    r".*?mfu:\s*(?:(?P<mfu>[\d.]+)%|N/A)"
+)
+BASELINE_B_MARGIN_SECONDS = 20.0  # left of the budget for the summary after a baseline B run is stopped
+
+
+def baseline_b_environment(settings: dict[str, Any] | None = None) -> dict[str, str]:
+    paths = [str(BENCH), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
+    if settings is not None:
+        env["BASELINE_B_SETTINGS"] = json.dumps(settings)
+    return env
+
+
+def baseline_b_unavailable(device: torch.device) -> tuple[str | None, str | None]:
+    """Why baseline B cannot run here (None when it can), and torchtitan's version when it imports. The
+    import is tried in a child process, so its error text is exact and nothing it sets up leaks into ours."""
+    if device.type != "cuda":
+        return "not run: no CUDA device (torchtitan trains on GPUs only)", None
+    probe = subprocess.run(
+        [sys.executable, "-c", "import trainer_torchtitan, torchtitan; print(torchtitan.__version__)"],
+        env=baseline_b_environment(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if probe.returncode != 0:
+        lines = [line for line in probe.stderr.splitlines() if line.strip()]
+        return f"not run: {lines[-1] if lines else f'import failed with exit code {probe.returncode}'}", None
+    return None, probe.stdout.strip()
+
+
+def parse_torchtitan_log(text: str, warmup: int) -> dict[str, Any]:
+    """The measured steps' tokens/s per GPU, torchtitan's own MFU and its peak reserved memory."""
+    steps = [m for m in TORCHTITAN_STEP.finditer(text) if int(m["step"]) > warmup]
+    if not steps:
+        raise ValueError("no step after the warm-up in its log")
+    return {
+        "tokens_per_second": [float(m["tps"].replace(",", "")) for m in steps],
+        "torchtitan_mfu_p50": statistics.median(float(m["mfu"]) / 100 for m in steps)
+        if steps[0]["mfu"]
+        else None,
+        "peak_memory_reserved_bytes": int(max(float(m["memory_gib"]) for m in steps) * 2**30),
+    }
+
+
+def baseline_b(
+    args: argparse.Namespace, shape: dict[str, Any], compile_blocks: bool, timeout: float, log_file: Path
+) -> dict[str, Any]:
+    """Runs torchtitan's trainer; returns its figures, or {"not_run": why}."""
+    if timeout <= 0:
+        return {"not_run": f"not run: the time budget of {args.time_budget:.0f} s was spent"}
+    dump_folder = tempfile.mkdtemp(prefix="bench-torchtitan-")
+    settings = {
+        "shape": shape,
+        "sequence_length": args.sequence_length,
+        "micro_batch_size": args.micro_batch_size,
+        "steps": args.warmup_steps + args.steps,
+        "compile": compile_blocks,
+        "dump_folder": dump_folder,
+    }
+    started = time.perf_counter()
+    try:
+        with log_file.open("w") as log:
+            # A session of its own: on a timeout the whole tree (torchrun and its worker) is killed.
+            child = subprocess.Popen(
+                [sys.executable, *BASELINE_B_COMMAND],
+                env=baseline_b_environment(settings),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                child.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                return {"not_run": f"not run: stopped after {timeout:.0f} s, the time budget left"}
+    finally:
+        shutil.rmtree(dump_folder, ignore_errors=True)
+    text = log_file.read_text(errors="replace")
+    if child.returncode != 0:
+        tail = " | ".join(line.strip() for line in text.splitlines()[-8:] if line.strip())
+        return {"not_run": f"failed with exit code {child.returncode}: {tail}"}
+    try:
+        figures_b = parse_torchtitan_log(text, args.warmup_steps)
+    except ValueError as error:
+        return {"not_run": f"failed: {error}"}
+    return {**figures_b, "wall_seconds_including_setup": time.perf_counter() - started}
+
+
 def matmul_peak_flops(device: torch.device, seconds: float = 3.0) -> float | None:
     """bf16 dense matmul throughput measured here: the ceiling a training step can approach."""
     if device.type != "cuda":
@@ -197,13 +312,35 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def baseline_b_entry(
+    result: dict[str, Any],
+    ours: dict[str, Any],
+    flops: float,
+    spec_peak: float | None,
+    matmul_peak: float | None,
+) -> dict[str, Any]:
+    """Baseline B's part of one loop's summary: its figures (MFU by our FLOPs count, as for the others) and
+    our ratio to it, or why it did not run."""
+    if "not_run" in result:
+        return {"baseline_b": result}
+    measured = dict(result)
+    spread = figures(measured.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
+    return {
+        "baseline_b": {**spread, **measured},
+        "ours_over_baseline_b_p50": ours["tokens_per_second_per_gpu"]["p50"]
+        / spread["tokens_per_second_per_gpu"]["p50"],
+    }
+
+
 def main() -> None:
+    started = time.monotonic()
     args = parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     spec_peak = peak_flops(device_name)
     matmul_peak = matmul_peak_flops(device)
-    flops = model_flops_per_token(TINY if args.tiny else QWEN25_15B, args.sequence_length)
+    shape = TINY if args.tiny else QWEN25_15B
+    flops = model_flops_per_token(shape, args.sequence_length)
     loops: dict[str, Any] = {}
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
     for compile_blocks in modes:
@@ -225,6 +362,17 @@ def main() -> None:
             "ours_over_baseline_a_p50": ours_figures["tokens_per_second_per_gpu"]["p50"]
             / baseline_figures["tokens_per_second_per_gpu"]["p50"],
         }
+    # Baseline B after the others: ours and A have their figures whatever happens to it.
+    unavailable, torchtitan_version = baseline_b_unavailable(device)
+    logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-torchtitan-logs-"))
+    for compile_blocks in modes:
+        label = "compiled" if compile_blocks else "eager"
+        if unavailable is not None:
+            result: dict[str, Any] = {"not_run": unavailable}
+        else:
+            left = args.time_budget - (time.monotonic() - started) - BASELINE_B_MARGIN_SECONDS
+            result = baseline_b(args, shape, compile_blocks, left, logs / f"baseline_b_{label}.log")
+        loops[label].update(baseline_b_entry(result, loops[label]["ours"], flops, spec_peak, matmul_peak))
     summary = {
         "device": device_name,
         "torch": torch.__version__,
@@ -237,7 +385,14 @@ def main() -> None:
         "spec_peak_flops": spec_peak,
         "measured_matmul_peak_flops": matmul_peak,
         "loops": loops,
-        "baseline_b_torchtitan": "not run: torchtitan has no Qwen2 model and is not installed offline",
+        "baseline_b_torchtitan": {
+            "torchtitan": torchtitan_version,
+            "not_run": unavailable,
+            "model": "torchtitan's Qwen3 of the same sizes (it has no Qwen2; see trainer_torchtitan.py)",
+            "launch": " ".join(["python", *BASELINE_B_COMMAND]),
+            "memory": "peak reserved (torchtitan's figure), not peak allocated as for ours and baseline A",
+        },
+        "wall_seconds": time.monotonic() - started,
     }
     text = json.dumps(summary, indent=2)
     print(text)

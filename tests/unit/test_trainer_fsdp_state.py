@@ -1,7 +1,7 @@
 """FSDP2 and checkpoint state in one CPU process (a one-rank gloo group): the root keeps its parameters after
 forward, an asynchronous checkpoint holds the state of its own step while training goes on, a failed save is
-never resumable (both on local disk and in S3), and a resumed run takes its hyperparameters from its own
-configuration."""
+never resumable (both on local disk and in S3), a resumed run takes its hyperparameters from its own
+configuration, and the batch loader's position and stream cursors come back from a checkpoint."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_trainer import checkpoint, optim, parallelize
-from fsdp_trainer.contract import FsdpSpec, TrainingSpec, Versions
+from fsdp_trainer import checkpoint, data, optim, parallelize
+from fsdp_trainer.contract import DataSpec, FsdpSpec, TrainingSpec, Versions
 from fsdp_trainer.storage import Location
+from tests.unit.test_trainer_data import CountingTokenizer, mixed_corpus
 from tests.unit.test_trainer_storage import s3_run  # noqa: F401  (a fixture)
 
 FINGERPRINT = "0123456789abcdef"
@@ -28,7 +29,7 @@ def one_rank_group() -> Iterator[None]:
     dist.destroy_process_group()
 
 
-def sharded_app(spec: TrainingSpec) -> checkpoint.AppState:
+def sharded_app(spec: TrainingSpec, batches: data.BatchLoader | None = None) -> checkpoint.AppState:
     torch.manual_seed(0)
     config = AutoConfig.for_model(
         "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -39,7 +40,7 @@ def sharded_app(spec: TrainingSpec) -> checkpoint.AppState:
     parallelize.parallelize(model, FsdpSpec(), mesh, torch.float32)
     optimizer = optim.build_optimizer(model, spec)
     scheduler = optim.build_scheduler(optimizer, spec)
-    return checkpoint.AppState(model, optimizer, scheduler, checkpoint.TrainState())
+    return checkpoint.AppState(model, optimizer, scheduler, checkpoint.TrainState(), batches)
 
 
 def train_step(app: checkpoint.AppState) -> None:
@@ -143,3 +144,35 @@ def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Pat
     assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([expected, expected])
     assert [group["weight_decay"] for group in resumed.optimizer.param_groups] == [0.1, 0.0]
     assert resumed.optimizer.state, "the AdamW moments were restored"
+
+
+def test_a_checkpoint_restores_the_data_position_and_every_streams_cursor(tmp_path: Path) -> None:
+    (tmp_path / "corpus").mkdir()
+    texts = mixed_corpus(tmp_path / "corpus")
+    layout = data.BatchLayout(world_size=1, micro_batch_size=2, grad_accumulation=2)
+
+    def loader(tokenizer: CountingTokenizer) -> data.BatchLoader:
+        spec = DataSpec(source=str(tmp_path / "corpus"), eval_fraction=0)
+        datasets = data.build_datasets(spec, tokenizer, 320, 16, seed=1, streams=2)
+        return data.BatchLoader(datasets.train, layout, 0, torch.device("cpu"))
+
+    app = sharded_app(TrainingSpec(), loader(CountingTokenizer()))
+    assert app.batches is not None
+    for _ in range(200):  # a few hundred samples into each stream, well past its first shards
+        list(app.batches.next_step())
+    checkpoints = saver(Location.parse(str(tmp_path / "run")))
+    checkpoints.start(app, checkpoint.checkpoint_name(200, "a"), loss=4.0)
+    checkpoints.wait()
+    checkpoints.close()
+    uninterrupted = [torch.cat(list(app.batches.next_step())) for _ in range(20)]
+
+    tokenizer = CountingTokenizer()
+    restored = sharded_app(TrainingSpec(), loader(tokenizer))
+    found = checkpoint.find_resume_point(Location.parse(str(tmp_path / "run")), "auto", "job-2", FINGERPRINT)
+    assert found is not None and restored.batches is not None
+    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    assert restored.batches.position == 200 * layout.samples_per_step
+    continued = [torch.cat(list(restored.batches.next_step())) for _ in range(20)]
+    assert all(torch.equal(a, b) for a, b in zip(continued, uninterrupted, strict=True))
+    tokenised = set(tokenizer.documents) & set(texts)
+    assert len(tokenised) < 0.2 * len(texts), "the streams continue where they were, not from their start"

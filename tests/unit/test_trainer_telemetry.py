@@ -1,5 +1,6 @@
 """The metrics processor: records only every logEvery steps (no host sync or collective in between), tokens/s
-that time outside training steps does not lower, and records that reach the progress writer."""
+that time outside training steps (evaluations, checkpoint stalls) does not lower, and records that reach the
+progress writer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fsdp_trainer import distributed, telemetry
 from fsdp_trainer.progress import ProgressWriter
 from fsdp_trainer.storage import Location
 from fsdp_trainer.telemetry import MetricsProcessor, Throughput
+from fsdp_trainer.validate import EvalResult
 
 
 class Clock:
@@ -68,11 +70,13 @@ def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
     metrics, writer = processor(tmp_path, clock, log_every=4)
     for n in range(1, 4):
         step(metrics, clock, n)
-    clock.now += 30.0  # an evaluation or a checkpoint stall
-    metrics.exclude(30.0)
+    clock.now += 30.0  # an evaluation and a checkpoint stall
+    metrics.evaluated(EvalResult(loss=3.0, perplexity=20.1, seconds=20.0))
+    metrics.checkpoint_started(blocked_seconds=10.0)
     record = step(metrics, clock, 4)
     writer.close()
     assert record is not None
     assert record.step_time_seconds == pytest.approx(0.5)
     assert record.tokens_per_second == pytest.approx(2000.0)
     assert (record.loss, record.grad_norm, record.tokens_seen) == (2.0, 1.5, 4000)
+    assert (record.eval_loss, record.eval_perplexity, record.checkpoint_blocked_seconds) == (3.0, 20.1, 10.0)

@@ -51,16 +51,17 @@ def checkpoint_name(step: int, attempt_id: str) -> str:
 
 @dataclass
 class TrainState:
-    """The loop's own position, saved with the shards."""
+    """The loop's own position, saved with the shards (the data position is the batch loader's)."""
 
     step: int = 0
-    data_position: int = 0  # global samples consumed (see data.py)
     tokens_seen: int = 0
 
 
 class AppState(Stateful):
     """DCP's Stateful pattern: get_state_dict/set_state_dict handle sharded model and optimizer state and
-    reshard on load, so a run may resume on a different number of workers."""
+    reshard on load, so a run may resume on a different number of workers. The batch loader's state (data
+    position and stream cursors, see data.py) is saved beside the loop's position, in the "train" entry
+    where checkpoints have always kept the data position, so older checkpoints of synthetic data load."""
 
     def __init__(
         self,
@@ -68,16 +69,19 @@ class AppState(Stateful):
         optimizer: torch.optim.Optimizer,
         scheduler: torch.optim.lr_scheduler.LambdaLR,
         train: TrainState,
+        batches: Stateful | None = None,
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
+        self.batches = batches
 
     def state_dict(self) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        batches = {} if self.batches is None else self.batches.state_dict()
         return {
             "model": model_state,
             "optimizer": optimizer_state,
             "scheduler": self.scheduler.state_dict(),
-            "train": asdict(self.train),
+            "train": {**asdict(self.train), **batches},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -102,8 +106,11 @@ class AppState(Stateful):
         for group, factor in zip(self.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
             group["lr"] = group["initial_lr"] * factor(scheduler.last_epoch)
         scheduler._last_lr = [group["lr"] for group in self.optimizer.param_groups]  # get_last_lr() reads it
-        for key, value in state_dict["train"].items():
-            setattr(self.train, key, value)
+        train = dict(state_dict["train"])
+        for name in asdict(self.train):
+            setattr(self.train, name, train.pop(name))
+        if self.batches is not None:
+            self.batches.load_state_dict(train)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -196,7 +196,11 @@ class DataSpec(ContractModel):
         description="Held-out evaluation data in the same formats; default: evalFraction.",
     )
     eval_fraction: float = Field(
-        default=0.05, ge=0, lt=1, description="Share of source documents held out when evalSource is unset."
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="Share of the source held out when evalSource is unset, in whole shards (byte ranges of "
+        "a jsonl file, row groups of a parquet file).",
     )
     eval_every: int = Field(default=0, ge=0, description="Steps between evaluations; 0 evaluates at the end.")
     eval_batches: int = Field(default=8, ge=1, description="Batches per evaluation.")

@@ -1,19 +1,45 @@
-"""Training and evaluation data: documents -> tokens -> packed fixed-length samples -> per-rank batches.
+"""Training and evaluation data: shards -> tokens -> packed fixed-length samples -> per-rank batches.
 
-Determinism and resumption rest on one number, the data position: how many samples the whole job has
-consumed. Sample `g` of the global stream is `order[g % n]` of epoch `g // n`, where each epoch's order is a
-permutation seeded by (seed, epoch). Every optimizer step consumes `world * grad_accumulation *
-micro_batch_size` consecutive global positions, laid out micro-step-major then rank-major, so a checkpoint
-that stores the position resumes at the exact next sample, on any world size.
+Layout. The corpus is cut into shards that depend on the files alone, never on the world size: byte ranges
+of each jsonl file (a shard holds the lines that begin in its range) and the row groups of each parquet
+file. Samples are packed within a shard (each shard's incomplete last sequence is dropped). The training
+sample stream is interleaved from `streams` streams: global sample `g` is sample `g // streams` of stream
+`g % streams`. Stream `s` visits the shards at positions s, s + streams, s + 2 * streams, ... of the endless
+shard sequence made of one seeded permutation of the training shards per epoch, and takes each visited
+shard's rows in a seeded order of their own. A job's batches tile the global stream exactly as before
+(BatchLayout: micro-step-major, then rank-major), and `streams` is the first attempt's world size times its
+micro-batch size, so every rank reads only its own `micro_batch_size` streams: the shards it needs, one
+at a time, read and tokenised when first needed.
+
+Resumption. The data position (global samples consumed) alone fixes which samples come next, but reaching
+a stream's next sample from it would mean tokenising the stream's earlier shards again; so the checkpoint
+also stores each stream's cursor (its next sample's shard visit and row), gathered from the ranks that read
+it, and `streams` itself. A resumed job, on any world size, continues the same global stream at the exact
+next sample, reading only the shard each of its streams is in and those after it.
+
+Trade-offs. The sample order depends on the first attempt's world size and micro-batch size (through
+`streams`), not only on the seed. Each rank reads only its own streams while `streams` is a multiple of
+world_size * micro_batch_size and divides a step's samples; a job resumed otherwise stays exact, but several
+ranks walk the same stream and each tokenises its shards. Epochs are per stream: a stream whose shards hold
+fewer rows reaches the next epoch's shards sooner. Shard sizes trade the loss of each shard's last partial
+sequence (under 2 % at 4 bytes a token with the largest shards) against shards small enough that a small
+corpus still has enough of them for its ranks and its held-out split. A parquet row group is one shard:
+decoding is per row group, so write row groups of about a shard's size.
+
+The held-out split and the data fingerprint need no tokenising either: evaluation holds out a seeded share
+of whole shards (every rank reads the first of them, as many as its evaluation batches need), and the
+fingerprint hashes the shard table (file names, byte sizes, parquet row counts) with the tokenizer's identity
+and the sequence length, so a checkpoint's position is refused when the data under the same URI changed.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -21,7 +47,9 @@ import pyarrow as pa
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import torch
+import torch.distributed as dist
 
+from fsdp_trainer import distributed
 from fsdp_trainer.contract import DataSpec
 from fsdp_trainer.errors import ConfigError, DataError
 from fsdp_trainer.storage import Location
@@ -31,6 +59,15 @@ log = logging.getLogger(__name__)
 SYNTHETIC = "synthetic"
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
+LAYOUT_VERSION = 2  # in the fingerprint: checkpoints of another layout hold positions in another order
+# A jsonl shard holds between 32 and 256 sequences' worth of bytes, aiming at MIN_SHARDS shards.
+SHARD_BYTES_PER_TOKEN = (32, 256)
+MIN_SHARDS = 64
+LINE_END = b"\n"
+TAIL_READ_BYTES = 64 << 10  # read past a shard's range in steps of this size to finish its last line
+# The domains of the seeded orders: of the shards in an epoch, of the rows in a visited shard, of the split.
+SHARD_ORDER, ROW_ORDER, HELD_OUT = 0x5EA4, 0x40D7, 0xE7A1
+TOKENIZER_PROBE = "Tokenizer identity: ASCII, digits 0123456789, émigré, Straße, 東京, 🙂, \tcode(x) != y\n"
 
 
 class Tokenizer(Protocol):
@@ -39,65 +76,155 @@ class Tokenizer(Protocol):
     def __call__(self, text: list[str], add_special_tokens: bool = ...) -> Any: ...
 
 
-class SampleSource(Protocol):
-    """Fixed-length samples addressed by a global index (the index may exceed one epoch)."""
-
-    def __len__(self) -> int: ...
+class TrainSamples(Protocol):
+    """Fixed-length samples addressed by a global index, read in increasing order; the state is what a
+    checkpoint needs to continue reading at any later index."""
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor: ...
 
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+class EvalSamples(Protocol):
+    def first(self, count: int) -> torch.Tensor:
+        """The first `count` held-out samples, or all of them when there are fewer."""
+        ...
+
 
 # ----------------------------------------------------------------------------------------------------------
-# Reading documents
+# Shards and reading them
 
 
-def read_documents(uri: str, text_field: str) -> list[str]:
-    """All documents of a jsonl/parquet file, or of every such file below a directory, in name order."""
+@dataclass(frozen=True)
+class Shard:
+    """Part of one file: the jsonl lines that begin in bytes [start, stop), or parquet row group
+    `row_group`, rows [start, stop) of the file."""
+
+    location: Location
+    name: str  # the file's path below the data source
+    start: int
+    stop: int
+    row_group: int | None = None
+
+
+def list_shards(uri: str, text_field: str, sequence_length: int) -> list[Shard]:
+    """The shards of a jsonl/parquet file, or of every such file below a directory in name order, from the
+    listing and parquet footers alone."""
     try:
         location = Location.parse(uri)
-        files = {} if location.is_file() else location.list_files()
+        if location.is_file():  # read as jsonl unless it is named .parquet
+            files = {location.name: (location, location.fs.get_file_info(location.path).size)}
+        else:
+            listing = location.list_files()
+            files = {
+                name: (location.child(name), size)
+                for name, size in listing.items()
+                if name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES)
+            }
     except (OSError, ValueError, ImportError) as error:
         raise DataError(f"cannot open data source {uri}: {error}") from error
-    if files:
-        names = sorted(name for name in files if name.endswith(JSONL_SUFFIXES + PARQUET_SUFFIXES))
-        if not names:
-            raise DataError(f"no .jsonl, .json or .parquet files under {uri}")
-        targets = [location.child(name) for name in names]
-    else:
-        targets = [location]
-    documents: list[str] = []
-    for target in targets:
-        documents.extend(_read_file(target, text_field))
-    if not documents:
-        raise DataError(f"data source {uri} has no documents")
-    return documents
-
-
-def _read_file(location: Location, text_field: str) -> list[str]:
-    try:
-        if location.path.endswith(PARQUET_SUFFIXES):
-            table = pq.read_table(location.path, filesystem=location.fs)
+    if not files:
+        raise DataError(f"no .jsonl, .json or .parquet files under {uri}")
+    names = sorted(files)
+    jsonl_bytes = sum(files[name][1] for name in names if not name.endswith(PARQUET_SUFFIXES))
+    low, high = (factor * sequence_length for factor in SHARD_BYTES_PER_TOKEN)
+    shard_bytes = min(max(jsonl_bytes // MIN_SHARDS, low), high)
+    shards: list[Shard] = []
+    for name in names:
+        file, size = files[name]
+        if name.endswith(PARQUET_SUFFIXES):
+            shards.extend(_parquet_shards(file, name, text_field))
         else:
-            with location.fs.open_input_stream(location.path) as stream:
-                table = pajson.read_json(stream)
+            shards.extend(
+                Shard(file, name, start, min(start + shard_bytes, size))
+                for start in range(0, size, shard_bytes)
+            )
+    if not shards:
+        raise DataError(f"data source {uri} has no documents")
+    # A misnamed text field fails here, not at the first step: the first jsonl shard must have it (parquet
+    # files were checked by their schema).
+    jsonl = [shard for shard in shards if shard.row_group is None]
+    if jsonl:
+        read_shard(jsonl[0], text_field)
+    return shards
+
+
+def _parquet_shards(file: Location, name: str, text_field: str) -> list[Shard]:
+    try:
+        parquet = pq.ParquetFile(file.path, filesystem=file.fs)
     except (OSError, pa.ArrowInvalid) as error:
-        raise DataError(f"cannot read {location.uri}: {error}") from error
+        raise DataError(f"cannot read {file.uri}: {error}") from error
+    if text_field not in parquet.schema_arrow.names:
+        raise DataError(f"{file.uri} has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+    shards, first_row = [], 0
+    for row_group in range(parquet.num_row_groups):
+        rows = parquet.metadata.row_group(row_group).num_rows
+        shards.append(Shard(file, name, first_row, first_row + rows, row_group))
+        first_row += rows
+    return shards
+
+
+def read_shard(shard: Shard, text_field: str) -> list[str]:
+    """The shard's non-empty text documents, in file order."""
+    try:
+        if shard.row_group is not None:
+            parquet = pq.ParquetFile(shard.location.path, filesystem=shard.location.fs)
+            table = parquet.read_row_group(shard.row_group, columns=[text_field])
+        else:
+            lines = _jsonl_lines(shard)
+            if not lines:
+                return []
+            # One block for the whole shard: a long line never straddles pyarrow's block boundaries.
+            options = pajson.ReadOptions(block_size=len(lines))
+            table = pajson.read_json(pa.BufferReader(lines), read_options=options)
+    except (OSError, pa.ArrowInvalid) as error:
+        raise DataError(f"cannot read {shard.location.uri} [{shard.start}, {shard.stop}): {error}") from error
     if text_field not in table.column_names:
-        raise DataError(f"{location.uri} has no column {text_field!r} (columns: {table.column_names})")
+        raise DataError(f"{shard.location.uri} has no column {text_field!r} (columns: {table.column_names})")
     return [text for text in table.column(text_field).to_pylist() if isinstance(text, str) and text]
 
 
-def split_documents(documents: list[str], eval_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Holds out a seeded random share of whole documents for evaluation (independent of world size)."""
+def _jsonl_lines(shard: Shard) -> bytes:
+    """The lines that begin in the shard's byte range: the byte before the range tells whether one begins at
+    its start, and the last one may end past it."""
+    with shard.location.fs.open_input_file(shard.location.path) as file:
+        size = file.size()
+        offset = max(shard.start - 1, 0)
+        head = bytes(file.read_at(shard.stop - offset, offset))
+        if shard.start == 0:
+            lines = head
+        elif LINE_END in head:
+            lines = head[head.index(LINE_END) + 1 :]
+        else:
+            return b""  # a line that began in an earlier shard covers the whole range
+        position = shard.stop
+        while lines and not lines.endswith(LINE_END) and position < size:
+            more = bytes(file.read_at(min(TAIL_READ_BYTES, size - position), position))
+            end = more.find(LINE_END)
+            lines += more if end < 0 else more[: end + 1]
+            position += len(more)
+            if end >= 0:
+                break
+        return lines
+
+
+def split_shards(shards: list[Shard], eval_fraction: float, seed: int) -> tuple[list[Shard], list[Shard]]:
+    """Holds out a seeded random share of whole shards for evaluation (independent of world size); both
+    parts keep the shards' order."""
     if eval_fraction <= 0:
-        return documents, []
-    order = np.random.default_rng([seed, 0xE7A1]).permutation(len(documents))
-    held_out = max(1, round(eval_fraction * len(documents)))
-    if held_out >= len(documents):
-        raise DataError(f"evalFraction {eval_fraction} leaves no training documents of {len(documents)}")
-    eval_set = set(order[:held_out].tolist())
-    train = [doc for i, doc in enumerate(documents) if i not in eval_set]
-    return train, [documents[i] for i in sorted(eval_set)]
+        return shards, []
+    held_out = max(1, round(eval_fraction * len(shards)))
+    if held_out >= len(shards):
+        raise DataError(
+            f"evalFraction {eval_fraction} leaves no training data of the {len(shards)} shard(s) of the "
+            "source (a jsonl file is cut into byte ranges, a parquet file into its row groups): use more "
+            "files or row groups, set evalSource, or set evalFraction to 0"
+        )
+    chosen = set(np.random.default_rng([seed, HELD_OUT]).permutation(len(shards))[:held_out].tolist())
+    train = [shard for i, shard in enumerate(shards) if i not in chosen]
+    return train, [shard for i, shard in enumerate(shards) if i in chosen]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -113,31 +240,111 @@ def pack(token_lists: list[list[int]], eos_token_id: int | None, sequence_length
     return stream[: rows * sequence_length].reshape(rows, sequence_length)
 
 
-def tokenize_and_pack(documents: list[str], tokenizer: Tokenizer, sequence_length: int) -> np.ndarray:
-    encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
-    return pack(encoded, tokenizer.eos_token_id, sequence_length)
+@dataclass(frozen=True)
+class ShardPacker:
+    tokenizer: Tokenizer
+    text_field: str
+    sequence_length: int
+
+    def rows(self, shard: Shard) -> np.ndarray:
+        documents = read_shard(shard, self.text_field)
+        if not documents:
+            return np.empty((0, self.sequence_length), dtype=np.int64)
+        encoded = self.tokenizer(documents, add_special_tokens=False)["input_ids"]
+        return pack(encoded, self.tokenizer.eos_token_id, self.sequence_length)
 
 
-@dataclass
-class PackedSamples:
-    """Packed token rows, visited in a fresh seeded permutation every epoch."""
+@functools.lru_cache(maxsize=8)  # streams advance at different rates, so a few epochs are in use at once
+def _shard_order(seed: int, epoch: int, shards: int) -> np.ndarray:
+    return np.random.default_rng([seed, SHARD_ORDER, epoch]).permutation(shards)
 
-    rows: np.ndarray
-    seed: int
-    _order: tuple[int, np.ndarray] | None = field(default=None, init=False, repr=False)
 
-    def __len__(self) -> int:
-        return int(self.rows.shape[0])
+class StreamedSamples:
+    """Training samples from shards read as the streams reach them (see the module docstring). Each stream
+    keeps its cursor and the rows of the one shard it is in: the only data a rank holds."""
+
+    def __init__(self, shards: list[Shard], packer: ShardPacker, seed: int, streams: int) -> None:
+        self.shards, self.packer, self.seed, self.streams = shards, packer, seed, streams
+        self._cursors: dict[int, tuple[int, int, int]] = {}  # stream -> (next sample, its visit, its row)
+        self._visited: dict[int, tuple[int, np.ndarray]] = {}  # stream -> (visit, that shard's rows)
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
-        n = len(self)
-        picked = [self._epoch_order(g // n)[g % n] for g in indices]
-        return torch.from_numpy(self.rows[picked])
+        return torch.from_numpy(np.stack([self._sample(index) for index in indices]))
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed, epoch]).permutation(len(self)))
-        return self._order[1]
+    def state_dict(self) -> dict[str, Any]:
+        """Every stream's cursor, from the rank that read it furthest: a collective when distributed."""
+        mine = {
+            "data_streams": self.streams,
+            "data_cursors": [[s, *c] for s, c in sorted(self._cursors.items())],
+        }
+        return merge_rank_states(distributed.all_gather(mine) if dist.is_initialized() else [mine])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.streams = int(state_dict["data_streams"])
+        self._cursors = {int(s): (int(i), int(v), int(r)) for s, i, v, r in state_dict["data_cursors"]}
+        self._visited.clear()
+
+    def _sample(self, index: int) -> np.ndarray:
+        stream, wanted = index % self.streams, index // self.streams
+        at, visit, row = self._cursors.get(stream, (0, 0, 0))
+        if wanted < at:
+            raise ValueError(f"stream {stream} has passed sample {wanted} (it is at {at}): read in order")
+        empty_visits = 0
+        while True:
+            rows = self._visit_rows(stream, visit)
+            if row + wanted - at < len(rows):
+                row += wanted - at
+                self._cursors[stream] = (wanted + 1, visit, row + 1)
+                return np.asarray(rows[row])
+            empty_visits = empty_visits + 1 if len(rows) == 0 else 0
+            if empty_visits > len(self.shards):
+                raise DataError(
+                    f"{empty_visits} shards in a row hold fewer than {self.packer.sequence_length} tokens: "
+                    "the data is too small for this sequence length"
+                )
+            at, visit, row = at + len(rows) - row, visit + 1, 0
+
+    def _visit_rows(self, stream: int, visit: int) -> np.ndarray:
+        cached = self._visited.get(stream)
+        if cached is not None and cached[0] == visit:
+            return cached[1]
+        slot = stream + visit * self.streams  # in the endless shard sequence
+        epoch, place = divmod(slot, len(self.shards))
+        rows = self.packer.rows(self.shards[int(_shard_order(self.seed, epoch, len(self.shards))[place])])
+        rows = rows[np.random.default_rng([self.seed, ROW_ORDER, slot]).permutation(len(rows))]
+        self._visited[stream] = (visit, rows)
+        return rows
+
+
+def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state from every rank's (the rest of which is the same everywhere): each stream's cursor from the
+    rank that read it furthest; a rank that has not read a stream since the last load holds the loaded one."""
+    furthest: dict[int, list[int]] = {}
+    for state in states:
+        for cursor in state["data_cursors"]:
+            stream = cursor[0]
+            if stream not in furthest or cursor[1] > furthest[stream][1]:
+                furthest[stream] = list(cursor)
+    return {**states[0], "data_cursors": [furthest[stream] for stream in sorted(furthest)]}
+
+
+@dataclass(frozen=True)
+class HeldOutSamples:
+    """Evaluation samples: the held-out shards in order, read only as far as asked."""
+
+    shards: list[Shard]
+    packer: ShardPacker
+
+    def first(self, count: int) -> torch.Tensor:
+        taken = [np.empty((0, self.packer.sequence_length), dtype=np.int64)]
+        held = 0
+        for shard in self.shards:
+            if held >= count:
+                break
+            rows = self.packer.rows(shard)[: count - held]
+            taken.append(rows)
+            held += len(rows)
+        return torch.from_numpy(np.concatenate(taken))
 
 
 @dataclass(frozen=True)
@@ -147,10 +354,6 @@ class SyntheticSamples:
     vocab_size: int
     sequence_length: int
     seed: int
-    size: int = 1 << 40
-
-    def __len__(self) -> int:
-        return self.size
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         rows = [
@@ -159,9 +362,18 @@ class SyntheticSamples:
         ]
         return torch.from_numpy(np.stack(rows))
 
+    def first(self, count: int) -> torch.Tensor:
+        return self.samples(range(count))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
 
 # ----------------------------------------------------------------------------------------------------------
-# Positions
+# Positions and batches
 
 
 @dataclass(frozen=True)
@@ -178,6 +390,35 @@ class BatchLayout:
         """Global sample indices of one rank's micro-batch in the step that starts at `position`."""
         start = position + (micro_step * self.world_size + rank) * self.micro_batch_size
         return list(range(start, start + self.micro_batch_size))
+
+
+class BatchLoader:
+    """This rank's micro-batches, one optimizer step at a time, and the data position: the global samples the
+    job has consumed. Stateful for DCP: the checkpoint's AppState saves and restores it with the samples'
+    own state (a collective for streamed data, so every rank calls state_dict together)."""
+
+    def __init__(self, samples: TrainSamples, layout: BatchLayout, rank: int, device: torch.device) -> None:
+        self.samples, self.layout, self.rank, self.device = samples, layout, rank, device
+        self.position = 0
+
+    def next_step(self) -> Iterator[torch.Tensor]:
+        """The next step's micro-batches, each read as it is requested; the position moves past the step at
+        once, so a checkpoint saved after the step resumes after it."""
+        start = self.position
+        self.position += self.layout.samples_per_step
+        return (
+            self.samples.samples(self.layout.micro_batch_indices(start, micro_step, self.rank)).to(
+                self.device
+            )
+            for micro_step in range(self.layout.grad_accumulation)
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"data_position": self.position, **self.samples.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.position = int(state_dict["data_position"])
+        self.samples.load_state_dict(state_dict)
 
 
 def eval_batch_indices(
@@ -199,51 +440,61 @@ def eval_batch_indices(
 
 @dataclass
 class Datasets:
-    train: SampleSource
-    eval: SampleSource | None
+    train: TrainSamples
+    eval: EvalSamples | None
     description: str
     fingerprint: str  # of the training samples: a checkpoint's data position is valid only while it holds
 
 
 def build_datasets(
-    spec: DataSpec, tokenizer: Tokenizer | None, vocab_size: int, sequence_length: int, seed: int
+    spec: DataSpec,
+    tokenizer: Tokenizer | None,
+    vocab_size: int,
+    sequence_length: int,
+    seed: int,
+    streams: int,
 ) -> Datasets:
+    """The sources; `streams` (world size x micro-batch size) applies to a new run, a checkpoint's replaces
+    it."""
     if spec.source == SYNTHETIC:
-        train = SyntheticSamples(vocab_size, sequence_length, seed)
-        held_out = SyntheticSamples(vocab_size, sequence_length, seed + 1, size=1 << 20)
         synthetic = f"{SYNTHETIC}:{vocab_size}:{sequence_length}:{seed}".encode()
         return Datasets(
-            train,
-            held_out if spec.eval_fraction > 0 else None,
+            SyntheticSamples(vocab_size, sequence_length, seed),
+            SyntheticSamples(vocab_size, sequence_length, seed + 1) if spec.eval_fraction > 0 else None,
             "synthetic random tokens",
             hashlib.sha256(synthetic).hexdigest()[:16],
         )
     if tokenizer is None:
         raise ConfigError("real data needs a tokenizer: set model.tokenizer or model.source")
-    documents = read_documents(spec.source, spec.text_field)
+    shards = list_shards(spec.source, spec.text_field, sequence_length)
     if spec.eval_source:
-        train_docs, eval_docs = documents, read_documents(spec.eval_source, spec.text_field)
+        train_shards, eval_shards = shards, list_shards(spec.eval_source, spec.text_field, sequence_length)
     else:
-        train_docs, eval_docs = split_documents(documents, spec.eval_fraction, seed)
-    train_rows = tokenize_and_pack(train_docs, tokenizer, sequence_length)
-    if len(train_rows) == 0:
-        raise DataError(f"{spec.source} holds fewer than {sequence_length} training tokens")
-    eval_rows = tokenize_and_pack(eval_docs, tokenizer, sequence_length) if eval_docs else None
-    if eval_docs and (eval_rows is None or len(eval_rows) == 0):
-        log.warning("held-out documents hold fewer than %d tokens: evaluation disabled", sequence_length)
-        eval_rows = None
+        train_shards, eval_shards = split_shards(shards, spec.eval_fraction, seed)
+    packer = ShardPacker(tokenizer, spec.text_field, sequence_length)
     description = json.dumps(
         {
             "source": spec.source,
-            "documents": len(train_docs),
-            "train_samples": len(train_rows),
-            "eval_samples": 0 if eval_rows is None else len(eval_rows),
+            "train_shards": len(train_shards),
+            "eval_shards": len(eval_shards),
+            "streams": streams,
         }
     )
+    table = [[shard.name, shard.start, shard.stop, shard.row_group] for shard in train_shards]
+    identity = {
+        "layout": LAYOUT_VERSION,
+        "shards": table,
+        "tokenizer": [
+            tokenizer.eos_token_id,
+            tokenizer([TOKENIZER_PROBE], add_special_tokens=False)["input_ids"],
+        ],
+        "sequence_length": sequence_length,
+        "seed": seed,
+    }
     return Datasets(
-        PackedSamples(train_rows, seed),
-        None if eval_rows is None else PackedSamples(eval_rows, seed),
+        StreamedSamples(train_shards, packer, seed, streams),
+        HeldOutSamples(eval_shards, packer) if eval_shards else None,
         description,
-        # The packed rows themselves: a changed corpus or tokenizer changes them even under the same URI.
-        hashlib.sha256(np.ascontiguousarray(train_rows).data).hexdigest()[:16],
+        # What the samples depend on: a changed corpus or tokenizer changes it even under the same URI.
+        hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16],
     )

@@ -1,5 +1,6 @@
 """The metrics processor: the training loop's only host synchronisations and its only metric collectives
-happen here, once per logging interval; records go to the background progress writer."""
+happen here, once per logging interval; records of steps, evaluations, checkpoints and the end of training
+go to the background progress writer."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from fsdp_trainer import distributed
 from fsdp_trainer.contract import ProgressRecord
 from fsdp_trainer.metrics import model_flops_utilisation, peak_flops
 from fsdp_trainer.progress import ProgressWriter
+from fsdp_trainer.validate import EvalResult
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +97,31 @@ class MetricsProcessor:
     def exclude(self, seconds: float) -> None:
         """Time inside the interval that was not spent training."""
         self.interval_start += seconds
+
+    def training_started(self) -> None:
+        """Ends the setup stages: the operator sees the run training."""
+        if self.progress is not None:
+            self.progress.write(phase="training", stage=None)
+
+    def evaluated(self, result: EvalResult | None) -> None:
+        if result is None:
+            return
+        self.exclude(result.seconds)
+        if self.progress is not None:
+            log.info("eval loss %.4f perplexity %.2f", result.loss, result.perplexity)
+            self.progress.update(eval_loss=result.loss, eval_perplexity=result.perplexity)
+
+    def checkpoint_started(self, blocked_seconds: float) -> None:
+        """A save began, blocking training for `blocked_seconds`; the history so far is stored with it."""
+        self.exclude(blocked_seconds)
+        if self.progress is not None:
+            self.progress.update(checkpoint_blocked_seconds=blocked_seconds)
+            self.progress.flush_history()
+
+    def finished(self, step: int, exported_model_uri: str | None) -> None:
+        if self.progress is not None:
+            self.progress.write(phase="finished", step=step, exported_model_uri=exported_model_uri)
+            self.progress.flush_history()
 
 
 def _peak_memory(device: torch.device) -> float:

@@ -17,13 +17,21 @@ NCCL_DEBUG_FILE. Line shapes seen in real logs ("host:pid:tid [dev] NCCL INFO ..
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import re
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from fsdp_trainer.contract import EfaPolicy, NetworkSpec, Transport, TransportReport
+import torch
+import torch.distributed as dist
+
+from fsdp_trainer import distributed
+from fsdp_trainer.contract import EfaPolicy, NetworkSpec, Transport, TransportReport, Versions
 from fsdp_trainer.errors import TransportError
+
+log = logging.getLogger(__name__)
 
 NCCL_LOG_DIR = "/tmp"
 # PXN channels name the proxy rank after the device: "via NET/Libfabric/0(1)/GDRDMA".
@@ -170,3 +178,55 @@ def own_nccl_log_lines(run_name: str) -> list[str]:
         with open(path, errors="replace") as log_file:
             lines.extend(log_file)
     return lines
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Measuring, on every rank
+
+
+def measure(
+    network: NetworkSpec, run_name: str, runtime: distributed.Runtime, versions: Versions
+) -> TransportReport:
+    """Bus bandwidth from a short all-reduce, then (under NCCL) the network every rank's NCCL log shows,
+    enforced against the EFA policy; the probe also makes NCCL initialise, so its log exists afterwards.
+    Records the NCCL version in `versions`."""
+    bandwidth = (
+        _probe_bandwidth(network.bandwidth_probe_mb, runtime.device) if runtime.world_size > 1 else None
+    )
+    if runtime.backend != "nccl":
+        return TransportReport(
+            observed=Transport.GLOO,
+            evidence=[f"torch.distributed backend {runtime.backend} on {runtime.device.type}"],
+            bus_bandwidth_gbps=bandwidth,
+        )
+    mine = parse_nccl_log(own_nccl_log_lines(run_name))
+    gathered = distributed.all_gather((os.uname().nodename, mine))
+    nodes = len({host for host, _ in gathered})
+    report = combine([rank_report for _, rank_report in gathered], nodes)
+    report.bus_bandwidth_gbps = bandwidth
+    if mine.nccl_version:
+        versions.nccl = mine.nccl_version
+    log.info("transport: %s over %d node(s), bus bandwidth %s GB/s", report.observed, nodes, bandwidth)
+    enforce(network.efa, report)
+    return report
+
+
+def _probe_bandwidth(size_mb: int, device: torch.device, iterations: int = 5) -> float | None:
+    if size_mb <= 0:
+        return None
+    buffer = torch.ones(size_mb * 1024 * 1024 // 4, dtype=torch.float32, device=device)
+    dist.all_reduce(buffer)  # warm-up: connection setup is not bandwidth
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(iterations):
+        dist.all_reduce(buffer)
+    _synchronize(device)
+    seconds = (time.perf_counter() - start) / iterations
+    # Ranks finish at slightly different times; the slowest defines the collective's duration.
+    seconds = distributed.maximum(seconds, device)
+    return bus_bandwidth_gbps(buffer.numel() * 4, dist.get_world_size(), seconds)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
