@@ -7,7 +7,9 @@ change, and create nothing twice:
 - kube-apiserver or etcd is killed (SIGKILL) for 30 s and started again as it was. While the apiserver is
   down, etcd is compacted to its latest revision: the apiserver comes back with an empty watch cache above a
   compacted history, so every watch resumed from before is refused (410 Gone) and the operator must list
-  again. One run waits for capacity and one trains (a real Ray job) meanwhile.
+  again. Runs in every phase meanwhile: one waits for capacity (Pending), one's head pod fits no node
+  (Provisioning), and a real Ray job either trains (Running, under the apiserver kill) or has just died and
+  waits out its restart backoff (Restarting, under the etcd kill).
 
 The runs changed during the faults wait for capacity (more GPUs than the fake nodes have): no Ray job is
 needed to see the operator act on them.
@@ -46,6 +48,8 @@ from tests.reliability import Recorder
 WATCH_SECONDS = 10  # the operator's watch_timeout_seconds here (60 by default)
 OUTAGE_SECONDS = 15  # longer than a watch lasts: the renewals made during the outage are swallowed too
 PENDING = {"cluster.workers": 5, "preflight.recheckSeconds": 5}  # more GPUs than the fake nodes have
+PROVISIONING = {**SMALL, "cluster.head.cpu": "1000"}  # its head pod fits no node: Provisioning until deleted
+RESTART_BACKOFF_SECONDS = 40  # longer than it takes to kill etcd once the run is seen Restarting
 
 
 def run_named(name: str) -> dict[str, Any]:
@@ -184,12 +188,28 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
 ) -> None:  # fmt: skip
     killed = ControlPlaneComponent.of_local_cluster(component)
     proc = OperatorProcess(namespace, lifecycle_env(local_cluster), tmp_path / "operator.log").start()
+    restarts = 1 if component == "etcd" else 0
+    dies = {
+        "recovery.inJobMaxFailures": 0,
+        "recovery.backoffSeconds": RESTART_BACKOFF_SECONDS,
+        "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": f"rank=0,step=3,marker={tmp_path / 'died'}"}},
+    }
     try:
         apply(namespace, run_named("before"))
-        training = demo_run(namespace, **SMALL, **{"training.maxSteps": 60})
+        provisioning = demo_run(namespace, **PROVISIONING)
+        # 300 steps: still training when the kill comes a moment after its first step.
+        training = demo_run(namespace, **SMALL, **{"training.maxSteps": 300, **(dies if restarts else {})})
         wait_for_phase(namespace, "before", "Pending", timeout=60)
-        wait_until(f"run {training} to train", lambda: progress_step(namespace, training) >= 1, RUN_TIMEOUT)
+        wait_for_phase(namespace, provisioning, "Provisioning", timeout=60)
+        if restarts:
+            wait_for_phase(namespace, training, "Restarting", timeout=RUN_TIMEOUT)
+        else:
+            wait_until(f"{training} to train", lambda: progress_step(namespace, training) >= 1, RUN_TIMEOUT)
         step_at_kill = progress_step(namespace, training)
+        phases_at_kill = {name: phase(namespace, name) for name in ("before", provisioning, training)}
+        expected = {"before": "Pending", provisioning: "Provisioning"}
+        expected[training] = "Restarting" if restarts else "Running"
+        assert phases_at_kill == expected, f"not in the phases to kill {component} in: {phases_at_kill}"
         listed_at = runs_resource_version(namespace)  # no older than any position of the operator's watches
         kubectl("create", "configmap", "written-after-the-list", "-n", namespace)
         killed.kill()
@@ -213,9 +233,11 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
         set_suspend(namespace, "before", True)
         handled = seconds_until_phases(namespace, {"after": "Pending", "before": "Suspended"}, changed, 90)
         assert proc.process is not None and proc.process.poll() is None, "the operator exited"
-        assert len(rayclusters(namespace)) <= 1, "the training run's RayCluster, never a second one"
+        clusters = [c["metadata"]["name"] for c in rayclusters(namespace)]
+        assert len(clusters) == len(set(clusters)) <= 2, f"a RayCluster created twice: {clusters}"
         status = wait_for_phase(namespace, training, "Succeeded", timeout=RUN_TIMEOUT)["status"]
-        assert status["attempt"] == 1 and status["restarts"]["count"] == 0, status
+        assert status["attempt"] == 1 + restarts and status["restarts"]["count"] == restarts, status
+        assert phase(namespace, provisioning) == "Provisioning"
     finally:
         restart_exited_control_plane()  # whatever failed above: the next tests need a whole control plane
         wait_until("the apiserver to be ready", apiserver_ready, 120)
@@ -232,8 +254,10 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
         f"{component} SIGKILLed for {KILLED_SECONDS} s under a running operator, then started again"
         f"{compaction}",
         "the same operator process acts on a run created and a run suspended right after; nothing created "
-        "twice; a run training meanwhile finishes without a restart",
+        "twice; a run Pending, one Provisioning and one Running or Restarting at the kill carry on; the "
+        "training run finishes with no restart spent by the fault",
         f"apiserver ready {ready:.0f} s after the restart; both changes handled within "
-        f"{max(handled.values()):.0f} s; the training run was at step {step_at_kill} at the kill, finished "
-        "with 0 restarts",
+        f"{max(handled.values()):.0f} s; the training run was {phases_at_kill[training]} at step "
+        f"{step_at_kill} at the kill, finished with {restarts} restart{'s' if restarts != 1 else ''} "
+        f"({'its own injected death' if restarts else 'none'})",
     )
