@@ -148,6 +148,25 @@ class Services:
                     process.wait()
 
 
+def ray_daemon_cpu_seconds(services: Services) -> float:
+    """CPU seconds used so far by the Ray head's own long-lived processes (GCS, raylet, agents, monitors):
+    the processes of its session that are not a job's driver or workers."""
+    session = services.processes[-1].pid  # `ray start` leads the session every Ray process of the head is in
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or os.getsid(int(entry.name)) != session:
+                continue
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, ProcessLookupError):
+            continue  # exited meanwhile
+        if "ray::" in command or "fsdp_trainer" in command:
+            continue  # the job's own processes: its driver, controller and training workers
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    return total
+
+
 def history(services: Services, run_name: str) -> list[list[ProgressRecord]]:
     config = TrainerConfig.model_validate(trainer_config(run_name, services.storage))
     metrics = Location.parse(config.run_uri()).child(METRICS_DIR)
@@ -260,6 +279,9 @@ def summarise(results: dict[str, Any]) -> str:
          f"{without_ray['median_step_seconds'] * 1e3:.1f} ms / "
          f"{baseline['median_step_seconds'] * 1e3:.1f} ms = "
          f"**{results['step_time_ratio_without_ray']:.3f}**", "reported"),
+        ("Where the Ray entrypoint's extra time goes: CPU used by the Ray head's own processes (GCS, raylet, "
+         "agents) during our runs, per second of the run, of the 2 cores the ranks share",
+         f"{ours['ray_daemons_cpu_per_second']:.2f} CPU-s/s", "reported"),
         ("Start-up, launch to first step: ours / without Ray / baseline A",
          f"{ours['startup_seconds']:.1f} s / {without_ray['startup_seconds']:.1f} s / "
          f"{baseline['startup_seconds']:.1f} s", "reported"),
@@ -309,8 +331,15 @@ def main() -> None:
         checkpoint_raw = run_checkpoint_bench(services, workdir)
         ours_rounds, without_ray_rounds, baseline_rounds = [], [], []
         for round_number in range(args.rounds):
+            daemons_before = ray_daemon_cpu_seconds(services)
             launched, records = run_ours(services, f"ours-{round_number}")
-            ours_rounds.append(ours_figures(launched, records))
+            ours_rounds.append(
+                {
+                    **ours_figures(launched, records),
+                    "ray_daemons_cpu_per_second": (ray_daemon_cpu_seconds(services) - daemons_before)
+                    / (time.time() - launched),
+                }
+            )
             baseline_rounds.append(run_baseline(services, workdir, f"baseline-{round_number}"))
             launched, records = run_ours(services, f"direct-{round_number}", without_ray=True)
             without_ray_rounds.append(ours_figures(launched, records))
@@ -327,6 +356,7 @@ def main() -> None:
     ours = {
         "median_step_seconds": median_step(ours_rounds),
         "startup_seconds": statistics.median(r["startup_seconds"] for r in ours_rounds),
+        "ray_daemons_cpu_per_second": statistics.median(r["ray_daemons_cpu_per_second"] for r in ours_rounds),
         "rounds": ours_rounds,
     }
     without_ray = {
