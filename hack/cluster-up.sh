@@ -16,8 +16,7 @@ fi
 
 start=$(date +%s)
 "$root/hack/build-tools.sh"
-require_free_ports "$APISERVER_PORT" "$S3_PORT" "$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" "$RAY_CLIENT_PORT" \
-  "$RAY_DASHBOARD_AGENT_PORT" "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
+require_free_ports "$APISERVER_PORT" "$S3_PORT" "${RAY_HEAD_PORTS[@]}" "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
   { log "stop what holds these ports, or move ours with the variables in hack/lib.sh"; exit 1; }
 rm -rf "$STATE/logs"
 mkdir -p "$STATE/logs" "$STATE/pids"

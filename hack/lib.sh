@@ -20,8 +20,19 @@ S3_PORT=${S3_PORT:-$((26900 + port_offset))}
 RAY_GCS_PORT=${RAY_GCS_PORT:-$((26379 + port_offset))}
 RAY_DASHBOARD_PORT=${RAY_DASHBOARD_PORT:-$((26265 + port_offset))}
 RAY_CLIENT_PORT=${RAY_CLIENT_PORT:-$((26001 + port_offset))}
-# Ray's default agent port, 52365, would be shared by two heads.
+# Ray's default agent port, 52365, would be shared by two heads. Every other port of the head is fixed too:
+# two heads starting at once each picked their own free ports and both took 10005 (one died at start).
 RAY_DASHBOARD_AGENT_PORT=${RAY_DASHBOARD_AGENT_PORT:-$((26365 + port_offset))}
+RAY_NODE_MANAGER_PORT=${RAY_NODE_MANAGER_PORT:-$((26366 + port_offset))}
+RAY_OBJECT_MANAGER_PORT=${RAY_OBJECT_MANAGER_PORT:-$((26367 + port_offset))}
+RAY_METRICS_EXPORT_PORT=${RAY_METRICS_EXPORT_PORT:-$((26368 + port_offset))}
+RAY_AGENT_GRPC_PORT=${RAY_AGENT_GRPC_PORT:-$((26369 + port_offset))}
+RAY_RUNTIME_ENV_AGENT_PORT=${RAY_RUNTIME_ENV_AGENT_PORT:-$((26370 + port_offset))}
+RAY_MIN_WORKER_PORT=$((20000 + port_offset)) # workers' ports: 1000 per instance, below the other ports
+RAY_MAX_WORKER_PORT=$((20999 + port_offset))
+RAY_HEAD_PORTS=("$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" "$RAY_CLIENT_PORT" "$RAY_DASHBOARD_AGENT_PORT"
+  "$RAY_NODE_MANAGER_PORT" "$RAY_OBJECT_MANAGER_PORT" "$RAY_METRICS_EXPORT_PORT" "$RAY_AGENT_GRPC_PORT"
+  "$RAY_RUNTIME_ENV_AGENT_PORT")
 KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-$((26080 + port_offset))}
 KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-$((26081 + port_offset))}
 export KWOK_WORKDIR=$STATE/kwok

@@ -25,6 +25,10 @@ start() {
       --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
       --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \
       --dashboard-agent-listen-port "$RAY_DASHBOARD_AGENT_PORT" \
+      --dashboard-agent-grpc-port "$RAY_AGENT_GRPC_PORT" --runtime-env-agent-port "$RAY_RUNTIME_ENV_AGENT_PORT" \
+      --node-manager-port "$RAY_NODE_MANAGER_PORT" --object-manager-port "$RAY_OBJECT_MANAGER_PORT" \
+      --metrics-export-port "$RAY_METRICS_EXPORT_PORT" \
+      --min-worker-port "$RAY_MIN_WORKER_PORT" --max-worker-port "$RAY_MAX_WORKER_PORT" \
       --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 }
 
@@ -39,8 +43,7 @@ kill_all() {
   if [[ -n $leftovers ]]; then
     kill -KILL $leftovers 2>/dev/null || true
   fi
-  wait_for "the old Ray head's ports to be free" 60 require_free_ports "$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" \
-    "$RAY_CLIENT_PORT" "$RAY_DASHBOARD_AGENT_PORT"
+  wait_for "the old Ray head's ports to be free" 60 require_free_ports "${RAY_HEAD_PORTS[@]}"
 }
 
 case ${1:-} in
