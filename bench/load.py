@@ -15,7 +15,8 @@ and fake nodes, in one run; then a soak with the N runs training.
 
     python bench/load.py [--runs 200] [--soak-minutes 30]      (make bench-load; part of make bench)
 
-Prints one JSON document and the markdown rows of docs/benchmarks.md.
+Prints one JSON document (also to --output) and the table it writes into docs/benchmarks.md ("load"
+section).
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from tests.harness import (  # noqa: E402
     wait_until,
 )
 
+from doc_section import write_section  # noqa: E402
 from fsdp_operator import api, builder  # noqa: E402
 
 BUCKET = "fsdp-load"
@@ -229,6 +231,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--soak-minutes", type=float, default=30)
     parser.add_argument("--sample-seconds", type=float, default=30)
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
 
     subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
@@ -308,8 +312,14 @@ def main() -> None:
                 )
                 kubectl("delete", "namespace", namespace, "--wait=false", check=False)
             kubectl("delete", "nodes", "-l", BENCH_LABEL, "--wait=false", check=False)
-    print(json.dumps(results, indent=2))
-    print_rows(results)
+    text = json.dumps(results, indent=2)
+    print(text)
+    if args.output:
+        args.output.write_text(text + "\n")
+    table = load_table(results)
+    print(table)
+    if not args.no_doc:
+        write_section("load", table)
 
 
 def measure(
@@ -447,10 +457,56 @@ def measure(
     }
 
 
-def print_rows(results: dict[str, Any]) -> None:
-    for kind, figures in results["latency"].items():
-        created, ready = figures["to_raycluster_created_s"], figures["to_raycluster_ready_s"]
-        print(f"| {kind} | {created['p50']} / {created['p99']} | {ready['p50']} / {ready['p99']} |")
+def load_table(results: dict[str, Any]) -> str:
+    """The markdown of docs/benchmarks.md's load section, from this script's JSON."""
+    ours, theirs = results["latency"]["FSDPTrainingRun"], results["latency"]["RayJob"]
+    operator, soak, runs = results["operator"], results["soak"], results["runs"]
+    requests = results["start_phase_requests_by_user_agent"]
+    windows = results["operator_requests_per_running_run_per_minute"]
+
+    def p50_p99(figures: dict[str, Any]) -> str:
+        return f"{figures['p50']:.1f} s / {figures['p99']:.1f} s"
+
+    def ratios(figure: str) -> str:
+        return " / ".join(f"{ours[figure][p] / theirs[figure][p]:.2f}" for p in ("p50", "p99"))
+
+    running = results["runs_create_to_running_s"]
+    rss = soak["rss_mib_first_last"]
+    rows = [
+        ("create -> RayCluster created, p50 / p99", p50_p99(ours["to_raycluster_created_s"]),
+         p50_p99(theirs["to_raycluster_created_s"]), ratios("to_raycluster_created_s"), ""),
+        ("create -> RayCluster ready, p50 / p99", p50_p99(ours["to_raycluster_ready_s"]),
+         p50_p99(theirs["to_raycluster_ready_s"]), ratios("to_raycluster_ready_s"),
+         "p99 no worse than KubeRay"),
+        ("create -> run Running (job submitted), p50 / p99", p50_p99(running), "", "", ""),
+        ("apiserver requests while starting",
+         f"{results['operator_requests_per_run_to_running']} per run (fsdp-operator "
+         f"{requests.get(OPERATOR_USER_AGENT, 0)} + kopf {requests.get('kopf', 0)})",
+         f"{results['kuberay_requests_per_raycluster_to_ready']} per RayCluster (kuberay-operator "
+         f"{requests.get(KUBERAY_USER_AGENT, 0)} for {2 * runs})", "", ""),
+        (f"requests per running run per minute ({len(windows)} 5-minute windows)",
+         f"{min(windows):.2f}-{max(windows):.2f}" if windows else "no full window", "", "", ""),
+        (f"operator RSS: idle / {runs} runs / peak",
+         f"{operator['rss_mib_idle']:.0f} / {operator['rss_mib_all_running']:.0f} / "
+         f"{operator['peak_rss_mib']:.0f} MiB", "", "", "< 200 MiB"),
+        ("operator CPU: to all Running / per minute in the soak",
+         f"{operator['cpu_seconds_to_all_running']:.0f} s / "
+         f"{operator['cpu_seconds_per_minute_in_soak']:.1f} s",
+         "", "", ""),
+        (f"soak, {soak['minutes']:.0f} min, {runs} runs Running: RSS first -> last, slope / asyncio tasks",
+         f"{rss[0]:.1f} -> {rss[1]:.1f} MiB, {soak['rss_slope_mib_per_hour']:+.1f} MiB/h / "
+         f"{soak['asyncio_tasks_min_max'][0]}-{soak['asyncio_tasks_min_max'][1]}" if rss else "no soak",
+         "", "", "flat"),
+    ]  # fmt: skip
+    lines = [
+        f"Measured {results['date']} on {results['machine']} (`python bench/load.py --runs {runs} "
+        f"--soak-minutes {soak['minutes']:g}`).",
+        "",
+        "| figure | FSDPTrainingRun (operator) | RayJob (KubeRay) | ratio | target |",
+        "|---|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in rows),
+    ]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
@@ -38,11 +37,10 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 import boto3  # noqa: E402
 from tests.harness import free_port, wait_until  # noqa: E402
 
+from doc_section import DOC, write_section  # noqa: E402
 from fsdp_trainer.contract import METRICS_DIR, ProgressRecord, TrainerConfig  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
 
-DOC = REPO / "docs" / "benchmarks.md"
-BEGIN, END = "<!-- trainer-cpu:begin -->", "<!-- trainer-cpu:end -->"
 BIN = Path(sys.executable).parent
 SINGLE_MACHINE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 STEPS = 60
@@ -308,15 +306,6 @@ def summarise(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_doc(table: str) -> None:
-    text = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in text:
-        text += f"\n{BEGIN}\n{END}\n"
-    text = re.sub(rf"{re.escape(BEGIN)}.*?{re.escape(END)}", f"{BEGIN}\n{table}\n{END}", text, flags=re.S)
-    DOC.parent.mkdir(exist_ok=True)
-    DOC.write_text(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -403,7 +392,7 @@ def main() -> None:
     table = summarise(results)
     print(table)
     if not args.no_doc:
-        write_doc(table)
+        write_section("trainer-cpu", table)
 
 
 if __name__ == "__main__":

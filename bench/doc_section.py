@@ -1,0 +1,21 @@
+"""Benchmarks write their tables into docs/benchmarks.md between markers of their own, so that no figure
+there is typed by hand: `<!-- NAME:begin -->` ... `<!-- NAME:end -->`."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def write_section(name: str, text: str, doc: Path = DOC) -> None:
+    """Replaces the section's text (appending the markers if the document has none yet)."""
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    current = doc.read_text() if doc.exists() else "# Benchmarks\n"
+    if begin not in current:
+        current += f"\n{begin}\n{end}\n"
+    replaced = re.sub(rf"{re.escape(begin)}.*?{re.escape(end)}", lambda _: f"{begin}\n{text}\n{end}", current,
+                      flags=re.S)  # fmt: skip
+    doc.parent.mkdir(exist_ok=True)
+    doc.write_text(replaced)
