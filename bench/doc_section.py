@@ -3,8 +3,10 @@ there is typed by hand: `<!-- NAME:begin -->` ... `<!-- NAME:end -->`."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 
@@ -19,3 +21,15 @@ def write_section(name: str, text: str, doc: Path = DOC) -> None:
                       flags=re.S)  # fmt: skip
     doc.parent.mkdir(exist_ok=True)
     doc.write_text(replaced)
+
+
+def publish(name: str, results: dict[str, Any], table: str, output: Path | None, write_doc: bool) -> None:
+    """Prints the results as JSON and the table; writes the JSON to `output` and the table into section
+    `name` of the document."""
+    text = json.dumps(results, indent=2)
+    print(text)
+    if output:
+        output.write_text(text + "\n")
+    print(table)
+    if write_doc:
+        write_section(name, table)

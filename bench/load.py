@@ -59,7 +59,7 @@ from tests.harness import (  # noqa: E402
     wait_until,
 )
 
-from doc_section import write_section  # noqa: E402
+from doc_section import publish  # noqa: E402
 from fsdp_operator import api, builder  # noqa: E402
 
 BUCKET = "fsdp-load"
@@ -312,14 +312,7 @@ def main() -> None:
                 )
                 kubectl("delete", "namespace", namespace, "--wait=false", check=False)
             kubectl("delete", "nodes", "-l", BENCH_LABEL, "--wait=false", check=False)
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-    table = load_table(results)
-    print(table)
-    if not args.no_doc:
-        write_section("load", table)
+    publish("load", results, load_table(results), args.output, not args.no_doc)
 
 
 def measure(

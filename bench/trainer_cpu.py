@@ -37,7 +37,7 @@ sys.path[:0] = [str(REPO), str(REPO / "trainer")]
 import boto3  # noqa: E402
 from tests.harness import free_port, wait_until  # noqa: E402
 
-from doc_section import DOC, write_section  # noqa: E402
+from doc_section import DOC, publish  # noqa: E402
 from fsdp_trainer.contract import METRICS_DIR, ProgressRecord, TrainerConfig  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
 
@@ -385,14 +385,7 @@ def main() -> None:
         },
         "resubmission": resubmission,
     }
-    text = json.dumps(results, indent=2)
-    print(text)
-    if args.output:
-        args.output.write_text(text + "\n")
-    table = summarise(results)
-    print(table)
-    if not args.no_doc:
-        write_section("trainer-cpu", table)
+    publish("trainer-cpu", results, summarise(results), args.output, not args.no_doc)
 
 
 if __name__ == "__main__":
