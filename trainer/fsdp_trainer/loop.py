@@ -6,10 +6,13 @@ manager, the metrics processor) and runs the loop over them; each part lives in 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import gc
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -243,23 +246,24 @@ class Trainer:
         else:
             metrics.training_started()
         session.lm.train()
-        for step in range(first_step, training.max_steps + 1):
-            if fault is not None and fault.due(runtime.rank, step):
-                checkpoints.wait()  # tests know which checkpoint a resume must use: the last one is complete
-                fault.trigger()
-            learning_rate = float(session.scheduler.get_last_lr()[0])
-            loss, grad_norm = self.train_step(session)
-            state.step = step
-            state.tokens_seen += metrics.throughput.tokens_per_step
-            if step == first_step and config.fsdp.compile:
-                metrics.training_started()
-            metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
-            if config.data.eval_every and step % config.data.eval_every == 0:
-                metrics.evaluated(session.validator.validate(session.lm, step))
-            if checkpoints.due(step):
-                metrics.checkpoint_started(
-                    checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
-                )
+        with collector_skips_setup():
+            for step in range(first_step, training.max_steps + 1):
+                if fault is not None and fault.due(runtime.rank, step):
+                    checkpoints.wait()  # tests know which checkpoint a resume uses: the last is complete
+                    fault.trigger()
+                learning_rate = float(session.scheduler.get_last_lr()[0])
+                loss, grad_norm = self.train_step(session)
+                state.step = step
+                state.tokens_seen += metrics.throughput.tokens_per_step
+                if step == first_step and config.fsdp.compile:
+                    metrics.training_started()
+                metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
+                if config.data.eval_every and step % config.data.eval_every == 0:
+                    metrics.evaluated(session.validator.validate(session.lm, step))
+                if checkpoints.due(step):
+                    metrics.checkpoint_started(
+                        checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
+                    )
 
     def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
@@ -287,6 +291,23 @@ class Trainer:
         if self.config.checkpoint.export_model:
             exported = checkpoints.export(session.lm, session.model_config, session.tokenizer, session.dtype)
         session.metrics.finished(step, exported)
+
+
+@contextlib.contextmanager
+def collector_skips_setup() -> Iterator[None]:
+    """Moves every object alive after setup out of the cyclic collector's reach for the loop's duration.
+
+    A full collection walks every tracked object with the GIL held: after setup that is ~500K objects of
+    torch, transformers and (under Ray) Ray itself, 0.18-0.24 s on a CPU core, and the rank it hits stalls
+    every other rank at the next collective. Training creates few long-lived objects, so with the setup's
+    frozen a full collection walks only those (measured: a 300-step Ray run went from one 0.24 s pause to
+    none). Objects are handed back to the collector when the loop ends."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 # ----------------------------------------------------------------------------------------------------------
