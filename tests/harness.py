@@ -22,15 +22,20 @@ REPO = Path(__file__).resolve().parents[1]
 # instance N, so that two workers never share a control plane, a Ray head or an S3 server.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 INSTANCE = int(_WORKER[2:] if _WORKER else os.environ.get("FSDP_CLUSTER_INSTANCE", "0"))
-STATE = Path(
-    subprocess.run(
-        [REPO / "hack" / "state-dir.sh"],
+
+
+def cluster_settings(*names: str) -> list[str]:
+    """hack/lib.sh's values of these settings for this process's local cluster (arrays space-separated)."""
+    return subprocess.run(
+        [REPO / "hack" / "settings.sh", *names],
         env={**os.environ, "FSDP_CLUSTER_INSTANCE": str(INSTANCE)},
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.strip()
-)
+    ).stdout.splitlines()
+
+
+STATE = Path(cluster_settings("STATE")[0])
 T = TypeVar("T")
 
 

@@ -403,8 +403,10 @@ def _competitors(
     # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once.
     free_now: dict[str, list[preflight.NodeFree]] = {}
     free_when_empty: dict[str, list[preflight.NodeFree]] = {}
+    in_index: set[str] = set()
     for other in indexes.all(indexes.runs):
         meta = other["metadata"]
+        in_index.add(meta["uid"])
         if meta["uid"] == run.uid:
             continue
         spec = ctx.spec_of(other)
@@ -443,6 +445,9 @@ def _competitors(
             spec=spec,
             free=tuple(free_now[key]),
         )
+    # A run deleted with its finalizer stripped by hand never reaches the delete handler that forgets it.
+    for uid in ctx.specs.keys() - in_index - {run.uid}:
+        del ctx.specs[uid]
     now = time.monotonic()
     for uid, (when, competitor) in list(ctx.admitted.items()):
         if now - when > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
