@@ -20,7 +20,8 @@ start() {
   log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
   mkdir -p "$RAY_TMP"
   (source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
-    RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$FSDP_LOCAL_RAY_TOKEN &&
+    RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$FSDP_LOCAL_RAY_TOKEN \
+    AUTOSCALER_METRIC_PORT=$RAY_AUTOSCALER_METRICS_PORT DASHBOARD_METRIC_PORT=$RAY_DASHBOARD_METRICS_PORT &&
     start_daemon ray "$VENV/bin/ray" start --head --block \
       --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
       --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import urllib.error
 import urllib.request
 import uuid
-from pathlib import Path
 
 import boto3
 import pytest
 from ray.job_submission import JobStatus
 
-from tests.harness import LocalCluster, answers, cluster_settings, wait_until
+from tests.harness import STATE, LocalCluster, answers, cluster_settings, wait_until
 
 
 def test_s3_bucket_put_and_get(local_cluster: LocalCluster) -> None:
@@ -70,32 +70,34 @@ def test_ray_job_submitted_to_the_local_dashboard_succeeds(local_cluster: LocalC
     assert "sum 42" in logs
 
 
-def ray_daemons_listening(ray_tmp: str) -> dict[int, str]:
-    """Port -> process of every TCP port listened on by the Ray head's own processes under ray_tmp (GCS,
-    raylet, dashboard, agents, idle workers): not a job's driver or actors, whose code may listen anywhere."""
+def ray_daemons_listening(head_pid: int) -> dict[int, str]:
+    """Port -> process of every TCP port the Ray head's own servers listen on (GCS, raylet, dashboard, agents,
+    monitors): the process group `ray start` leads. Job drivers and workers get groups of their own, and
+    their code may listen anywhere."""
     listening: dict[int, str] = {}
     sockets = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
     for line in sockets.splitlines():
         address, users = line.split()[3], line.split("users:", 1)[-1]
         for name, pid in re.findall(r'"([^"]+)",pid=(\d+)', users):
             try:
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
+                if os.getpgid(int(pid)) != head_pid:
+                    continue
+            except ProcessLookupError:
                 continue  # exited meanwhile
-            if ray_tmp in command and (not command.startswith("ray::") or command.startswith("ray::IDLE")):
-                listening[int(address.rsplit(":", 1)[1])] = f"{name} (pid {pid})"
+            listening[int(address.rsplit(":", 1)[1])] = f"{name} (pid {pid})"
     return listening
 
 
 def test_the_ray_head_listens_only_on_the_ports_its_instance_was_given(local_cluster: LocalCluster) -> None:
     # The suite's two local clusters start their Ray heads at the same moment; a port Ray picks for itself
     # (it did for the dashboard agent's gRPC server) can then be taken by both, and one head dies at start.
-    head_ports, first_worker_port, last_worker_port, ray_tmp = cluster_settings(
-        "RAY_HEAD_PORTS", "RAY_MIN_WORKER_PORT", "RAY_MAX_WORKER_PORT", "RAY_TMP"
+    head_ports, first_worker_port, last_worker_port = cluster_settings(
+        "RAY_HEAD_PORTS", "RAY_MIN_WORKER_PORT", "RAY_MAX_WORKER_PORT"
     )
     given = {int(port) for port in head_ports.split()}
-    listening = ray_daemons_listening(ray_tmp)
-    assert set(listening) & given, f"no Ray head process under {ray_tmp} listens on its ports: {listening}"
+    listening = ray_daemons_listening(int((STATE / "pids" / "ray.pid").read_text()))
+    # Every server of the head is up: the GCS, raylet, dashboard and its agent, client server, monitors.
+    assert given <= set(listening), f"the Ray head does not listen on {sorted(given - set(listening))}"
     strays = {
         port: process
         for port, process in listening.items()
