@@ -447,7 +447,7 @@ def _competitors(
         )
     # A run deleted with its finalizer stripped by hand never reaches the delete handler that forgets it.
     for uid in ctx.specs.keys() - in_index - {run.uid}:
-        del ctx.specs[uid]
+        ctx.specs.pop(uid, None)  # the delete handler may forget it meanwhile
     now = time.monotonic()
     for uid, (when, competitor) in list(ctx.admitted.items()):
         if now - when > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
