@@ -378,6 +378,8 @@ def main() -> None:
         "startup_seconds": statistics.median(r["startup_seconds"] for r in baseline_rounds),
         "rounds": baseline_rounds,
     }
+    ratios = paired_ratios(ours_rounds, baseline_rounds)
+    ratios_without_ray = paired_ratios(without_ray_rounds, baseline_rounds)
     sync_blocked = statistics.median(checkpoint_raw["sync"]["blocked_seconds"])
     async_blocked = statistics.median(checkpoint_raw["async"]["blocked_seconds"])
     size = checkpoint_raw["async"]["bytes"]  # the synchronous saver's start() already consumed its result
@@ -390,10 +392,10 @@ def main() -> None:
         "ours": ours,
         "ours_without_ray": without_ray,
         "baseline": baseline,
-        "step_time_ratio": statistics.median(paired_ratios(ours_rounds, baseline_rounds)),
-        "step_time_ratios": paired_ratios(ours_rounds, baseline_rounds),
-        "step_time_ratio_without_ray": statistics.median(paired_ratios(without_ray_rounds, baseline_rounds)),
-        "step_time_ratios_without_ray": paired_ratios(without_ray_rounds, baseline_rounds),
+        "step_time_ratio": statistics.median(ratios),
+        "step_time_ratios": ratios,
+        "step_time_ratio_without_ray": statistics.median(ratios_without_ray),
+        "step_time_ratios_without_ray": ratios_without_ray,
         "checkpoint": {
             "parameters": checkpoint_raw["parameters"],
             "bytes": size,

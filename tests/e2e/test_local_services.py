@@ -90,14 +90,22 @@ def ray_daemons_listening(head_pid: int) -> dict[int, str]:
 
 def test_the_ray_head_listens_only_on_the_ports_its_instance_was_given(local_cluster: LocalCluster) -> None:
     # The suite's two local clusters start their Ray heads at the same moment; a port Ray picks for itself
-    # (it did for the dashboard agent's gRPC server) can then be taken by both, and one head dies at start.
+    # (it did for the dashboard agent's gRPC server) or takes by default (the autoscaler's and the dashboard's
+    # metrics ports) is then wanted by both, and one head loses a server or dies at start.
     head_ports, first_worker_port, last_worker_port = cluster_settings(
         "RAY_HEAD_PORTS", "RAY_MIN_WORKER_PORT", "RAY_MAX_WORKER_PORT"
     )
     given = {int(port) for port in head_ports.split()}
-    listening = ray_daemons_listening(int((STATE / "pids" / "ray.pid").read_text()))
-    # Every server of the head is up: the GCS, raylet, dashboard and its agent, client server, monitors.
-    assert given <= set(listening), f"the Ray head does not listen on {sorted(given - set(listening))}"
+    head_pid = int((STATE / "pids" / "ray.pid").read_text())
+
+    listening: dict[int, str] = {}
+
+    def every_server_up() -> bool:  # the GCS, raylet, dashboard and its agents, client server, monitors
+        listening.clear()
+        listening.update(ray_daemons_listening(head_pid))
+        return given <= set(listening)
+
+    wait_until(f"the Ray head's servers on each of {sorted(given)}", every_server_up, timeout=60)
     strays = {
         port: process
         for port, process in listening.items()
