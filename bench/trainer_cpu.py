@@ -147,6 +147,11 @@ class Services:
                     process.wait()
 
 
+def command_line(pid: str) -> str:
+    """The process's command line, arguments joined by spaces (OSError once it has exited)."""
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
 def ray_daemon_cpu_seconds(services: Services) -> float:
     """CPU seconds used so far by the Ray head's own long-lived processes (GCS, raylet, agents, monitors):
     the processes of its session that are not a job's driver or workers."""
@@ -156,7 +161,7 @@ def ray_daemon_cpu_seconds(services: Services) -> float:
         try:
             if not entry.name.isdigit() or os.getsid(int(entry.name)) != session:
                 continue
-            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = command_line(entry.name)
             fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
         except (OSError, ProcessLookupError):
             continue  # exited meanwhile

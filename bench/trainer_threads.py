@@ -31,7 +31,7 @@ def rank_threads() -> Sample:
     sample: Sample = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            command = trainer_cpu.command_line(pid)
             if not command.startswith("ray::RayTrainWorker") and not (
                 "--launcher direct" in command and "torchrun" not in command
             ):
