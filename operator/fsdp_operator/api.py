@@ -117,7 +117,16 @@ class HeadSpec(ContractModel):
         "the workers' instance type.",
     )
     tolerations: list[Toleration] = Field(
-        default_factory=list, max_length=32, description="Head tolerations."
+        default_factory=list,
+        max_length=32,
+        description="Head tolerations, beside the operator's (by default the ray.io/head-node taint's).",
+    )
+    ephemeral_storage: str = Field(
+        default="20Gi",
+        max_length=32,
+        pattern=QUANTITY,
+        description="Local disk the head requests, and the size of its /tmp volume (Ray's session logs, the "
+        "job's driver).",
     )
 
 
@@ -144,6 +153,13 @@ class ClusterSpec(ContractModel):
     )
     shm_size: str = Field(
         default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
+    )
+    ephemeral_storage: str = Field(
+        default="200Gi",
+        max_length=32,
+        pattern=QUANTITY,
+        description="Local disk each worker requests, and the size of its /tmp volume (checkpoint staging, "
+        "the model cache, Ray's logs and object spilling); beyond it the kubelet evicts the pod.",
     )
     zone: str | None = Field(
         default=None,
@@ -241,8 +257,10 @@ class RecoverySpec(ContractModel):
     pod_error_timeout_seconds: int = Field(
         default=300,
         ge=0,
-        description="Head or worker pods in ImagePullBackOff, ErrImagePull or CreateContainerConfigError for "
-        "this long fail the run with that reason (condition PodsHealthy shows it at once).",
+        description="Head or worker pods that cannot start (ErrImagePull, ImagePullBackOff, "
+        "CreateContainerConfigError, RunContainerError, CrashLoopBackOff after 3 restarts) or a head no node "
+        "can take (HeadUnschedulable) for this long fail the run with that reason, and its RayCluster is "
+        "deleted, which gives the workers' GPUs back; condition PodsHealthy shows the reason at once.",
     )
     in_job_max_failures: int = Field(
         default=1, ge=0, description="Worker failures Ray Train retries inside one job before it fails."

@@ -5,11 +5,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_operator import api
 from fsdp_operator.jobs import DASHBOARD_PORT
+from fsdp_operator.settings import Settings
 from fsdp_trainer.contract import EfaPolicy
 
 RAY_VERSION = "2.58.0"
@@ -28,12 +29,38 @@ WORKER_GROUP = "gpu-workers"
 LABEL_RAY_CLUSTER = "ray.io/cluster"  # KubeRay puts it on every pod of a RayCluster
 LABEL_NAMESPACE_NAME = "kubernetes.io/metadata.name"
 RAY_AUTH_TOKEN_KEY = "token"
-# EC2 families whose EFA supports GPUDirect RDMA; elsewhere (g5, g6, ...) NCCL stages through host memory.
-GPUDIRECT_RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6")
+# EC2 families whose EFA supports GPUDirect RDMA; elsewhere (g5, g6, ...) NCCL stages through host memory. A
+# family is the instance type before its first dot (p6-b200.48xlarge: p6-b200).
+GPUDIRECT_RDMA_FAMILIES = ("p4d", "p4de", "p5", "p5e", "p5en", "p6-b200", "p6-b300", "p6e-gb200")
+# Every Ray pod's scratch space: Ray's session logs, object spilling, checkpoint staging and the model cache
+# all write under /tmp, which would otherwise be the container layer.
+SCRATCH_VOLUME = "scratch"
+SCRATCH_PATH = "/tmp"
 # KubeRay derives pod and Service names from the cluster name: keep them DNS-1035 labels within 63 chars.
 _MAX_CHILD_NAME = 40
 _MAX_LABEL_VALUE = 63
 _NOT_DNS_1035 = re.compile(r"[^a-z0-9-]")
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the platform team sets for every run's pods (operator settings): where heads go, what they
+    tolerate, and environment every Ray container gets (an S3-compatible endpoint, a proxy)."""
+
+    head_node_selector: dict[str, str] = field(default_factory=dict)
+    head_tolerations: tuple[dict[str, Any], ...] = ()
+    pod_env: dict[str, str] = field(default_factory=dict)
+
+
+def pod_platform(settings: Settings) -> Platform:
+    """The operator settings that shape every run's pods."""
+    return Platform(
+        head_node_selector=dict(settings.head_node_selector),
+        head_tolerations=tuple(
+            t.model_dump(by_alias=True, exclude_none=True) for t in settings.head_tolerations
+        ),
+        pod_env=dict(settings.ray_pod_env),
+    )
 
 
 @dataclass(frozen=True)
@@ -88,6 +115,10 @@ def uses_efa(spec: api.FSDPTrainingRunSpec) -> bool:
     return spec.cluster.efa_per_worker > 0 and spec.network.efa != EfaPolicy.DISABLED
 
 
+def instance_family(instance_type: str) -> str:
+    return instance_type.split(".", 1)[0]
+
+
 def efa_environment(spec: api.FSDPTrainingRunSpec) -> dict[str, str]:
     """NCCL/libfabric settings for EFA, plus the NCCL logging the trainer turns into transport evidence."""
     if not uses_efa(spec):
@@ -99,7 +130,7 @@ def efa_environment(spec: api.FSDPTrainingRunSpec) -> dict[str, str]:
     }
     if spec.network.efa == EfaPolicy.REQUIRED:
         env["NCCL_NET"] = "Libfabric"  # NCCL then fails instead of falling back to sockets
-    if spec.cluster.instance_type.split(".")[0] in GPUDIRECT_RDMA_FAMILIES:
+    if instance_family(spec.cluster.instance_type) in GPUDIRECT_RDMA_FAMILIES:
         env["FI_EFA_USE_DEVICE_RDMA"] = "1"
     env.update(spec.network.nccl_env)
     return env
@@ -190,24 +221,47 @@ def _pod_common(spec: api.FSDPTrainingRunSpec, run: RunRef) -> dict[str, Any]:
     return common
 
 
-def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, ray_auth: bool) -> dict[str, Any]:
+def _scratch(size: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The /tmp volume of a Ray pod (on the node's disk, evicted beyond its size) and its mount."""
+    return (
+        {"name": SCRATCH_VOLUME, "emptyDir": {"sizeLimit": size}},
+        {"name": SCRATCH_VOLUME, "mountPath": SCRATCH_PATH},
+    )
+
+
+def _plain_env(values: dict[str, str]) -> list[dict[str, Any]]:
+    return [{"name": name, "value": value} for name, value in values.items()]
+
+
+def _head_group(
+    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, ray_auth: bool, platform: Platform
+) -> dict[str, Any]:
     head = spec.cluster.head
     resources = {"cpu": head.cpu, "memory": head.memory}
+    volume, mount = _scratch(head.ephemeral_storage)
+    # The head has no GPU: without this, the NVIDIA container runtime (a GPU node group's default runtime)
+    # fails to start it on a GPU-less node ("failed to initialize NVML"), as AWS's DLC guide says.
+    env = _plain_env({"NVIDIA_VISIBLE_DEVICES": "void", **platform.pod_env})
+    env += (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)  # the job's driver runs on the head
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "containers": [
             {
                 "name": "ray-head",
                 "image": image,
-                "resources": {"requests": resources, "limits": dict(resources)},
+                "env": env,
+                "resources": {
+                    "requests": {**resources, "ephemeral-storage": head.ephemeral_storage},
+                    "limits": dict(resources),
+                },
+                "volumeMounts": [mount],
             }
         ],
+        "volumes": [volume],
     }
-    env = (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)  # the job's driver runs on the head
-    if env:
-        pod["containers"][0]["env"] = env
-    if head.node_selector:
-        pod["nodeSelector"] = dict(head.node_selector)
+    node_selector = head.node_selector or platform.head_node_selector
+    if node_selector:
+        pod["nodeSelector"] = dict(node_selector)
     else:  # keep the head off the GPU nodes it would otherwise take a slot on
         pod["affinity"] = {
             "nodeAffinity": {
@@ -226,16 +280,30 @@ def _head_group(spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, ray_auth
                 }
             }
         }
-    if head.tolerations:
-        pod["tolerations"] = _tolerations(head.tolerations)
+    tolerations = [*platform.head_tolerations, *_tolerations(head.tolerations)]
+    if tolerations:
+        pod["tolerations"] = tolerations
     return {
-        "rayStartParams": {"num-gpus": "0", "dashboard-host": "0.0.0.0"},
+        # No CPUs for Ray tasks either: Ray Train's workers and their data tasks run in the worker pods.
+        "rayStartParams": {"num-cpus": "0", "num-gpus": "0", "dashboard-host": "0.0.0.0"},
         "template": {"metadata": {"labels": run_labels(run)}, "spec": pod},
     }
 
 
+def _worker_tolerations(spec: api.FSDPTrainingRunSpec) -> list[dict[str, Any]]:
+    """The taints GPU and EFA node groups carry (EKS, AWS's tested manifest), then the spec's own."""
+    keys = [GPU, *(["vpc.amazonaws.com/efa", "aws.amazon.com/efa"] if uses_efa(spec) else [])]
+    defaults = [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in keys]
+    return defaults + _tolerations(spec.cluster.tolerations)
+
+
 def _worker_group(
-    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None, ray_auth: bool
+    spec: api.FSDPTrainingRunSpec,
+    run: RunRef,
+    image: str,
+    zone: str | None,
+    ray_auth: bool,
+    platform: Platform,
 ) -> dict[str, Any]:
     cluster = spec.cluster
     resources = {"cpu": cluster.cpu, "memory": cluster.memory, GPU: str(cluster.gpus_per_worker)}
@@ -245,24 +313,30 @@ def _worker_group(
     placement_zone = cluster.zone or zone
     if placement_zone:  # EFA traffic does not cross availability zones
         node_selector[LABEL_ZONE] = placement_zone
+    scratch, scratch_mount = _scratch(cluster.ephemeral_storage)
     container: dict[str, Any] = {
         "name": "ray-worker",
         "image": image,
-        "resources": {"requests": resources, "limits": dict(resources)},
-        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "resources": {
+            "requests": {**resources, "ephemeral-storage": cluster.ephemeral_storage},
+            "limits": dict(resources),
+        },
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount],
     }
-    env = [{"name": k, "value": v} for k, v in efa_environment(spec).items()]
+    env = _plain_env({**platform.pod_env, **efa_environment(spec)})
     env += (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)
     if env:
         container["env"] = env
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "nodeSelector": node_selector,
+        "tolerations": _worker_tolerations(spec),
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}}],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}},
+            scratch,
+        ],
     }
-    if cluster.tolerations:
-        pod["tolerations"] = _tolerations(cluster.tolerations)
     return {
         "groupName": WORKER_GROUP,
         "replicas": cluster.workers,
@@ -274,13 +348,19 @@ def _worker_group(
 
 
 def build_raycluster(
-    spec: api.FSDPTrainingRunSpec, run: RunRef, image: str, zone: str | None, ray_auth: bool = True
+    spec: api.FSDPTrainingRunSpec,
+    run: RunRef,
+    image: str,
+    zone: str | None,
+    ray_auth: bool = True,
+    platform: Platform | None = None,
 ) -> dict[str, Any]:
     """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone; with
     ray_auth, every Ray process takes the token of the run's Secret (build_ray_auth_secret).
 
     With a Kueue queue it is created suspended, as Kueue's defaulting webhook would make it (and the
     webhook may not run): Kueue unsuspends it on admission, and the operator never writes spec.suspend."""
+    platform = platform or Platform()
     labels = run_labels(run)
     queued = spec.cluster.queue_name is not None
     if spec.cluster.queue_name:
@@ -302,8 +382,8 @@ def build_raycluster(
             **cluster_spec,
             "rayVersion": RAY_VERSION,
             "enableInTreeAutoscaling": False,
-            "headGroupSpec": _head_group(spec, run, image, ray_auth),
-            "workerGroupSpecs": [_worker_group(spec, run, image, zone, ray_auth)],
+            "headGroupSpec": _head_group(spec, run, image, ray_auth, platform),
+            "workerGroupSpecs": [_worker_group(spec, run, image, zone, ray_auth, platform)],
         },
     }
 

@@ -40,6 +40,7 @@ from fsdp_operator.reconcile import (
     ClusterObservation,
     Decision,
     Observation,
+    OomKill,
     PodProblem,
     job_to_observe,
     needs_preflight,
@@ -73,7 +74,17 @@ USER_AGENT = "fsdp-operator"
 # Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
 FAULT_POINT_ENV = "FSDP_OPERATOR_FAULT_POINT"
 # Waiting reasons of a container that will not start by itself (kubelet's names).
-POD_START_ERRORS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError")
+POD_START_ERRORS = (
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+)
+# A container that has crashed this often and waits in CrashLoopBackOff is not coming up by itself (one crash
+# and a restart is what a killed process looks like, and KubeRay's pods are restarted in place).
+CRASH_LOOP_RESTARTS = 3
 
 
 class Conflict(Exception):
@@ -271,20 +282,48 @@ def pod_disruption(body: Mapping[str, Any]) -> str | None:
     return None
 
 
+def _memory_limit(body: Mapping[str, Any], container: str) -> str | None:
+    for spec in (body.get("spec") or {}).get("containers") or []:
+        if spec.get("name") == container:
+            return cast(str | None, ((spec.get("resources") or {}).get("limits") or {}).get("memory"))
+    return None
+
+
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
-    """What a pass needs of a Ray pod: the digests its Ray container ran and why it cannot start, if so."""
-    statuses = (body.get("status") or {}).get("containerStatuses") or []
-    image_ids, problems = [], []
-    for status in statuses:
+    """What a pass needs of a Ray pod: the digests its Ray container ran, why it cannot start (a container
+    that cannot, or a head no node can take), and the Ray container's last OOM kill, if any."""
+    name = body["metadata"]["name"]
+    status_of = body.get("status") or {}
+    image_ids, problems, oom_kills = [], [], []
+    for status in status_of.get("containerStatuses") or []:
         if status.get("name") not in ("ray-head", "ray-worker"):
             continue
         if status.get("imageID"):
             image_ids.append(status["imageID"])
         waiting = (status.get("state") or {}).get("waiting") or {}
-        if waiting.get("reason") in POD_START_ERRORS:
-            message = f"pod {body['metadata']['name']}: {waiting['reason']}: {waiting.get('message', '')}"
-            problems.append((waiting["reason"], message.strip()))
-    return {"name": body["metadata"]["name"], "imageIds": image_ids, "problems": problems}
+        reason = waiting.get("reason")
+        looping = reason == "CrashLoopBackOff" and status.get("restartCount", 0) >= CRASH_LOOP_RESTARTS
+        if reason in POD_START_ERRORS or looping:
+            message = f"pod {name}: {reason}: {waiting.get('message', '')}"
+            problems.append((reason, message.strip()))
+        for state in (status.get("state") or {}, status.get("lastState") or {}):
+            terminated = state.get("terminated") or {}
+            if terminated.get("reason") == "OOMKilled":
+                limit = _memory_limit(body, status["name"])
+                oom_kills.append(
+                    (
+                        terminated.get("finishedAt") or "",
+                        f"container {status['name']} of pod {name} was OOMKilled at its memory limit "
+                        f"({limit or 'none set'}, exit code {terminated.get('exitCode')})",
+                    )
+                )
+    head = (body["metadata"].get("labels") or {}).get("ray.io/node-type") == "head"
+    for condition in status_of.get("conditions") or []:
+        # Workers may wait for GPU nodes being added (scale-from-zero; provisioningTimeoutSeconds bounds it);
+        # a head waits for nothing but a CPU node, which a cluster has or never gets.
+        if head and condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
+            problems.append(("HeadUnschedulable", f"pod {name}: {condition.get('message', '')}".strip()))
+    return {"name": name, "imageIds": image_ids, "problems": problems, "oomKills": oom_kills}
 
 
 @dataclass
@@ -309,6 +348,10 @@ class Context:
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
     disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
     ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
+
+    @property
+    def platform(self) -> builder.Platform:
+        return builder.pod_platform(self.settings)
 
     def ray_token(self, namespace: str, cluster_name: str) -> str | None:
         if self.settings.dashboard_address_mode == DashboardAddressMode.OVERRIDE:
@@ -525,7 +568,9 @@ def _desired_cluster(
     # After the first pull every attempt runs the pinned digest, even if the tag has moved since.
     image = status.image.digest or _requested_image(ctx, spec)
     zone = None if spec.cluster.queue_name else status.zone  # Kueue's flavor pins the zone of a queued run
-    return builder.build_raycluster(spec, run, image, zone, ray_auth=ctx.settings.ray_token_auth)
+    return builder.build_raycluster(
+        spec, run, image, zone, ray_auth=ctx.settings.ray_token_auth, platform=ctx.platform
+    )
 
 
 def _observe_cluster(
@@ -547,7 +592,9 @@ def _observe_cluster(
     # Compared with what it was built from: pinning the digest after the first pull is not a change.
     built_with = (raycluster["metadata"].get("annotations") or {}).get(builder.ANNOTATION_IMAGE)
     desired = (
-        builder.build_raycluster(spec, run, built_with, status.zone, ray_auth=ctx.settings.ray_token_auth)
+        builder.build_raycluster(
+            spec, run, built_with, status.zone, ray_auth=ctx.settings.ray_token_auth, platform=ctx.platform
+        )
         if built_with
         else None
     )
@@ -609,6 +656,12 @@ def _observe(
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
         pod_problems=tuple(
             PodProblem(reason, message) for pod in pods for reason, message in pod["problems"]
+        ),
+        oom_kills=tuple(
+            OomKill(dt.datetime.fromisoformat(finished), message)
+            for pod in pods
+            for finished, message in pod.get("oomKills", [])
+            if finished
         ),
         requested_image=_requested_image(ctx, spec),
         submission_prefix=submission.submission_prefix(run),

@@ -61,6 +61,14 @@ class PodProblem:
 
 
 @dataclass(frozen=True)
+class OomKill:
+    """A Ray container the kernel killed at its memory limit (the pod's last state says when)."""
+
+    finished_at: dt.datetime
+    message: str
+
+
+@dataclass(frozen=True)
 class Observation:
     now: dt.datetime
     generation: int
@@ -76,6 +84,7 @@ class Observation:
     storage_error: str | None = None  # why they could not be read
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
+    oom_kills: tuple[OomKill, ...] = ()
     requested_image: str | None = None  # spec.image or the operator's default
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
     action_error: str | None = None  # why an action of the previous pass failed
@@ -104,12 +113,14 @@ class Decision:
 
 
 def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> ClusterObservation:
-    """KubeRay v1.5 reports readiness in conditions (state is deprecated but still set)."""
+    """Ready while the head is: KubeRay v1.5 sets RayClusterProvisioned once, when every pod is first ready,
+    and never sets it (or the deprecated `state: ready`) back; HeadPodReady follows the head pod, so a head
+    that crashed after that is seen."""
     status = raycluster.get("status") or {}
     by_type = {c.get("type"): c for c in status.get("conditions", [])}
     provisioned = by_type.get("RayClusterProvisioned", {}).get("status") == "True"
     head_ready = by_type.get("HeadPodReady", {}).get("status") == "True"
-    ready = (provisioned and head_ready) or status.get("state") == "ready"
+    ready = provisioned and head_ready
     message = "; ".join(
         f"{t}={c.get('status')}" + (f" ({c['message']})" if c.get("message") else "")
         for t, c in by_type.items()
@@ -774,7 +785,22 @@ class _Pass:
             step = new.progress.step if new.progress else None
             self.finish(Phase.SUCCEEDED, "Completed", f"training finished at step {step}")
         else:
-            self.fail_attempt(classify(job.message, job.logs_tail, obs.progress, job.start_time))
+            self.fail_attempt(
+                self.oom_killed() or classify(job.message, job.logs_tail, obs.progress, job.start_time)
+            )
+
+    def oom_killed(self) -> Failure | None:
+        """The attempt's failure when a Ray container of it was OOMKilled: permanent unless it trained past
+        the step it resumed from (memory pressure a restart may not meet again), as for the trainer's own
+        OutOfMemory."""
+        since = self.new.attempt_time
+        kills = [k for k in self.obs.oom_kills if since is None or k.finished_at >= since]
+        if not kills:
+            return None
+        record = self.attempt_progress()
+        progressed = record is not None and record.step > (record.resumed_from_step or 0)
+        hint = "raise spec.cluster.memory (or spec.cluster.head.memory) or lower spec.training.microBatchSize"
+        return Failure(not progressed, "OOMKilled", f"{kills[0].message}; {hint}")
 
     def awaiting_submission(self) -> bool:
         """The attempt is recorded but Ray has not reported its job yet: the submission is owed."""

@@ -10,11 +10,17 @@ from typing import Annotated, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from fsdp_operator.api import Toleration
+
 # Where a kubelet mounts the pod's namespace, next to its service-account token.
 SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
-DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
+# The Ray 2.58 Train DLC as AWS publishes it (aws/deep-learning-containers docs/src/data/ray-train/
+# 2.58-gpu-ec2.yml: Python 3.13, CUDA 13.0, Amazon Linux 2023; tests/unit/test_settings.py checks the copy).
+DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
+# Where AWS's tested DLC manifest keeps Ray heads: nodes with this taint, which every head tolerates.
+HEAD_NODE_TAINT = "ray.io/head-node"
 
 
 class DashboardAddressMode(StrEnum):
@@ -78,6 +84,21 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Address ranges also admitted to each run's dashboard, comma-separated: the apiserver's "
         "with service-proxy.",
+    )
+    head_node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="Node labels of the nodes for Ray heads (JSON object), for runs that set none; empty: "
+        "any node that is not of the run's worker instance type.",
+    )
+    head_tolerations: list[Toleration] = Field(
+        default_factory=lambda: [Toleration(key=HEAD_NODE_TAINT, operator="Exists", effect="NoSchedule")],
+        description="Tolerations of every Ray head (JSON list), before the run's own.",
+    )
+    ray_pod_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment of every Ray container of every run (JSON object), e.g. AWS_ENDPOINT_URL "
+        "of an S3-compatible store. Visible in each RayCluster: never a secret (runs name Secrets in "
+        "runtimeEnv.secretEnv).",
     )
     trainer_device: TrainerDevice = Field(
         default=TrainerDevice.GPU, description="gpu in production; cpu when the Ray head has no GPUs."
@@ -144,6 +165,21 @@ class Settings(BaseSettings):
     def _resolve_lease_namespace(self) -> Self:
         if not self.lease_namespace:
             self.lease_namespace = own_namespace() or next(iter(self.watch_namespaces), "default")
+        return self
+
+    @model_validator(mode="after")
+    def _proxy_needs_ingress(self) -> Self:
+        if (
+            self.dashboard_address_mode == DashboardAddressMode.SERVICE_PROXY
+            and self.network_policy
+            and not self.dashboard_ingress_cidrs
+        ):
+            raise ValueError(
+                "dashboard_address_mode service-proxy with network_policy on needs dashboard_ingress_cidrs "
+                "(FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS; chart: networkPolicy.dashboardIngressCIDRs): the "
+                "apiserver's proxied connections come from its own addresses, which each run's NetworkPolicy "
+                "admits to the dashboard only when listed; without them every submission would be dropped"
+            )
         return self
 
     @model_validator(mode="after")

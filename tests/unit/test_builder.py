@@ -16,7 +16,7 @@ from tests.harness import example
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
-IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
+IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
 
 
 def example_spec(name: str, **changes: Any) -> api.FSDPTrainingRunSpec:

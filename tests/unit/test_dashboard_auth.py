@@ -18,6 +18,8 @@ def context(configuration: client.Configuration, mode: DashboardAddressMode, **s
     kube = SimpleNamespace(configuration=configuration)
     if mode == DashboardAddressMode.OVERRIDE:
         settings.setdefault("dashboard_url", "http://127.0.0.1:8265")
+    if mode == DashboardAddressMode.SERVICE_PROXY:
+        settings.setdefault("dashboard_ingress_cidrs", ["10.0.0.0/24"])  # the apiserver's (required)
     ctx = Context(
         settings=Settings(dashboard_address_mode=mode, **settings),
         kube=cast(Any, kube),

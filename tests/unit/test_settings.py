@@ -18,7 +18,9 @@ def test_defaults_watch_everything_in_cluster(monkeypatch: pytest.MonkeyPatch) -
         settings.watch_namespaces == []
         and settings.dashboard_address_mode == DashboardAddressMode.SERVICE_DNS
     )
-    assert settings.trainer_device == TrainerDevice.GPU and "2.58.0" in settings.default_image
+    assert settings.trainer_device == TrainerDevice.GPU and settings.default_image.endswith(
+        ":train-ml-cuda-v1.0"
+    )
 
 
 def test_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,184 @@
+"""The production pod path, read against KubeRay v1.5, Ray 2.58 and the AWS Ray Train DLC: each test pins a
+defect that only real pods on a real cluster would show (a tag that does not exist, a head crash nobody sees,
+a pod that never starts, a worker killed at its memory limit)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from fsdp_operator import api, builder, settings
+from fsdp_operator.handlers import pod_summary
+from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
+from tests.unit.test_state_machine import NOW, job, observe, record, spec, status
+
+REPO = Path(__file__).resolve().parents[2]
+RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
+
+
+def test_the_default_image_is_a_published_tag_of_the_ray_258_train_dlc() -> None:
+    published = yaml.safe_load(
+        (Path(__file__).parent / "data" / "dlc-ray-train-2.58-gpu-ec2.yml").read_text()
+    )
+    assert (published["version"], published["python"], published["cuda"]) == ("2.58", "py313", "cu130")
+    tags = {
+        f"public.ecr.aws/deep-learning-containers/{published['ecr_repository']}:{t}"
+        for t in published["tags"]
+    }
+    assert settings.DEFAULT_IMAGE in tags
+    chart = yaml.safe_load((REPO / "charts" / "fsdp-operator" / "values.yaml").read_text())
+    assert chart["defaultImage"] == settings.DEFAULT_IMAGE
+
+
+def test_a_head_that_crashed_after_the_cluster_was_ready_once_is_seen() -> None:
+    # KubeRay never sets RayClusterProvisioned or state back after the first time every pod was ready.
+    crashed = {
+        "status": {
+            "state": "ready",
+            "conditions": [
+                {"type": "RayClusterProvisioned", "status": "True"},
+                {"type": "HeadPodReady", "status": "False", "message": "ray-head container not ready"},
+            ],
+        }
+    }
+    observed = observe_cluster(crashed)
+    assert not observed.ready
+    assert "HeadPodReady=False" in observed.message
+
+
+def test_service_proxy_with_network_policies_needs_the_apiservers_addresses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE", "service-proxy")
+    with pytest.raises(ValidationError, match="dashboard_ingress_cidrs"):
+        settings.Settings()
+    monkeypatch.setenv("FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS", "10.0.0.0/16")
+    assert settings.Settings().dashboard_ingress_cidrs == ["10.0.0.0/16"]
+    monkeypatch.delenv("FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS")
+    monkeypatch.setenv("FSDP_OPERATOR_NETWORK_POLICY", "false")
+    settings.Settings()
+
+
+def test_the_chart_lets_service_proxy_mode_upload_the_trainer_package() -> None:
+    # Ray's SDK uploads py_modules with PUT /api/packages/...; through a service proxy that is verb update.
+    rbac = (REPO / "charts" / "fsdp-operator" / "templates" / "rbac.yaml").read_text()
+    [rule] = [line for line in rbac.splitlines() if "services/proxy" in line]
+    verbs = rbac.splitlines()[rbac.splitlines().index(rule) + 1]
+    assert "update" in verbs and "create" in verbs and "get" in verbs
+
+
+def _groups(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    return manifest["spec"]["headGroupSpec"], manifest["spec"]["workerGroupSpecs"][0]
+
+
+def _cluster(platform: builder.Platform | None = None, **extra: Any) -> dict[str, Any]:
+    return builder.build_raycluster(spec(**extra), RUN, "img:1", "us-west-2a", platform=platform)
+
+
+def test_the_head_runs_where_the_platform_keeps_heads_and_tolerates_their_taint() -> None:
+    platform = builder.pod_platform(
+        settings.Settings(head_node_selector={"node-type": "cpu-ray-train-head"}, leader_election=False)
+    )
+    head, _ = _groups(_cluster(platform))
+    pod = head["template"]["spec"]
+    assert pod["nodeSelector"] == {"node-type": "cpu-ray-train-head"}
+    assert "affinity" not in pod
+    assert {"key": "ray.io/head-node", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    own = _groups(_cluster(platform, cluster={"head": {"nodeSelector": {"pool": "system"}}}))[0]
+    assert own["template"]["spec"]["nodeSelector"] == {"pool": "system"}  # the run's own choice wins
+
+
+def test_the_head_has_no_gpus_for_the_nvidia_runtime_and_no_cpus_for_training_workers() -> None:
+    head, _ = _groups(_cluster())
+    container = head["template"]["spec"]["containers"][0]
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"]
+    assert head["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_ray_pods_write_to_a_volume_of_the_size_they_request_not_the_container_layer() -> None:
+    head, workers = _groups(
+        _cluster(cluster={"ephemeralStorage": "50Gi", "head": {"ephemeralStorage": "5Gi"}})
+    )
+    for group, size in ((head, "5Gi"), (workers, "50Gi")):
+        pod = group["template"]["spec"]
+        [container] = pod["containers"]
+        assert container["resources"]["requests"]["ephemeral-storage"] == size
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volume = next(v for v in pod["volumes"] if v["name"] == mounts["/tmp"])
+        assert volume["emptyDir"] == {"sizeLimit": size}
+
+
+def test_workers_tolerate_the_gpu_and_efa_taints_of_their_node_groups() -> None:
+    _, workers = _groups(_cluster())
+    keys = {t["key"] for t in workers["template"]["spec"]["tolerations"]}
+    assert {"nvidia.com/gpu", "vpc.amazonaws.com/efa", "aws.amazon.com/efa"} <= keys
+
+
+@pytest.mark.parametrize(
+    ("instance_type", "rdma"),
+    [
+        ("p6-b200.48xlarge", True),
+        ("p6e-gb200.36xlarge", True),
+        ("p5en.48xlarge", True),
+        ("g6.12xlarge", False),
+    ],
+)
+def test_gpudirect_rdma_is_set_for_the_families_that_have_it(instance_type: str, rdma: bool) -> None:
+    env = builder.efa_environment(spec(cluster={"instanceType": instance_type}))
+    assert ("FI_EFA_USE_DEVICE_RDMA" in env) is rdma
+
+
+def _pod(node_type: str, containers: list[dict[str, Any]], conditions: list[dict[str, Any]] = ()) -> Any:
+    return {
+        "metadata": {"name": f"c-{node_type}", "labels": {"ray.io/node-type": node_type}},
+        "spec": {"containers": [{"name": f"ray-{node_type}", "resources": {"limits": {"memory": "4Gi"}}}]},
+        "status": {"containerStatuses": containers, "conditions": list(conditions)},
+    }
+
+
+def test_pods_that_will_not_come_up_by_themselves_are_problems() -> None:
+    looping = {"name": "ray-worker", "restartCount": 3, "state": {"waiting": {"reason": "CrashLoopBackOff"}}}
+    once = {**looping, "restartCount": 1}
+    failing = {"name": "ray-worker", "state": {"waiting": {"reason": "RunContainerError", "message": "exec"}}}
+    assert [r for r, _ in pod_summary(_pod("worker", [looping]))["problems"]] == ["CrashLoopBackOff"]
+    assert pod_summary(_pod("worker", [once]))["problems"] == []  # one kill and a restart is recovery
+    assert [r for r, _ in pod_summary(_pod("worker", [failing]))["problems"]] == ["RunContainerError"]
+    unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/5"}]
+    assert [r for r, _ in pod_summary(_pod("head", [], unschedulable))["problems"]] == ["HeadUnschedulable"]
+    # Workers may wait for GPU nodes being added: only the provisioning timeout bounds that.
+    assert pod_summary(_pod("worker", [], unschedulable))["problems"] == []
+
+
+def test_an_oom_killed_worker_fails_the_attempt_with_its_reason() -> None:
+    killed = {
+        "name": "ray-worker",
+        "restartCount": 1,
+        "state": {"running": {}},
+        "lastState": {
+            "terminated": {"reason": "OOMKilled", "exitCode": 137, "finishedAt": "2026-11-30T11:59:00Z"}
+        },
+    }
+    [(finished, message)] = pod_summary(_pod("worker", [killed]))["oomKills"]
+    assert "OOMKilled at its memory limit (4Gi, exit code 137)" in message
+    kill = OomKill(dt.datetime.fromisoformat(finished), message)
+    before_training = reconcile(
+        spec(),
+        status(),
+        observe(job=job("FAILED"), oom_kills=(kill,), progress=record(step=0, phase="starting")),
+    )
+    assert before_training.status.phase == api.Phase.FAILED
+    assert before_training.status.message.startswith("OOMKilled: container ray-worker")
+    assert "spec.cluster.memory" in before_training.status.message
+    after_progress = reconcile(
+        spec(), status(), observe(job=job("FAILED"), oom_kills=(kill,), progress=record())
+    )
+    assert after_progress.status.phase == api.Phase.RESTARTING
+    assert after_progress.status.restarts.history[-1].reason == "OOMKilled"
+    stale = OomKill(NOW - dt.timedelta(hours=1), message)  # of an earlier attempt
+    earlier = reconcile(spec(), status(), observe(job=job("FAILED"), oom_kills=(stale,), progress=record()))
+    assert earlier.status.restarts.history[-1].reason != "OOMKilled"
