@@ -301,22 +301,24 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         if status.get("imageID"):
             image_ids.append(status["imageID"])
         waiting = (status.get("state") or {}).get("waiting") or {}
-        reason = waiting.get("reason")
-        looping = reason == "CrashLoopBackOff" and status.get("restartCount", 0) >= CRASH_LOOP_RESTARTS
-        if reason in POD_START_ERRORS or looping:
-            message = f"pod {name}: {reason}: {waiting.get('message', '')}"
-            problems.append((reason, message.strip()))
+        kill = None
         for state in (status.get("state") or {}, status.get("lastState") or {}):
             terminated = state.get("terminated") or {}
             if terminated.get("reason") == "OOMKilled":
                 limit = _memory_limit(body, status["name"])
-                oom_kills.append(
-                    (
-                        terminated.get("finishedAt") or "",
-                        f"container {status['name']} of pod {name} was OOMKilled at its memory limit "
-                        f"({limit or 'none set'}, exit code {terminated.get('exitCode')})",
-                    )
+                kill = (
+                    terminated.get("finishedAt") or "",
+                    f"container {status['name']} of pod {name} was OOMKilled at its memory limit "
+                    f"({limit or 'none set'}, exit code {terminated.get('exitCode')})",
                 )
+                oom_kills.append(kill)
+        reason = waiting.get("reason")
+        looping = reason == "CrashLoopBackOff" and status.get("restartCount", 0) >= CRASH_LOOP_RESTARTS
+        if looping and kill is not None:  # Ray itself does not fit: the reason is the memory limit
+            problems.append(("OOMKilled", f"{kill[1]}, {status['restartCount']} times"))
+        elif reason in POD_START_ERRORS or looping:
+            message = f"pod {name}: {reason}: {waiting.get('message', '')}"
+            problems.append((reason, message.strip()))
     head = (body["metadata"].get("labels") or {}).get("ray.io/node-type") == "head"
     for condition in status_of.get("conditions") or []:
         # Workers may wait for GPU nodes being added (scale-from-zero; provisioningTimeoutSeconds bounds it);

@@ -24,6 +24,7 @@ pods that cannot start, provisioning timeout), then one step function for the ph
 from __future__ import annotations
 
 import datetime as dt
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -39,6 +40,8 @@ from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, T
 RECENT_CHECKPOINTS = 5
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
 RAY_ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
+# Ray's memory monitor's verdict on a task or actor it killed near the node's (the pod's) memory limit.
+RAY_MEMORY_MONITOR_KILL = re.compile(r"OutOfMemoryError|killed due to the node running low on memory")
 ZONE_LABEL = "topology.kubernetes.io/zone"
 
 
@@ -790,17 +793,26 @@ class _Pass:
             )
 
     def oom_killed(self) -> Failure | None:
-        """The attempt's failure when a Ray container of it was OOMKilled: permanent unless it trained past
-        the step it resumed from (memory pressure a restart may not meet again), as for the trainer's own
+        """The attempt's failure when a process of it was killed at its pod's memory limit: a Ray container
+        the kernel OOMKilled, or a worker Ray's memory monitor killed first (it kills at 95 % of the limit,
+        so the container survives and only Ray's error tells). Permanent unless the attempt trained past the
+        step it resumed from (memory pressure a restart may not meet again), as for the trainer's own
         OutOfMemory."""
-        since = self.new.attempt_time
-        kills = [k for k in self.obs.oom_kills if since is None or k.finished_at >= since]
+        since, job, record = self.new.attempt_time, self.obs.job, self.attempt_progress()
+        kills = [k.message for k in self.obs.oom_kills if since is None or k.finished_at >= since]
+        if not kills and job is not None:
+            texts = [job.message or "", job.logs_tail or "", (record.error if record else None) or ""]
+            kills = [
+                line.strip()[:500]
+                for text in texts
+                for line in text.splitlines()
+                if RAY_MEMORY_MONITOR_KILL.search(line)
+            ]
         if not kills:
             return None
-        record = self.attempt_progress()
         progressed = record is not None and record.step > (record.resumed_from_step or 0)
         hint = "raise spec.cluster.memory (or spec.cluster.head.memory) or lower spec.training.microBatchSize"
-        return Failure(not progressed, "OOMKilled", f"{kills[0].message}; {hint}")
+        return Failure(not progressed, "OOMKilled", f"{kills[0]}; {hint}")
 
     def awaiting_submission(self) -> bool:
         """The attempt is recorded but Ray has not reported its job yet: the submission is owed."""

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from fsdp_operator import api, builder, settings
 from fsdp_operator.handlers import pod_summary
+from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
 from tests.unit.test_state_machine import NOW, job, observe, record, spec, status
 
@@ -146,6 +147,9 @@ def test_pods_that_will_not_come_up_by_themselves_are_problems() -> None:
     once = {**looping, "restartCount": 1}
     failing = {"name": "ray-worker", "state": {"waiting": {"reason": "RunContainerError", "message": "exec"}}}
     assert [r for r, _ in pod_summary(_pod("worker", [looping]))["problems"]] == ["CrashLoopBackOff"]
+    oom_looping = {**looping, "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+    [(reason, message)] = pod_summary(_pod("worker", [oom_looping]))["problems"]
+    assert reason == "OOMKilled" and "memory limit (4Gi" in message
     assert pod_summary(_pod("worker", [once]))["problems"] == []  # one kill and a restart is recovery
     assert [r for r, _ in pod_summary(_pod("worker", [failing]))["problems"]] == ["RunContainerError"]
     unschedulable = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/5"}]
@@ -182,3 +186,15 @@ def test_an_oom_killed_worker_fails_the_attempt_with_its_reason() -> None:
     stale = OomKill(NOW - dt.timedelta(hours=1), message)  # of an earlier attempt
     earlier = reconcile(spec(), status(), observe(job=job("FAILED"), oom_kills=(stale,), progress=record()))
     assert earlier.status.restarts.history[-1].reason != "OOMKilled"
+
+
+def test_a_worker_rays_memory_monitor_killed_at_the_pod_limit_fails_with_its_reason() -> None:
+    # Ray kills a worker at 95 % of the pod's limit before the kernel would: the container survives.
+    ray_said = (
+        "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory.\n"
+        "Memory on the node (IP: 198.18.0.12) where the task was running was 2.85GB / 3.00GB (0.95)"
+    )
+    failed = JobObservation("run-0f1e2d3c-1", "FAILED", message="Job failed", logs_tail=ray_said)
+    decision = reconcile(spec(), status(), observe(job=failed, progress=record(step=0, phase="starting")))
+    assert decision.status.phase == api.Phase.FAILED
+    assert decision.status.message.startswith("OOMKilled: ray.exceptions.OutOfMemoryError")
