@@ -290,11 +290,12 @@ def _head_group(
     }
 
 
-def _worker_tolerations(spec: api.FSDPTrainingRunSpec) -> list[dict[str, Any]]:
-    """The taints GPU and EFA node groups carry (EKS, AWS's tested manifest), then the spec's own."""
+def worker_tolerations(spec: api.FSDPTrainingRunSpec) -> list[api.Toleration]:
+    """The taints GPU and EFA node groups carry (EKS, AWS's tested manifest), then the spec's own: what the
+    workers tolerate, and so what preflight counts them able to land on."""
     keys = [GPU, *(["vpc.amazonaws.com/efa", "aws.amazon.com/efa"] if uses_efa(spec) else [])]
-    defaults = [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in keys]
-    return defaults + _tolerations(spec.cluster.tolerations)
+    defaults = [api.Toleration(key=key, operator="Exists", effect="NoSchedule") for key in keys]
+    return defaults + list(spec.cluster.tolerations)
 
 
 def _worker_group(
@@ -330,7 +331,7 @@ def _worker_group(
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "nodeSelector": node_selector,
-        "tolerations": _worker_tolerations(spec),
+        "tolerations": _tolerations(worker_tolerations(spec)),
         "containers": [container],
         "volumes": [
             {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cluster.shm_size}},

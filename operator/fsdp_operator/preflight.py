@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from fsdp_operator import api
-from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa
+from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa, worker_tolerations
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,7 @@ def free_worker_nodes(
             for resource in (GPU, EFA):
                 used[node_name][resource] += _quantity_int(requests.get(resource))
     wanted = {**spec.cluster.node_selector, LABEL_INSTANCE_TYPE: spec.cluster.instance_type}
+    tolerations = worker_tolerations(spec)
     result = []
     for node in nodes:
         meta, node_spec, status = node["metadata"], node.get("spec", {}), node.get("status", {})
@@ -141,7 +142,7 @@ def free_worker_nodes(
             continue
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
         taints = [t for t in node_spec.get("taints", []) if t.get("effect") in ("NoSchedule", "NoExecute")]
-        if not ready or not all(_tolerated(t, spec.cluster.tolerations) for t in taints):
+        if not ready or not all(_tolerated(t, tolerations) for t in taints):
             continue
         allocatable = status.get("allocatable", {})
         name = meta["name"]

@@ -95,11 +95,18 @@ def test_unready_cordoned_and_tainted_nodes_are_not_capacity() -> None:
     nodes = [
         node("a0", "us-west-2a", ready="False"),
         node("a1", "us-west-2a", spec={"unschedulable": True}),
-        node("b0", "us-west-2b", spec={"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]}),
+        node("b0", "us-west-2b", spec={"taints": [{"key": "dedicated", "effect": "NoSchedule"}]}),
     ]
     assert check(spec(workers=1), nodes, []).reason == "NoMatchingNodes"
-    tolerating = spec(workers=1, tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}])
+    tolerating = spec(workers=1, tolerations=[{"key": "dedicated", "operator": "Exists"}])
     assert check(tolerating, nodes, []).zone == "us-west-2b"
+
+
+def test_the_gpu_taint_of_gpu_node_groups_is_tolerated_as_the_workers_tolerate_it() -> None:
+    gpu_tainted = [
+        node("b0", "us-west-2b", spec={"taints": [{"key": "nvidia.com/gpu", "effect": "NoSchedule"}]})
+    ]
+    assert check(spec(workers=1), gpu_tainted, []).zone == "us-west-2b"
 
 
 def test_no_nodes_of_the_instance_type() -> None:
