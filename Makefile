@@ -3,6 +3,12 @@ SHELL := /bin/bash
 CACHE ?= $(or $(FSDP_CACHE_DIR),$(or $(XDG_CACHE_HOME),$(HOME)/.cache)/fsdp-operator)
 VENV ?= $(or $(FSDP_VENV),$(CACHE)/venv)
 PY := $(VENV)/bin/python
+# The DLC's environment (Python 3.13, hack/dlc/requirements.lock): the trainer's own tests run where the
+# trainer runs in production, the rest in the operator's.
+DLC_VENV ?= $(or $(FSDP_DLC_VENV),$(CACHE)/dlc-venv)
+DLC_PY := $(DLC_VENV)/bin/python
+TRAINER_TESTS := $(sort $(wildcard tests/unit/test_trainer_*.py)) tests/e2e/test_trainer_fsdp.py \
+  tests/e2e/test_checkpoint_s3_outage.py
 PYTEST_ARGS ?=
 # pytest workers of `make test`, each with a local cluster of its own (hack/lib.sh FSDP_CLUSTER_INSTANCE).
 TEST_WORKERS ?= 2
@@ -23,8 +29,12 @@ tools: ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go m
 image: venv ## build the operator image with podman (Dockerfile.operator on a Debian 12 base made here; cached)
 	@hack/packages.sh && hack/image.sh
 
+.PHONY: dlc-image
+dlc-image: venv ## build the DLC stand-in image the real node's Ray pods run (cached by content)
+	@hack/packages.sh && hack/dlc-image.sh >/dev/null
+
 .PHONY: cluster-up
-cluster-up: venv tools ## start the local cluster (control plane, fake GPU nodes, KubeRay, S3, Ray)
+cluster-up: venv ## start the local cluster (control plane, fake GPU nodes, a real node, KubeRay, S3, Ray)
 	@hack/cluster-up.sh
 
 .PHONY: cluster-down
@@ -38,15 +48,19 @@ lint: venv ## ruff and mypy
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
 
 .PHONY: test
-test: venv tools lint image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 $(PYTEST_ARGS)
+test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
+	  $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS)
+	$(DLC_PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=5 \
+	  $(TRAINER_TESTS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: venv ## the fast tests only (no servers)
-	$(PY) -m pytest -m unit $(PYTEST_ARGS)
+	$(PY) -m pytest -m unit $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS)
+	$(DLC_PY) -m pytest -m unit $(filter tests/unit/%,$(TRAINER_TESTS)) $(PYTEST_ARGS)
 
 .PHONY: demo
-demo: venv tools ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
+demo: venv ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
 	@hack/demo.sh
 
 .PHONY: bench

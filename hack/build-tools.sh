@@ -13,6 +13,8 @@ KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.5
 KUBERAY_VERSION=v1.5.0
 KUEUE_VERSION=v0.17.0
+COREDNS_VERSION=v1.15.0
+KUBE_ROUTER_VERSION=v2.1.0 # the only v2 the module proxy serves (v2.6.1 answers 403)
 
 k8s_minor=${K8S_VERSION#v1.}
 k8s_minor=${k8s_minor%%.*}
@@ -29,6 +31,9 @@ components=(
   "kube-controller-manager|k8s|k8s.io/kubernetes/cmd/kube-controller-manager|$K8S_VERSION|$k8s_ldflags"
   "kube-scheduler|k8s|k8s.io/kubernetes/cmd/kube-scheduler|$K8S_VERSION|$k8s_ldflags"
   "kubectl|k8s|k8s.io/kubernetes/cmd/kubectl|$K8S_VERSION|$k8s_ldflags"
+  "kubelet|kubelet|k8s.io/kubernetes/cmd/kubelet|$K8S_VERSION|$k8s_ldflags"
+  "coredns|coredns|fsdp-operator.dev/hack/coredns|$COREDNS_VERSION|-X github.com/coredns/coredns/coremain.GitCommit=$COREDNS_VERSION"
+  "kube-router|kube-router|github.com/cloudnativelabs/kube-router/v2/cmd/kube-router|$KUBE_ROUTER_VERSION|-X github.com/cloudnativelabs/kube-router/v2/pkg/version.Version=$KUBE_ROUTER_VERSION"
   "kwok|kwok|sigs.k8s.io/kwok/cmd/kwok|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
   "kwokctl|kwok|sigs.k8s.io/kwok/cmd/kwokctl|$KWOK_VERSION|-X sigs.k8s.io/kwok/pkg/consts.Version=$KWOK_VERSION -X sigs.k8s.io/kwok/pkg/consts.KubeVersion=$K8S_VERSION"
   "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"

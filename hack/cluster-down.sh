@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Stops everything cluster-up started, by pid: the daemons' process groups, then the kwokctl cluster (which
+# Stops everything cluster-up started, by pid: the real node, the daemons' process groups, then the kwokctl cluster (which
 # stops its own etcd, apiserver, controller-manager, scheduler and kwok by their pid files), then any Ray
 # process still running from this checkout's Ray temp dir. Leaves no process of ours behind.
 set -uo pipefail
@@ -18,6 +18,7 @@ stop_group() { # pid file
   rm -f "$1"
 }
 
+"$root/hack/real-node.sh" stop # first: its kubelet must not see the apiserver go
 for pidfile in "$STATE"/pids/*.pid; do
   [[ -e $pidfile ]] && stop_group "$pidfile"
 done

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Starts the local test cluster on loopback: a real control plane (etcd, kube-apiserver with RBAC,
-# controller-manager, scheduler) and KWOK through `kwokctl --runtime=binary`, fake g6.12xlarge GPU nodes,
-# the real KubeRay operator out of cluster, an S3/EC2-compatible server (moto) and a local Ray head.
+# controller-manager, scheduler) and KWOK through `kwokctl --runtime=binary`, fake g6.12xlarge GPU nodes, a
+# real node (hack/real-node.sh), the real KubeRay operator out of cluster, an S3/EC2-compatible server (moto)
+# and a local Ray head.
 # Writes $STATE/kubeconfig and $STATE/env. Idempotent: a running cluster is left as it is.
 set -euo pipefail
 
@@ -15,7 +16,13 @@ fi
 "$root/hack/cluster-down.sh" >/dev/null 2>&1 || true # clear what a half-started cluster left
 
 start=$(date +%s)
-"$root/hack/build-tools.sh"
+# What the cluster runs, and nothing else (Kueue, Argo CD and helm are built by `make tools` for the tests).
+"$root/hack/packages.sh"
+"$root/hack/build-tools.sh" etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kwokctl \
+  ray-operator kubelet coredns kube-router
+# The image the real node's Ray pods run (hack/dlc-image.sh); built before anything starts, as it is the
+# slowest part of a cold start.
+dlc_image=$("$root/hack/dlc-image.sh")
 require_free_ports "$APISERVER_PORT" "$S3_PORT" "${RAY_HEAD_PORTS[@]}" "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
   { log "stop what holds these ports, or move ours with the variables in hack/lib.sh"; exit 1; }
 rm -rf "$STATE/logs"
@@ -23,6 +30,7 @@ mkdir -p "$STATE/logs" "$STATE/pids"
 trap 'status=$?; if ((status)); then log "cluster-up failed (exit $status)"; dump_logs; fi' EXIT
 
 write_env_file
+key=${dlc_image##*/dlc-standin-} && echo "export FSDP_DLC_IMAGE=localhost/fsdp-operator/dlc-standin:${key%.tar}" >>"$STATE/env"
 # Start the Ray head first: it is the slowest part and needs nothing from Kubernetes.
 "$root/hack/ray-head.sh" start
 
@@ -33,6 +41,12 @@ log "creating control plane with kwokctl (binary runtime)"
 # kwokctl gives etcd, the controller-manager, the scheduler and kwok the highest ports below 32768 that are
 # free at that moment: two clusters created at once would take the same ones, so one creates at a time
 # (--close: the components kwokctl starts must not inherit, and so keep, the lock).
+{
+  sed -e "s|@PKI@|$KWOK_WORKDIR/clusters/$CLUSTER_NAME/pki|g" -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" \
+    "$root/hack/cluster/kwokctl.yaml"
+  echo ---
+  cat "$root/hack/cluster/kwok.yaml"
+} >"$STATE/kwok.yaml"
 flock --close /tmp/fsdp-kwokctl-create.lock kwokctl create cluster --name "$CLUSTER_NAME" --runtime binary \
   --kube-apiserver-port "$APISERVER_PORT" \
   --kube-authorization=true \
@@ -41,9 +55,8 @@ flock --close /tmp/fsdp-kwokctl-create.lock kwokctl create cluster --name "$CLUS
   --kube-controller-manager-binary "$root/bin/kube-controller-manager" \
   --kube-scheduler-binary "$root/bin/kube-scheduler" \
   --kwok-controller-binary "$root/bin/kwok" \
-  --config "$root/hack/cluster/kwok.yaml" --kubeconfig "$STATE/kubeconfig" \
+  --config "$STATE/kwok.yaml" --kubeconfig "$STATE/kubeconfig" \
   --kube-audit-policy "$root/hack/cluster/audit-policy.yaml" \
-  --extra-args kube-apiserver=audit-log-maxsize=50 --extra-args kube-apiserver=audit-log-maxbackup=2 \
   --wait 5m >"$STATE/logs/kwokctl.log" 2>&1
 
 export KUBECONFIG=$STATE/kubeconfig
@@ -58,5 +71,6 @@ wait_for "KubeRay CRDs established" 180 kubectl wait --for condition=established
 "$root/hack/kuberay.sh" start
 wait_for "S3 server" 120 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
 wait_for "Ray dashboard" 300 ray_dashboard_answers
-wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node --all
+wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node -l type=kwok
+FSDP_NODE_IMAGES=$dlc_image "$root/hack/real-node.sh" start
 log "local cluster up in $(($(date +%s) - start))s; source $STATE/env"

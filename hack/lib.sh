@@ -5,6 +5,9 @@
 # shellcheck shell=bash
 CACHE=${FSDP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/fsdp-operator} # builds, kept between clones
 VENV=${FSDP_VENV:-$CACHE/venv}
+# The DLC's environment (hack/dlc/requirements.lock, Python 3.13): the local Ray head and the trainer's tests
+# run in it, as the trainer runs in the Ray Train DLC in production.
+DLC_VENV=${FSDP_DLC_VENV:-$CACHE/dlc-venv}
 # FSDP_CLUSTER_INSTANCE=N runs another cluster beside the first from the same checkout (the suite's second
 # pytest worker uses 1): its own state dir, Ray temp dir and cluster name, and every port moved up by N x 1000.
 INSTANCE=${FSDP_CLUSTER_INSTANCE:-0}
@@ -39,6 +42,21 @@ RAY_HEAD_PORTS=("$RAY_GCS_PORT" "$RAY_DASHBOARD_PORT" "$RAY_CLIENT_PORT" "$RAY_D
 KUBERAY_METRICS_PORT=${KUBERAY_METRICS_PORT:-$((26080 + port_offset))}
 KUBERAY_HEALTH_PORT=${KUBERAY_HEALTH_PORT:-$((26081 + port_offset))}
 export KWOK_WORKDIR=$STATE/kwok
+# The real node (hack/real-node.sh): a kubelet and containerd in network and mount namespaces of their own, on
+# a segment of 198.18.0.0/15 (RFC 2544's benchmarking range) per instance that nothing routes out of: the
+# host's end of it .1 (where pods reach S3 and the apiserver, forwarded to loopback), the node .2, pods
+# .10-.250. Services get 198.19.N.0/24 (no kube-proxy: only headless Services answer, through cluster DNS).
+REAL_NODE_NAME=real-0
+POD_NET_PREFIX=198.18.$INSTANCE
+HOST_POD_ADDRESS=$POD_NET_PREFIX.1
+NODE_IP=$POD_NET_PREFIX.2
+SERVICE_CIDR=198.19.$INSTANCE.0/24
+NODE_DIR=$STATE/node
+HOST_LINK=fsdpnode$INSTANCE # the host's end of the veth pair into the node's network namespace
+NODE_CGROUP=fsdp-node-$INSTANCE # the kubelet's cgroupRoot, in every cgroup hierarchy
+# Only pods that tolerate it run on the real node: the KWOK-node tests' runs, which train on the shared Ray
+# head, must never start real containers (nor count the node's fake GPUs in preflight).
+REAL_NODE_TAINT=fsdp.training.dev/real-node=true:NoSchedule
 # kwokctl writes the apiserver's audit log here (hack/cluster/audit-policy.yaml), rotated at 50 MB, 2 kept.
 APISERVER_AUDIT_LOG=$KWOK_WORKDIR/clusters/$CLUSTER_NAME/logs/audit.log
 export PATH="$root/bin:$VENV/bin:$PATH"
@@ -46,12 +64,13 @@ export PATH="$root/bin:$VENV/bin:$PATH"
 log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
 # start_daemon NAME CMD...: runs CMD in a session of its own (pid = process group id), logs to
-# $STATE/logs/NAME.log and records the pid in $STATE/pids/NAME.pid for cluster-down.
+# $STATE/logs/NAME.log and records the pid in $PIDS/NAME.pid ($STATE/pids: cluster-down stops them).
+PIDS=$STATE/pids
 start_daemon() {
   local name=$1
   shift
   setsid "$@" >"$STATE/logs/$name.log" 2>&1 </dev/null &
-  echo $! >"$STATE/pids/$name.pid"
+  echo $! >"$PIDS/$name.pid"
 }
 
 # wait_for WHAT SECONDS CMD...: retries CMD once a second until it succeeds or the time is up.
@@ -110,5 +129,8 @@ export RAY_GCS_ADDRESS=127.0.0.1:$RAY_GCS_PORT
 export FSDP_LOCAL_RAY_TOKEN=$ray_token
 export FSDP_LOCAL_CLUSTER_STATE=$STATE
 export APISERVER_AUDIT_LOG=$APISERVER_AUDIT_LOG
+export FSDP_REAL_NODE=$REAL_NODE_NAME
+export FSDP_HOST_POD_ADDRESS=$HOST_POD_ADDRESS
+export FSDP_POD_S3_ENDPOINT=http://$HOST_POD_ADDRESS:$S3_PORT
 ENV
 }

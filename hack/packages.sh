@@ -20,6 +20,16 @@ wanted=(
   "runc|runc"
   "mmdebstrap|mmdebstrap"
   "newuidmap|uidmap"
+  # The real node (hack/real-node.sh): containerd (runc comes above), the CNI bridge and host-local plugins,
+  # ipset and iptables for kube-router, socat for the forwarders to the host's loopback servers, openssl for
+  # the kubelet's certificates, gcc for the static pause binary.
+  "containerd|containerd"
+  "/usr/lib/cni/bridge|containernetworking-plugins"
+  "ipset|ipset"
+  "iptables|iptables"
+  "socat|socat"
+  "openssl|openssl"
+  "gcc|gcc"
 )
 
 missing=()

@@ -1,18 +1,46 @@
 #!/usr/bin/env bash
-# Creates or updates the project's virtualenv (outside the repo, shared by clones) from requirements.lock.
-# A no-op when the lock has not changed since the last install.
+# Creates or updates the project's two virtualenvs (outside the repo, shared by clones), each a no-op when its
+# lock has not changed since the last install:
+# - the operator's (Python 3.11): requirements.lock;
+# - the DLC's (Python 3.13, the Ray Train DLC's interpreter; pyenv's on these machines, or FSDP_PYTHON313):
+#   hack/dlc/requirements.lock and the test tools, for the local Ray head and the trainer's tests.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 source "$root/hack/lib.sh"
 
-want=$(sha256sum "$root/requirements.lock" | cut -c1-16)
-if [[ -x $VENV/bin/python && $(cat "$VENV/.lock-sha256" 2>/dev/null) == "$want" ]]; then
-  exit 0
-fi
-start=$(date +%s)
-log "installing Python dependencies into $VENV (requirements.lock $want)"
-[[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
-"$VENV/bin/pip" install --quiet --disable-pip-version-check -r "$root/requirements.lock"
-echo "$want" >"$VENV/.lock-sha256"
-log "Python dependencies installed in $(($(date +%s) - start))s"
+# install VENV PYTHON LOCK...: the venv from PYTHON with exactly the locks' pins.
+install() {
+  local venv=$1 python=$2 want start
+  shift 2
+  want=$(cat "$@" | sha256sum | cut -c1-16)
+  if [[ -x $venv/bin/python && $(cat "$venv/.lock-sha256" 2>/dev/null) == "$want" ]]; then
+    return 0
+  fi
+  start=$(date +%s)
+  log "installing Python dependencies into $venv (${*#"$root/"} $want)"
+  [[ -x $venv/bin/python ]] || "$python" -m venv "$venv"
+  local requirements=()
+  for lock in "$@"; do requirements+=(-r "$lock"); done
+  "$venv/bin/pip" install --quiet --disable-pip-version-check "${requirements[@]}"
+  echo "$want" >"$venv/.lock-sha256"
+  log "Python dependencies installed in $venv in $(($(date +%s) - start))s"
+}
+
+python313() {
+  local found
+  if [[ -n ${FSDP_PYTHON313:-} ]]; then
+    echo "$FSDP_PYTHON313"
+    return
+  fi
+  found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.13.*/bin/python3.13 2>/dev/null | sort -V | tail -n 1)
+  if [[ -z $found ]]; then
+    log "Python 3.13 not found: the DLC's environment needs it. These machines' image has it from pyenv" \
+      "(${PYENV_ROOT:-$HOME/.pyenv}/versions/3.13.*); elsewhere install it or set FSDP_PYTHON313=/path/to/python3.13"
+    exit 1
+  fi
+  echo "$found"
+}
+
+install "$VENV" python3 "$root/requirements.lock"
+install "$DLC_VENV" "$(python313)" "$root/hack/dlc/requirements.lock" "$root/hack/dlc/test-requirements.txt"

@@ -8,7 +8,6 @@ cannot use it."""
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.request
 import uuid
 from collections.abc import Iterator
@@ -21,9 +20,9 @@ import pytest
 import yaml
 
 from tests.apiserver_audit import AuditLog
+from tests.chart import CHART, Rendered, render
 from tests.e2e.demo import RUN_TIMEOUT, demo_run, wait_for_step
 from tests.harness import (
-    REPO,
     LocalCluster,
     free_port,
     kubectl,
@@ -41,7 +40,6 @@ from tests.image import (
     service_account_files,
 )
 
-CHART = REPO / "charts" / "fsdp-operator"
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 
 # Granted, and used by the operator in situations a demo run on the local cluster does not reach.
@@ -52,45 +50,6 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
     ("", "events", "patch"): "a repeated event (count bump); a clean run posts each event once",
 }
-
-
-def helm(*args: str) -> str:
-    return subprocess.run(
-        [str(REPO / "bin" / "helm"), *args], text=True, capture_output=True, check=True
-    ).stdout
-
-
-@dataclass
-class Rendered:
-    objects: list[dict[str, Any]]
-
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        return [o for o in self.objects if o["kind"] == kind]
-
-    @property
-    def deployment(self) -> dict[str, Any]:
-        [deployment] = self.of_kind("Deployment")
-        return deployment
-
-
-def render(release: str, namespace: str, values: dict[str, Any]) -> Rendered:
-    values_file = Path(f"/tmp/{release}-values.json")
-    values_file.write_text(json.dumps(values))
-    try:
-        out = helm(
-            "template",
-            release,
-            str(CHART),
-            "-n",
-            namespace,
-            "-f",
-            str(values_file),
-            "--kube-version",
-            "1.35.0",
-        )
-    finally:
-        values_file.unlink()
-    return Rendered([o for o in yaml.safe_load_all(out) if o])
 
 
 def grants_of(rendered: Rendered, service_account: str, namespace: str) -> set[Grant]:
