@@ -102,7 +102,7 @@ class Toleration(ContractModel):
 
 class HeadSpec(ContractModel):
     cpu: str = Field(
-        default="4", max_length=32, pattern=QUANTITY, description="CPU request and limit of the Ray head."
+        default="4", max_length=32, pattern=QUANTITY, description="CPU request of the Ray head (no limit)."
     )
     memory: str = Field(
         default="16Gi",

@@ -250,9 +250,12 @@ def _head_group(
                 "name": "ray-head",
                 "image": image,
                 "env": env,
+                # No CPU limit: Ray's start and the job driver's imports come in bursts, and throttled at
+                # the request Ray's own start-up timeouts fire (a head in a crash loop on a busy node); a
+                # head holds no GPUs, so Guaranteed QoS would buy it nothing.
                 "resources": {
                     "requests": {**resources, "ephemeral-storage": head.ephemeral_storage},
-                    "limits": dict(resources),
+                    "limits": {"memory": head.memory},
                 },
                 "volumeMounts": [mount],
             }

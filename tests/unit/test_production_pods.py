@@ -99,6 +99,8 @@ def test_the_head_has_no_gpus_for_the_nvidia_runtime_and_no_cpus_for_training_wo
     container = head["template"]["spec"]["containers"][0]
     assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"} in container["env"]
     assert head["rayStartParams"]["num-cpus"] == "0"
+    # Not throttled at its request while Ray starts; memory stays bounded.
+    assert container["resources"]["limits"] == {"memory": "16Gi"}
 
 
 def test_ray_pods_write_to_a_volume_of_the_size_they_request_not_the_container_layer() -> None:

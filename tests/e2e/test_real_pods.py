@@ -1,0 +1,347 @@
+"""Real pods: the RayCluster the operator builds, started by KubeRay on the local cluster's real node (a real
+kubelet, containerd and runc), in the DLC stand-in image, reached the way production reaches it.
+
+The operator runs out of cluster in service-proxy mode with nothing but the chart's RBAC (a ServiceAccount
+token), so every call to a run's Ray head goes through the apiserver's service proxy to the head pod, past
+the run's NetworkPolicy (kube-router) and its Ray token; Ray Train's two workers train in the two worker
+pods, over the pod network. Faults are real too: containers killed through containerd, a head no node takes.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.chart import render
+from tests.e2e.demo import BUCKET, CORPUS
+from tests.harness import (
+    LocalCluster,
+    OperatorProcess,
+    apply,
+    cluster_settings,
+    conditions_of,
+    example,
+    kubectl,
+    kubectl_json,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
+from tests.image import service_account_files
+
+# A real node is slower than KWOK: the image's Ray start, three pods' probes, then training on its 2 CPUs.
+RUN_TIMEOUT = 900
+OPERATOR_NAMESPACE = "fsdp-real-pods-operator"
+
+
+@dataclass(frozen=True)
+class RealNode:
+    name: str
+    containerd_socket: str
+    host_address: str  # the host's end of the pod segment: where pods reach S3, and apiserver proxying starts
+    pod_s3_endpoint: str
+    image: str  # the DLC stand-in, as the node's containerd has it
+
+
+@pytest.fixture(scope="module")
+def real_node(local_cluster: LocalCluster) -> RealNode:
+    name = local_cluster.env["FSDP_REAL_NODE"]
+    node = kubectl_json("get", "node", name)
+    ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}.get("Ready")
+    assert ready == "True", f"the real node {name} is not Ready: {node['status']['conditions']}"
+    [node_dir] = cluster_settings("NODE_DIR")
+    return RealNode(
+        name=name,
+        containerd_socket=f"{node_dir}/containerd.sock",
+        host_address=local_cluster.env["FSDP_HOST_POD_ADDRESS"],
+        pod_s3_endpoint=local_cluster.env["FSDP_POD_S3_ENDPOINT"],
+        image=local_cluster.env["FSDP_DLC_IMAGE"],
+    )
+
+
+@dataclass(frozen=True)
+class ChartIdentity:
+    kubeconfig: Path  # the chart's ServiceAccount's token, as an operator outside the cluster would hold it
+    env: dict[str, str]  # the chart's settings that name its objects (the Ray token key's Secret)
+    objects: list[dict[str, Any]]  # the RBAC objects applied, cluster-scoped ones included
+
+
+def chart_identity(namespace: str, into: Path, local_cluster: LocalCluster) -> ChartIdentity:
+    """Nothing but the chart's RBAC for a release watching `namespace`, applied as the chart renders it."""
+    kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
+    values = {"watchNamespaces": [namespace], "leaderElection": {"enabled": False}, "replicaCount": 1}
+    rendered = render(f"r{namespace[-6:]}", OPERATOR_NAMESPACE, values)
+    wanted = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
+    objects = [o for o in rendered.objects if o["kind"] in wanted]
+    kubectl("apply", "--server-side", "-f", "-", input="\n---\n".join(yaml.safe_dump(o) for o in objects))
+    pod = rendered.deployment["spec"]["template"]["spec"]
+    files = service_account_files(
+        local_cluster.kubeconfig, OPERATOR_NAMESPACE, pod["serviceAccountName"], into
+    )
+    server = yaml.safe_load(Path(local_cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
+    kubeconfig = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {"name": "local", "cluster": {"server": server, "certificate-authority": str(files / "ca.crt")}}
+        ],
+        "users": [{"name": "chart", "user": {"token": (files / "token").read_text()}}],
+        "contexts": [{"name": "chart", "context": {"cluster": "local", "user": "chart"}}],
+        "current-context": "chart",
+    }
+    path = into / "kubeconfig"
+    path.write_text(yaml.safe_dump(kubeconfig))
+    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e}
+    return ChartIdentity(
+        path, {"FSDP_OPERATOR_RAY_AUTH_KEY_SECRET": env["FSDP_OPERATOR_RAY_AUTH_KEY_SECRET"]}, objects
+    )
+
+
+@pytest.fixture
+def proxied_operator(
+    namespace: str,
+    crd_installed: None,
+    s3: Any,
+    local_cluster: LocalCluster,
+    real_node: RealNode,
+    tmp_path: Path,
+) -> Iterator[OperatorProcess]:
+    """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
+    identity = chart_identity(namespace, tmp_path / "chart", local_cluster)
+    pod_env = {
+        "AWS_ENDPOINT_URL": real_node.pod_s3_endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-west-2",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env = {
+        **identity.env,
+        "KUBECONFIG": str(identity.kubeconfig),
+        "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "service-proxy",
+        # The apiserver's proxied connections come from the host's end of the pod segment.
+        "FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": f"{real_node.host_address}/32",
+        "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
+        "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
+        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(pod_env),
+        "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
+        "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
+        "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
+    }
+    proc = OperatorProcess(namespace=namespace, env=env, log=tmp_path / "operator.log").start()
+    try:
+        yield proc
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=120s", check=False)
+        proc.stop()
+        cluster_scoped = [o for o in identity.objects if o["kind"].startswith("Cluster")]
+        for obj in cluster_scoped:
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
+        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-8000:]}")
+
+
+def real_pods_run(namespace: str, **changes: Any) -> str:
+    name = f"real-{uuid.uuid4().hex[:6]}"
+    manifest = example(
+        "cpu-demo-real-pods",
+        **{
+            "data.source": f"s3://{BUCKET}/{CORPUS}",
+            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
+            "recovery.backoffSeconds": 2,
+            **changes,
+        },
+    )
+    manifest["metadata"]["name"] = name
+    apply(namespace, manifest)
+    return name
+
+
+def pods_of(namespace: str, run: str) -> list[dict[str, Any]]:
+    found: list[dict[str, Any]] = kubectl_json(
+        "get", "pods", "-n", namespace, "-l", f"fsdp.training.dev/run={run}"
+    )["items"]
+    return found
+
+
+def ray_container(pod: dict[str, Any]) -> dict[str, Any]:
+    return next(s for s in pod["status"]["containerStatuses"] if s["name"] in ("ray-head", "ray-worker"))
+
+
+def node_type(pod: dict[str, Any]) -> str:
+    return str(pod["metadata"]["labels"]["ray.io/node-type"])
+
+
+def ray_list(namespace: str, head: str, what: str) -> list[dict[str, Any]]:
+    """`ray list` inside the head pod (its Ray token is in the container's environment)."""
+    out = kubectl(
+        "exec",
+        "-n",
+        namespace,
+        head,
+        "-c",
+        "ray-head",
+        "--",
+        "ray",
+        "list",
+        what,
+        "--format",
+        "json",
+        "--limit",
+        "1000",
+    ).stdout
+    listed: list[dict[str, Any]] = json.loads(out)
+    return listed
+
+
+def kill_container(node: RealNode, pod: dict[str, Any]) -> None:
+    """SIGKILL a pod's Ray container through the node's containerd, as a crash would."""
+    container_id = ray_container(pod)["containerID"].removeprefix("containerd://")
+    subprocess.run(
+        [
+            "ctr",
+            "--address",
+            node.containerd_socket,
+            "--namespace",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "--signal",
+            "SIGKILL",
+            container_id,
+        ],
+        check=True,
+        capture_output=True,
+    )
+
+
+def step_of(namespace: str, run: str) -> int:
+    return int((run_of(namespace, run).get("status", {}).get("progress") or {}).get("step") or 0)
+
+
+def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_with_only_the_charts_rbac(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
+) -> None:
+    run = real_pods_run(namespace, cleanupPolicy="KeepCluster")
+    finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
+    pods = pods_of(namespace, run)
+    assert sorted(node_type(p) for p in pods) == ["head", "worker", "worker"], [
+        p["metadata"]["name"] for p in pods
+    ]
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == real_node.name, (
+            f"{pod['metadata']['name']} ran on {pod['spec']['nodeName']}"
+        )
+        assert ray_container(pod)["containerID"].startswith("containerd://")
+    # The digest in the status is the one containerd reports for the image the containers ran.
+    image_ids = {ray_container(p)["imageID"] for p in pods}
+    assert len(image_ids) == 1, image_ids
+    assert finished["status"]["image"]["digest"] == image_ids.pop()
+    # Ray Train's workers ran in the worker pods, one in each, not on the head.
+    [head] = [p["metadata"]["name"] for p in pods if node_type(p) == "head"]
+    node_ips = {n["node_id"]: n["node_ip"] for n in ray_list(namespace, head, "nodes")}
+    workers = [a for a in ray_list(namespace, head, "actors") if "RayTrainWorker" in a.get("class_name", "")]
+    worker_ips = {node_ips[a["node_id"]] for a in workers}
+    assert worker_ips == {p["status"]["podIP"] for p in pods if node_type(p) == "worker"}, workers
+    assert finished["status"]["checkpoints"]["latest"]["step"] == 40
+    assert finished["status"]["restarts"]["count"] == 0
+
+
+def test_killed_worker_and_head_containers_resume_from_the_latest_checkpoint(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
+) -> None:
+    every = 10
+    run = real_pods_run(namespace, **{"training.maxSteps": 400, "checkpoint.everySteps": every})
+    wait_until(
+        "the run past its second checkpoint",
+        lambda: step_of(namespace, run) >= 2 * every + 2,
+        timeout=RUN_TIMEOUT,
+    )
+    [worker] = [p for p in pods_of(namespace, run) if node_type(p) == "worker"][:1]
+    kill_container(real_node, worker)
+    # Ray Train restarts its workers in the job once the killed container is back (the kubelet restarts it).
+    killed_at = step_of(namespace, run)
+    wait_until(
+        "training to go on after the worker's kill",
+        lambda: step_of(namespace, run) > killed_at + every,
+        timeout=RUN_TIMEOUT,
+    )
+    [head] = [p for p in pods_of(namespace, run) if node_type(p) == "head"]
+    kill_container(real_node, head)
+    seen = wait_until(
+        "the head's crash seen (ClusterReady False or a restart)",
+        lambda: (
+            (r := run_of(namespace, run))
+            and (
+                conditions_of(r).get("ClusterReady", {}).get("status") == "False"
+                or r["status"]["restarts"]["count"]
+            )
+            and r
+        ),
+        timeout=300,
+        interval=0.5,
+    )
+    assert seen
+    finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
+    restarts = finished["status"]["restarts"]
+    assert restarts["count"] == 1, restarts
+    [entry] = restarts["history"]
+    checkpoint_steps = {c["step"] for c in finished["status"]["checkpoints"]["recent"]} | {400}
+    assert entry["resumedFromStep"] % every == 0 and entry["resumedFromStep"] >= 2 * every, entry
+    assert checkpoint_steps
+
+
+def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
+) -> None:
+    # A model whose weights, gradients and Adam state alone exceed the workers' memory limit.
+    run = real_pods_run(
+        namespace,
+        **{
+            "cluster.memory": "1500Mi",
+            "model.fromConfig.hidden_size": 1024,
+            "model.fromConfig.intermediate_size": 4096,
+            "model.fromConfig.num_hidden_layers": 12,
+            "model.fromConfig.num_attention_heads": 8,
+            "recovery.inJobMaxFailures": 0,
+        },
+    )
+    failed = wait_for_phase(namespace, run, "Failed", timeout=RUN_TIMEOUT)
+    assert conditions_of(failed)["Failed"]["reason"] == "OOMKilled", failed["status"]["message"]
+    assert "spec.cluster.memory" in failed["status"]["message"]
+
+
+def test_a_head_no_node_takes_is_shown_at_once_and_gives_the_workers_back_within_the_bound(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
+) -> None:
+    bound = 30
+    run = real_pods_run(
+        namespace,
+        **{"cluster.head.nodeSelector": {"type": "no-such-node"}, "recovery.podErrorTimeoutSeconds": bound},
+    )
+    shown = wait_until(
+        "PodsHealthy False with reason HeadUnschedulable",
+        lambda: (
+            (c := conditions_of(run_of(namespace, run)).get("PodsHealthy"))
+            and c["status"] == "False"
+            and c["reason"] == "HeadUnschedulable"
+            and c
+        ),
+        timeout=120,
+    )
+    assert "didn't match Pod's node affinity/selector" in shown["message"] or "node(s)" in shown["message"]
+    failed = wait_for_phase(namespace, run, "Failed", timeout=bound + 120)
+    assert conditions_of(failed)["Failed"]["reason"] == "HeadUnschedulable"
+    wait_until(
+        "the RayCluster deleted (its workers' GPUs given back)",
+        lambda: not rayclusters(namespace),
+        timeout=120,
+    )
