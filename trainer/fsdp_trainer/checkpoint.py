@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import random
 import shutil
@@ -283,16 +284,20 @@ class SaveIdentity:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """One finished save: rank 0's manifest (None on other ranks) and how long training was blocked."""
+    """One finished save: rank 0's manifest (None on other ranks), how long `wait` blocked, and when (by
+    time.perf_counter) the checkpoint became complete."""
 
     manifest: CheckpointManifest | None
     blocked_seconds: float
+    completed_at: float
 
 
 # Free disk a checkpoint must leave behind on the disk it is written to: the rest of the machine (logs, the
 # compile cache, the next save's temporary files) keeps working while it is written.
 DISK_RESERVE_BYTES = 2 << 30
 Writer = Literal["thread", "process"]
+# The writer bench/trainer_checkpoint.py measured to cost training less (docs/benchmarks.md).
+DEFAULT_WRITER: Writer = "thread"
 
 
 class CheckpointSaver:
@@ -323,12 +328,11 @@ class CheckpointSaver:
         rank: int,
         keep: int,
         device: torch.device,
-        asynchronous: bool = True,
-        writer: Writer = "thread",
+        writer: Writer = DEFAULT_WRITER,
         ranks_per_node: int = 1,
     ) -> None:
         self.run, self.identity, self.rank, self.keep = run, identity, rank, keep
-        self.asynchronous, self.writer, self.ranks_per_node = asynchronous, writer, ranks_per_node
+        self.writer, self.ranks_per_node = writer, ranks_per_node
         self.group = dist.new_group(backend="gloo")  # a collective: every rank builds it at the same point
         on_cuda = device.type == "cuda"
         self.stager = DefaultStager(
@@ -344,7 +348,7 @@ class CheckpointSaver:
 
     def start(self, app_state: AppState, name: str, loss: float | None) -> float:
         """Begins a save of the current state and returns the seconds that took (including waiting for the
-        previous save; the whole save when not asynchronous). The state is staged in the background: call
+        previous save). The state is staged in the background: call
         `wait_for_staging` before anything changes the weights or the optimizer state."""
         started = time.perf_counter()
         self.wait()
@@ -393,8 +397,6 @@ class CheckpointSaver:
                 return dcp_save(staging.result(), storage_writer=storage_writer, process_group=self.group)
 
         self._pending = _BackgroundSave(lambda: self._complete(written, write_dir, location, manifest))
-        if not self.asynchronous:
-            self.wait()
         return time.perf_counter() - started
 
     def wait_for_staging(self) -> float:
@@ -407,6 +409,11 @@ class CheckpointSaver:
         staging.result()
         return time.perf_counter() - started
 
+    @property
+    def writing(self) -> bool:
+        """Whether a save is in flight on this rank (staging, writing, uploading or finalising)."""
+        return self._pending is not None and not self._pending.done()
+
     def wait(self) -> SaveResult | None:
         """Finishes the save in flight (if any): when it returns, on any rank, the checkpoint is complete
         (manifest written). Raises what the save raised."""
@@ -416,7 +423,7 @@ class CheckpointSaver:
         if pending is None:
             return None
         manifest = pending.result()
-        return SaveResult(manifest, time.perf_counter() - started)
+        return SaveResult(manifest, time.perf_counter() - started, pending.finished_at)
 
     def close(self) -> None:
         self.stager.close()
@@ -439,12 +446,13 @@ class CheckpointSaver:
                 if not self.run.is_local:
                     location.upload_from(write_dir)
                 log.info(
-                    "checkpoint step %d, rank %d: %d bytes written by the %s writer in %.2f s%s",
+                    "checkpoint step %d, rank %d: written by the %s writer in %.2f s (%d bytes in %s)%s",
                     manifest.step,
                     self.rank,
-                    sum(local_files.values()),
                     self.writer,
                     wrote - started,
+                    sum(local_files.values()),
+                    write_dir,
                     "" if self.run.is_local else f", uploaded in {time.perf_counter() - wrote:.2f} s",
                 )
             except Exception as error:  # every rank must still reach the gather below, or the others hang
@@ -524,6 +532,7 @@ class _BackgroundSave:
         self._work = work
         self._manifest: CheckpointManifest | None = None
         self._error: BaseException | None = None
+        self.finished_at = math.nan  # time.perf_counter() when the work ended
         self._thread = threading.Thread(target=self._run, name="checkpoint-save", daemon=True)
         self._thread.start()
 
@@ -532,6 +541,11 @@ class _BackgroundSave:
             self._manifest = self._work()
         except BaseException as error:  # handed to the training thread by result()
             self._error = error
+        finally:
+            self.finished_at = time.perf_counter()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self) -> CheckpointManifest | None:
         self._thread.join()
