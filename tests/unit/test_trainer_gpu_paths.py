@@ -19,7 +19,7 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import distributed, model, parallelize, transport
-from fsdp_trainer.contract import FsdpSpec, ModelSpec
+from fsdp_trainer.contract import FsdpSpec, ModelSpec, NetworkSpec, Versions
 from fsdp_trainer.errors import DeviceError, ErrorKind, classify
 from fsdp_trainer.metrics import flops_per_token
 
@@ -175,3 +175,19 @@ def test_the_flops_attention_term_is_torchtitans_for_qwen3(sequence_length: int)
     attention = flops_per_token(shape, sequence_length) - 6 * shape.params
     assert attention == torchtitan_attention_flops(28, 16, 128, sequence_length)
     assert attention != 12 * 28 * 1024 * sequence_length, "heads x head_dim is 2048 here, not the hidden 1024"
+
+
+def test_the_transport_report_records_the_interface_after_nccls_own_lines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    nccl_log = [
+        "host:1:1 [0] NCCL INFO NET/Socket : Using [0]eth0:10.1.2.3<0>",
+        "host:1:1 [0] NCCL INFO Using network Socket",
+    ]
+    monkeypatch.setattr(transport, "own_nccl_log_lines", lambda run_name: nccl_log)
+    monkeypatch.setattr(transport.distributed, "all_gather", lambda value: [value])
+    monkeypatch.setattr(distributed.Runtime, "backend", property(lambda self: "nccl"))
+    runtime = distributed.Runtime("single", 0, 1, 0, 1, torch.device("cpu"))
+    chosen = "NCCL_SOCKET_IFNAME=eth0 (the trainer's default where the pod has it, as AWS's)"
+    report = transport.measure(NetworkSpec(bandwidth_probe_mb=0), "run", runtime, Versions(), chosen)
+    assert report.evidence == ["NET/Socket : Using [0]eth0:10.1.2.3<0>", "Using network Socket", chosen]

@@ -210,8 +210,8 @@ def measure(
 ) -> TransportReport:
     """Bus bandwidth from a short all-reduce, then (under NCCL) the network every rank's NCCL log shows,
     enforced against the EFA policy; the probe also makes NCCL initialise, so its log exists afterwards.
-    Records the NCCL version in `versions`, and `socket_interface` (choose_socket_interface's line) first in
-    the evidence."""
+    Records the NCCL version in `versions`, and `socket_interface` (choose_socket_interface's line) in the
+    evidence."""
     bandwidth = (
         _probe_bandwidth(network.bandwidth_probe_mb, runtime.device) if runtime.world_size > 1 else None
     )
@@ -222,8 +222,8 @@ def measure(
             bus_bandwidth_gbps=bandwidth,
         )
     mine = parse_nccl_log(own_nccl_log_lines(run_name))
-    if socket_interface is not None:
-        mine.evidence.insert(0, socket_interface)
+    if socket_interface is not None:  # after NCCL's own lines, which the operator quotes first
+        mine.evidence.append(socket_interface)
     gathered = distributed.all_gather((os.uname().nodename, mine))
     nodes = len({host for host, _ in gathered})
     report = combine([rank_report for _, rank_report in gathered], nodes)
