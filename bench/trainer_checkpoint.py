@@ -196,7 +196,7 @@ def kept_writer(results: dict[str, dict[str, Any]]) -> checkpoint.Writer:
 
 def training_cost(result: dict[str, Any]) -> float:
     """Seconds of training a save costs in steady state: held up, and the steps after it slowed down."""
-    slower = max(0.0, result["step_seconds_after_save"] - result["quiet_step_seconds"])
+    slower = max(0.0, float(result["step_seconds_after_save"]) - float(result["quiet_step_seconds"]))
     return steady(result["blocked_seconds"]) + slower * STEPS_AFTER_SAVE
 
 
