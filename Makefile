@@ -67,6 +67,7 @@ demo: venv ## the main job end to end (local cluster, or the cluster in KUBECONF
 bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU, load; GPU script in bench/
 	$(PY) bench/control_plane.py
 	$(PY) bench/trainer_cpu.py
+	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/load.py
 
 .PHONY: bench-load

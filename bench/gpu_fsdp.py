@@ -5,30 +5,41 @@ layout and nothing else (no Ray, no progress records, no checkpoints), so the ra
 Ours and A run a Qwen2.5-1.5B-shaped model initialised from its config, bf16 compute, synthetic tokens,
 sequence 2048, micro-batch 4, `--warmup-steps` steps left out and `--steps` measured, with one host sync per
 step on both sides (our loop logs every step here; baseline A reads its loss). Each is run without and with
-per-block torch.compile.
+per-block torch.compile; neither uses CUDA graphs.
 
 Reported per loop: tokens/s/GPU at p10/p50/p90 over the measured steps, MFU against the spec-sheet bf16 peak
 (fsdp_trainer.metrics) and against a bf16 matmul peak measured here, peak memory over the measured steps
-(counter reset after warm-up), and for our loop the seconds one checkpoint blocked training (saved at the
-last step: the model, AdamW moments and loop state, ~18.5 GB for this shape).
+(counter reset after warm-up), and for our loop the seconds its checkpoint at the last step held training
+up (the model, AdamW moments and loop state, ~18.5 GB for this shape, written to local disk only).
+"checkpoint_saves" then makes two saves of the same state in a row with CheckpointSaver
+(bench/trainer_checkpoint.py's measurement): the first allocates the pinned staging buffers, the second is
+the steady state, and both are reported with their save-to-durable seconds.
 
-Baseline B is torchtitan's own trainer (PyPI torchtitan, 0.3.0) with the same sizes and settings
-(bench/trainer_torchtitan.py says what differs: it has no Qwen2, so its Qwen3 stands in). It runs after the
-others, as a subprocess (torchrun -m torchtitan.train with our config module), and its figures come from its
-log lines: tokens/s per GPU, its own MFU, and its peak *reserved* memory (ours and A's are peak allocated).
-It runs only where torchtitan imports and a CUDA device is present, and only within --time-budget; otherwise
-the summary records it as not run, with the reason (the import error's text, no CUDA, the budget, or the
-tail of its log when it failed). Its logs go to $OUT/baseline_b_<eager|compiled>.log.
+Baseline B is torchtitan's own trainer (PyPI torchtitan, 0.3.0) with the same sizes and settings, CUDA graphs
+off (bench/trainer_torchtitan.py says what differs: it has no Qwen2, so its Qwen3 stands in). It runs after
+the others, as a subprocess (torchrun -m torchtitan.train with our config module), and its figures come from
+its log lines: tokens/s per GPU, its own MFU, and its peak *reserved* memory (ours and A's are peak
+allocated). It runs only where torchtitan imports and a CUDA device is present, and only within
+--time-budget; otherwise the summary records it as not run, with the reason. Its logs go to
+$OUT/baseline_b_<eager|compiled>.log. The JSON says which settings each side ran with.
 
-    python bench/gpu_fsdp.py                   # one GPU, torch + transformers, no Ray, no network
+The JSON summary is written after every step of the benchmark, to $OUT/gpu_fsdp.json when OUT is set and to
+--output when given: each entry holds its figures, or why it did not run or failed, or that the run ended
+before reaching it. The whole run stops at --time-budget (an alarm ends what is running, which is recorded).
+Before each checkpoint the disk is checked: ours saves one checkpoint, "checkpoint_saves" needs room for two
+at once (the new one is written before the old is pruned), both within --disk-bound-gb.
+
+    python bench/gpu_fsdp.py                   # one GPU, torch + transformers + pydantic, no Ray, no network
     python bench/gpu_fsdp.py --tiny            # a seconds-long smoke run, CPU is fine
 
-Writes the JSON summary to $OUT/gpu_fsdp.json when OUT is set, and to --output when given.
+On the GPU machine, which lacks pydantic, bench/gpu-wheels.sh DIR downloads the wheels and prints the line
+that installs them and runs this script.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -40,7 +51,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,14 +63,23 @@ sys.path[:0] = [str(BENCH), str(REPO / "trainer")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-from fsdp_trainer import distributed, model  # noqa: E402
-from fsdp_trainer.contract import ModelSpec, ProgressRecord, TrainerConfig  # noqa: E402
+from fsdp_trainer import checkpoint, distributed, model, optim, parallelize  # noqa: E402
+from fsdp_trainer.contract import (  # noqa: E402
+    FsdpSpec,
+    ModelSpec,
+    Precision,
+    ProgressRecord,
+    TrainerConfig,
+    TrainingSpec,
+)
 from fsdp_trainer.loop import LoopInput, train_loop  # noqa: E402
 from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
 from fsdp_trainer.model import AutoModelForCausalLM  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
 from trainer_baseline import run_baseline  # noqa: E402
+from trainer_checkpoint import measure_saves  # noqa: E402
 
 # Qwen2.5-1.5B's shape (config.json of the published model): 1,543,714,304 parameters.
 QWEN25_15B: dict[str, Any] = {
@@ -81,6 +104,9 @@ TINY: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+NOT_REACHED = "not reached: the run ended before it (a crash or the time limit); what came before is complete"
+# fp32 weights and AdamW's two fp32 moments: 12 bytes a parameter, the bulk of a checkpoint.
+CHECKPOINT_BYTES_PER_PARAMETER = 12
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,22 +120,81 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--compile",
         choices=["off", "on", "both"],
-        default="both",
-        help="per-block torch.compile (default both)",
+        default=None,
+        help="per-block torch.compile (default both; off with --tiny)",
     )
     parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences: a smoke run")
     parser.add_argument(
         "--time-budget",
         type=float,
         default=450.0,
-        help="seconds the whole benchmark may take; baseline B runs only in what is left (default 450)",
+        help="seconds the whole benchmark may take; what runs then is stopped and recorded (default 450)",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()), help="local disk for checkpoints"
+    )
+    parser.add_argument(
+        "--disk-bound-gb",
+        type=float,
+        default=40.0,
+        help="the most the benchmark's checkpoints may take on that disk at once (default 40)",
     )
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
     args = parser.parse_args()
     if args.tiny:
         args.sequence_length, args.micro_batch_size = 64, 2
         args.steps, args.warmup_steps = min(args.steps, 6), min(args.warmup_steps, 2)
+    args.compile = args.compile or ("off" if args.tiny else "both")
     return args
+
+
+class NotRun(Exception):
+    """A part of the benchmark that cannot run here, and why."""
+
+
+class BudgetSpent(Exception):
+    """The --time-budget alarm: whatever was running is stopped and recorded."""
+
+
+def on_alarm(signum: int, frame: FrameType | None) -> None:
+    raise BudgetSpent("stopped: the time budget was spent while it ran")
+
+
+class Summary:
+    """The JSON summary, written out again after every change, so a crash or a kill loses nothing done."""
+
+    def __init__(self, fields: dict[str, Any], outputs: list[Path]) -> None:
+        self.fields, self.outputs, self.started = fields, outputs, time.monotonic()
+
+    def write(self) -> None:
+        self.fields["wall_seconds"] = time.monotonic() - self.started
+        text = json.dumps(self.fields, indent=2)
+        for output in self.outputs:
+            output.write_text(text + "\n")
+
+    def run(self, entry: dict[str, Any], key: str, work: Callable[[], dict[str, Any]]) -> bool:
+        """Runs one part of the benchmark into entry[key]: its figures, or {"failed": why}; True when it
+        finished. The summary is written whatever happens."""
+        try:
+            entry[key] = {"finished": True, **work()}
+            return True
+        except NotRun as refused:
+            entry[key] = {"finished": False, "not_run": str(refused)}
+            return False
+        except BudgetSpent as stopped:
+            entry[key] = {"finished": False, "not_run": str(stopped)}
+            raise
+        except Exception as error:  # recorded, and the benchmark goes on with the next part
+            lines = traceback.format_exception(error)
+            entry[key] = {
+                "finished": False,
+                "failed": f"{type(error).__name__}: {error}",
+                "where": lines[-3:],
+            }
+            return False
+        finally:
+            release_memory()
+            self.write()
 
 
 def trainer_config(args: argparse.Namespace, storage: str, compile_blocks: bool) -> TrainerConfig:
@@ -139,6 +224,23 @@ def trainer_config(args: argparse.Namespace, storage: str, compile_blocks: bool)
     )
 
 
+def side_settings(config: TrainerConfig, runner: str) -> dict[str, Any]:
+    """What one side ran with, for the JSON."""
+    fsdp, training = config.fsdp, config.training
+    return {
+        "runner": runner,
+        "compile": "per decoder layer, fullgraph" if fsdp.compile else "off",
+        "cuda_graphs": False,
+        "attention": "SDPA (transformers' Qwen2)",
+        "activation_checkpointing": fsdp.activation_checkpointing,
+        "mixed_precision": "bf16 parameters, fp32 gradient reduction, fp32 master weights",
+        "optimizer": "AdamW (fused on CUDA), betas 0.9/0.95, clipping at 1.0",
+        "micro_batch_size": training.micro_batch_size,
+        "grad_accumulation": training.grad_accumulation,
+        "sequence_length": training.sequence_length,
+    }
+
+
 def percentiles(values: list[float]) -> dict[str, float]:
     deciles = statistics.quantiles(values, n=10, method="inclusive")
     return {"p10": deciles[0], "p50": statistics.median(values), "p90": deciles[-1]}
@@ -156,37 +258,114 @@ def figures(
     }
 
 
-def our_loop(config: TrainerConfig, warmup: int) -> dict[str, Any]:
-    started = time.perf_counter()
-    train_loop(LoopInput(trainer=config, submission_id="bench").model_dump(mode="json"))
-    wall = time.perf_counter() - started
-    run = Location.parse(config.run_uri())
-    records = [
-        ProgressRecord.model_validate_json(line)
-        for name in run.child("metrics").list_files()
-        for line in run.child("metrics", name).read_text().splitlines()
-    ]
-    measured = [r for r in records if r.phase == "training" and r.step > warmup and r.tokens_per_second]
+def measured_records(records: list[ProgressRecord], warmup: int) -> list[ProgressRecord]:
+    """The training records of the measured steps, one per step (the first record of a step counts)."""
+    steps: dict[int, ProgressRecord] = {}
+    for record in records:
+        if record.phase == "training" and record.step > warmup and record.tokens_per_second:
+            steps.setdefault(record.step, record)
+    return [steps[step] for step in sorted(steps)]
+
+
+def checkpoint_bytes(shape: dict[str, Any]) -> int:
+    return parameter_count(shape) * CHECKPOINT_BYTES_PER_PARAMETER
+
+
+def require_disk_for(args: argparse.Namespace, checkpoints: int, shape: dict[str, Any]) -> None:
+    """Refuses a part whose checkpoints would exceed --disk-bound-gb or the disk's free space."""
+    needed = checkpoints * checkpoint_bytes(shape)
+    free = shutil.disk_usage(args.checkpoint_dir).free
+    bound = int(args.disk_bound_gb * 1e9)
+    if needed > bound or needed + checkpoint.DISK_RESERVE_BYTES > free:
+        raise NotRun(
+            f"not run: {checkpoints} checkpoint(s) at once need {needed / 1e9:.1f} GB in "
+            f"{args.checkpoint_dir} (bound {bound / 1e9:.1f} GB, {free / 1e9:.1f} GB free)"
+        )
+
+
+def our_loop(args: argparse.Namespace, compile_blocks: bool, shape: dict[str, Any]) -> dict[str, Any]:
+    require_disk_for(args, 1, shape)
+    storage = tempfile.mkdtemp(prefix="bench-fsdp-", dir=args.checkpoint_dir)
+    try:
+        config = trainer_config(args, storage, compile_blocks)
+        started = time.perf_counter()
+        train_loop(LoopInput(trainer=config, submission_id="bench").model_dump(mode="json"))
+        wall = time.perf_counter() - started
+        run = Location.parse(config.run_uri())
+        records = [
+            ProgressRecord.model_validate_json(line)
+            for name in run.child("metrics").list_files()
+            for line in run.child("metrics", name).read_text().splitlines()
+        ]
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    measured = measured_records(records, args.warmup_steps)
     blocked = [r.checkpoint_blocked_seconds for r in records if r.checkpoint_blocked_seconds is not None]
     return {
+        "settings": side_settings(config, "fsdp_trainer.loop.train_loop, one process, local checkpoint"),
         "tokens_per_second": [r.tokens_per_second_per_device or 0.0 for r in measured],
+        "measured_steps": len(measured),
         "peak_memory_bytes": max(r.peak_memory_bytes or 0 for r in measured),
-        "checkpoint_blocked_seconds": blocked[-1] if blocked else None,
+        "checkpoint_blocked_seconds_last_step": blocked[-1] if blocked else None,
         "wall_seconds_including_setup_and_checkpoint": wall,
     }
 
 
-def baseline_a(config: TrainerConfig, warmup: int) -> dict[str, Any]:
+def baseline_a(args: argparse.Namespace, compile_blocks: bool) -> dict[str, Any]:
+    config = trainer_config(args, str(args.checkpoint_dir), compile_blocks)
     runtime = distributed.start(use_gpu=config.gpus_per_worker > 0)
     try:
-        result = run_baseline(config, runtime, time.time(), reset_memory_after=warmup)
+        result = run_baseline(config, runtime, time.time(), reset_memory_after=args.warmup_steps)
     finally:
         distributed.stop(runtime)
-    step_seconds = result["window_step_seconds"][warmup:]
+    step_seconds = result["window_step_seconds"][args.warmup_steps :]
     return {
+        "settings": side_settings(config, "bench/trainer_baseline.py run_baseline, one process"),
         "tokens_per_second": [result["tokens_per_step"] / seconds for seconds in step_seconds],
         "peak_memory_bytes": result["peak_memory_bytes"],
     }
+
+
+def checkpoint_saves(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
+    """Two saves of the model's full training state in a row, as the loop makes them: the first with its
+    buffer allocation, the second in steady state."""
+    require_disk_for(args, 2, shape)
+    storage = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.checkpoint_dir)
+    runtime = distributed.start(use_gpu=torch.cuda.is_available())
+    try:
+        app = training_state(shape, runtime)
+        result = measure_saves(app, runtime, storage, checkpoint.DEFAULT_WRITER, True, saves=2)
+    finally:
+        distributed.stop(runtime)
+        shutil.rmtree(storage, ignore_errors=True)
+    blocked, durable = result["blocked_seconds"], result["durable_seconds"]
+    return {
+        "writer": result["writer"],
+        "bytes": result["bytes"],
+        "blocked_seconds_first": blocked[0],
+        "blocked_seconds_second": blocked[1],
+        "durable_seconds_first": durable[0],
+        "durable_seconds_second": durable[1],
+        "durable_bytes_per_second_second": result["bytes"] / durable[1],
+        "step_seconds_after_save": result["step_seconds_after_save"],
+        "quiet_step_seconds": result["quiet_step_seconds"],
+    }
+
+
+def training_state(shape: dict[str, Any], runtime: distributed.Runtime) -> checkpoint.AppState:
+    """The loop's state for this shape (bf16 compute, fp32 weights, AdamW), sharded on `runtime`."""
+    spec = ModelSpec(from_config=shape)
+    lm = model.empty_model(model.model_config(spec, runtime.local_rank, dist.barrier))
+    device_type = runtime.device.type
+    mesh = parallelize.build_mesh(parallelize.MeshShape(1, runtime.world_size), device_type)
+    fsdp = FsdpSpec(mixed_precision=Precision.BF16)
+    parallelize.parallelize(lm, fsdp, mesh, parallelize.compute_dtype(Precision.BF16, device_type))
+    model.materialise(lm, runtime.device, "initialise", spec, 0, runtime.rank, 0, dist.barrier)
+    training = TrainingSpec(learning_rate=1e-4)
+    optimizer = optim.build_optimizer(lm, training)
+    return checkpoint.AppState(
+        lm, optimizer, optim.build_scheduler(optimizer, training), checkpoint.TrainState()
+    )
 
 
 BASELINE_B_COMMAND = [
@@ -255,6 +434,7 @@ def baseline_b(
         "micro_batch_size": args.micro_batch_size,
         "steps": args.warmup_steps + args.steps,
         "compile": compile_blocks,
+        "cuda_graphs": False,  # like ours and baseline A: eager against eager, compiled against compiled
         "dump_folder": dump_folder,
     }
     started = time.perf_counter()
@@ -274,6 +454,10 @@ def baseline_b(
                 os.killpg(child.pid, signal.SIGKILL)
                 child.wait()
                 return {"not_run": f"not run: stopped after {timeout:.0f} s, the time budget left"}
+            except BaseException:  # the budget's alarm, or an interrupt: the tree goes too
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                raise
     finally:
         shutil.rmtree(dump_folder, ignore_errors=True)
     text = log_file.read_text(errors="replace")
@@ -284,7 +468,23 @@ def baseline_b(
         figures_b = parse_torchtitan_log(text, args.warmup_steps)
     except ValueError as error:
         return {"not_run": f"failed: {error}"}
-    return {**figures_b, "wall_seconds_including_setup": time.perf_counter() - started}
+    return {
+        **figures_b,
+        "settings": {
+            "runner": "torchtitan.train (torchrun, one process), bench/trainer_torchtitan.py's config",
+            "compile": "per block (torchtitan's CompileConfig, components=model)"
+            if compile_blocks
+            else "off",
+            "cuda_graphs": False,
+            "attention": "FlexAttention, causal (torchtitan's Qwen3)",
+            "activation_checkpointing": "none",
+            "mixed_precision": "bf16 parameters, fp32 gradient reduction, fp32 master weights",
+            "optimizer": "AdamW (torchtitan's default_adamw), no weight decay, clipping at 1.0",
+            "micro_batch_size": args.micro_batch_size,
+            "sequence_length": args.sequence_length,
+        },
+        "wall_seconds_including_setup": time.perf_counter() - started,
+    }
 
 
 def matmul_peak_flops(device: torch.device, seconds: float = 3.0) -> float | None:
@@ -322,92 +522,139 @@ def baseline_b_entry(
     """Baseline B's part of one loop's summary: its figures (MFU by our FLOPs count, as for the others) and
     our ratio to it, or why it did not run."""
     if "not_run" in result:
-        return {"baseline_b": result}
+        return {"baseline_b": {"finished": False, **result}}
     measured = dict(result)
     spread = figures(measured.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
-    return {
-        "baseline_b": {**spread, **measured},
-        "ours_over_baseline_b_p50": ours["tokens_per_second_per_gpu"]["p50"]
-        / spread["tokens_per_second_per_gpu"]["p50"],
-    }
+    entry: dict[str, Any] = {"baseline_b": {"finished": True, **spread, **measured}}
+    if "tokens_per_second_per_gpu" in ours:
+        entry["ours_over_baseline_b_p50"] = (
+            ours["tokens_per_second_per_gpu"]["p50"] / spread["tokens_per_second_per_gpu"]["p50"]
+        )
+    return entry
+
+
+def with_figures(
+    measure: Callable[[], dict[str, Any]], peaks: tuple[float, float | None, float | None]
+) -> dict[str, Any]:
+    """A loop's result with its tokens/s turned into percentiles and MFU (FLOPs per token, spec and
+    measured peaks)."""
+    measured = dict(measure())
+    return {**figures(measured.pop("tokens_per_second"), *peaks), **measured}
 
 
 def main() -> None:
-    started = time.monotonic()
     args = parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    spec_peak = peak_flops(device_name)
-    matmul_peak = matmul_peak_flops(device)
     shape = TINY if args.tiny else QWEN25_15B
-    flops = model_flops_per_token(shape, args.sequence_length)
-    loops: dict[str, Any] = {}
     modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    labels = ["compiled" if compile_blocks else "eager" for compile_blocks in modes]
+    outputs = [
+        path
+        for path in (args.output, os.environ.get("OUT") and Path(os.environ["OUT"], "gpu_fsdp.json"))
+        if path
+    ]
+    summary = Summary(
+        {
+            "device": device_name,
+            "torch": torch.__version__,
+            "model": "tiny qwen2" if args.tiny else "Qwen2.5-1.5B shape (random init)",
+            "sequence_length": args.sequence_length,
+            "micro_batch_size": args.micro_batch_size,
+            "warmup_steps": args.warmup_steps,
+            "measured_steps": args.steps,
+            "time_budget_seconds": args.time_budget,
+            "checkpoint_dir": str(args.checkpoint_dir),
+            "disk_free_bytes_at_start": shutil.disk_usage(args.checkpoint_dir).free,
+            "disk_bound_bytes": int(args.disk_bound_gb * 1e9),
+            "flops_per_token": model_flops_per_token(shape, args.sequence_length),
+            "spec_peak_flops": peak_flops(device_name),
+            "measured_matmul_peak_flops": None,
+            "loops": {
+                label: {
+                    "ours": {"finished": False, "not_run": NOT_REACHED},
+                    "baseline_a": {"finished": False, "not_run": NOT_REACHED},
+                    "baseline_b": {"finished": False, "not_run": NOT_REACHED},
+                }
+                for label in labels
+            },
+            "checkpoint_saves": {"finished": False, "not_run": NOT_REACHED},
+            "baseline_b_torchtitan": {
+                "model": "torchtitan's Qwen3 of the same sizes (it has no Qwen2; see trainer_torchtitan.py)",
+                "launch": " ".join(["python", *BASELINE_B_COMMAND]),
+                "memory": "peak reserved (torchtitan's figure), not peak allocated as for ours and A",
+            },
+        },
+        [Path(path) for path in outputs],
+    )
+    fields = summary.fields
+    summary.write()
+    signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, args.time_budget)
+    try:
+        run_all(args, summary, device, shape, modes)
+    except BudgetSpent:
+        pass  # recorded in the part it stopped; the parts after it stay "not reached"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        summary.write()
+    print(json.dumps(fields, indent=2))
+
+
+def run_all(
+    args: argparse.Namespace,
+    summary: Summary,
+    device: torch.device,
+    shape: dict[str, Any],
+    modes: list[bool],
+) -> None:
+    fields = summary.fields
+    fields["measured_matmul_peak_flops"] = matmul_peak = matmul_peak_flops(device)
+    flops, spec_peak = fields["flops_per_token"], fields["spec_peak_flops"]
     for compile_blocks in modes:
-        label = "compiled" if compile_blocks else "eager"
-        storage = tempfile.mkdtemp(prefix="bench-fsdp-")
-        try:
-            config = trainer_config(args, storage, compile_blocks)
-            ours = our_loop(config, args.warmup_steps)
-            release_memory()
-            baseline = baseline_a(config, args.warmup_steps)
-            release_memory()
-        finally:
-            shutil.rmtree(storage, ignore_errors=True)
-        ours_figures = figures(ours.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
-        baseline_figures = figures(baseline.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
-        loops[label] = {
-            "ours": {**ours_figures, **ours},
-            "baseline_a": {**baseline_figures, **baseline},
-            "ours_over_baseline_a_p50": ours_figures["tokens_per_second_per_gpu"]["p50"]
-            / baseline_figures["tokens_per_second_per_gpu"]["p50"],
-        }
+        loop = fields["loops"]["compiled" if compile_blocks else "eager"]
+        peaks = (flops, spec_peak, matmul_peak)
+        ours = functools.partial(
+            with_figures, functools.partial(our_loop, args, compile_blocks, shape), peaks
+        )
+        baseline = functools.partial(with_figures, functools.partial(baseline_a, args, compile_blocks), peaks)
+        # Both run whatever becomes of the other (&, not and).
+        if summary.run(loop, "ours", ours) & summary.run(loop, "baseline_a", baseline):
+            loop["ours_over_baseline_a_p50"] = (
+                loop["ours"]["tokens_per_second_per_gpu"]["p50"]
+                / loop["baseline_a"]["tokens_per_second_per_gpu"]["p50"]
+            )
+        if compile_blocks == modes[0]:  # once, after the first loop
+            summary.run(fields, "checkpoint_saves", lambda: checkpoint_saves(args, shape))
     # Baseline B after the others: ours and A have their figures whatever happens to it.
     unavailable, torchtitan_version = baseline_b_unavailable(device)
+    fields["baseline_b_torchtitan"]["torchtitan"] = torchtitan_version
     logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-torchtitan-logs-"))
     for compile_blocks in modes:
         label = "compiled" if compile_blocks else "eager"
+        loop = fields["loops"][label]
         if unavailable is not None:
             result: dict[str, Any] = {"not_run": unavailable}
         else:
-            left = args.time_budget - (time.monotonic() - started) - BASELINE_B_MARGIN_SECONDS
+            left = args.time_budget - (time.monotonic() - summary.started) - BASELINE_B_MARGIN_SECONDS
             result = baseline_b(args, shape, compile_blocks, left, logs / f"baseline_b_{label}.log")
-        loops[label].update(baseline_b_entry(result, loops[label]["ours"], flops, spec_peak, matmul_peak))
-    summary = {
-        "device": device_name,
-        "torch": torch.__version__,
-        "model": "tiny qwen2" if args.tiny else "Qwen2.5-1.5B shape (random init)",
-        "sequence_length": args.sequence_length,
-        "micro_batch_size": args.micro_batch_size,
-        "warmup_steps": args.warmup_steps,
-        "measured_steps": args.steps,
-        "flops_per_token": flops,
-        "spec_peak_flops": spec_peak,
-        "measured_matmul_peak_flops": matmul_peak,
-        "loops": loops,
-        "baseline_b_torchtitan": {
-            "torchtitan": torchtitan_version,
-            "not_run": unavailable,
-            "model": "torchtitan's Qwen3 of the same sizes (it has no Qwen2; see trainer_torchtitan.py)",
-            "launch": " ".join(["python", *BASELINE_B_COMMAND]),
-            "memory": "peak reserved (torchtitan's figure), not peak allocated as for ours and baseline A",
-        },
-        "wall_seconds": time.monotonic() - started,
-    }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu_fsdp.json").write_text(text + "\n")
-    if args.output:
-        args.output.write_text(text + "\n")
+        loop.update(baseline_b_entry(result, loop["ours"], flops, spec_peak, matmul_peak))
+        summary.write()
 
 
 def model_flops_per_token(from_config: dict[str, Any], sequence_length: int) -> float:
     """As the trainer counts them, from a weightless (meta-device) copy of the model."""
+    return flops_per_token(model.model_shape(meta_model(from_config)), sequence_length)
+
+
+def parameter_count(from_config: dict[str, Any]) -> int:
+    return sum(p.numel() for p in meta_model(from_config).parameters())
+
+
+def meta_model(from_config: dict[str, Any]) -> Any:
     spec = ModelSpec(from_config=from_config)
     with torch.device("meta"):
-        shell = AutoModelForCausalLM.from_config(model.model_config(spec, 0, lambda: None))
-    return flops_per_token(model.model_shape(shell), sequence_length)
+        return AutoModelForCausalLM.from_config(model.model_config(spec, 0, lambda: None))
 
 
 if __name__ == "__main__":

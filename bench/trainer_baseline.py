@@ -69,7 +69,9 @@ def run_baseline(
         for micro_step in range(training.grad_accumulation):
             indices = layout.micro_batch_indices(position, micro_step, runtime.rank)
             batch = samples.samples(indices).to(runtime.device)
-            root.set_requires_gradient_sync(micro_step == training.grad_accumulation - 1)
+            root.set_requires_gradient_sync(
+                config.fsdp.reduce_every_micro_step or micro_step == training.grad_accumulation - 1
+            )
             loss = lm(input_ids=batch, labels=batch).loss / training.grad_accumulation
             loss.backward()
             loss_sum += loss.detach()

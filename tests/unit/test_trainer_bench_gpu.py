@@ -5,6 +5,7 @@ part of the summary. Nothing here trains: a script printing torchtitan's lines s
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,7 @@ def test_a_run_gives_figures_and_our_ratio_to_it(monkeypatch: pytest.MonkeyPatch
     assert entry["baseline_b"]["tokens_per_second_per_gpu"]["p50"] == 21_000.0
     assert entry["baseline_b"]["mfu_spec_peak"] == pytest.approx(21_000.0 * 1e9 / 1e14)
     assert entry["ours_over_baseline_b_p50"] == pytest.approx(2.0)
+    assert entry["baseline_b"]["settings"]["cuda_graphs"] is False, "eager against eager"
     assert (tmp_path / "b.log").read_text().strip() == LOG
 
 
@@ -89,7 +91,9 @@ def test_a_run_past_the_time_budget_is_stopped_and_recorded(
     monkeypatch.setattr(gpu_fsdp, "BASELINE_B_COMMAND", ["-c", "import time; time.sleep(60)"])
     result = gpu_fsdp.baseline_b(arguments(), gpu_fsdp.TINY, False, 1.0, tmp_path / "b.log")
     assert result == {"not_run": "not run: stopped after 1 s, the time budget left"}
-    assert gpu_fsdp.baseline_b_entry(result, {}, 1e9, None, None) == {"baseline_b": result}
+    assert gpu_fsdp.baseline_b_entry(result, {}, 1e9, None, None) == {
+        "baseline_b": {"finished": False, **result}
+    }
     spent = gpu_fsdp.baseline_b(arguments(time_budget=300.0), gpu_fsdp.TINY, True, -5.0, tmp_path / "c.log")
     assert spent == {"not_run": "not run: the time budget of 300 s was spent"}
 
@@ -101,3 +105,27 @@ def test_a_failed_run_is_recorded_with_the_end_of_its_log(
     monkeypatch.setattr(gpu_fsdp, "BASELINE_B_COMMAND", ["-c", script])
     result = gpu_fsdp.baseline_b(arguments(), gpu_fsdp.TINY, False, 60.0, tmp_path / "b.log")
     assert result == {"not_run": "failed with exit code 3: torch.OutOfMemoryError: CUDA out of memory."}
+
+
+def test_a_part_whose_checkpoints_exceed_the_disk_bound_is_not_run(tmp_path: Path) -> None:
+    args = arguments(checkpoint_dir=tmp_path, disk_bound_gb=0.001)
+    with pytest.raises(gpu_fsdp.NotRun, match=r"not run: 2 checkpoint\(s\) at once need"):
+        gpu_fsdp.require_disk_for(args, 2, gpu_fsdp.TINY)
+
+
+def test_every_part_is_written_out_as_it_ends_whatever_becomes_of_it(tmp_path: Path) -> None:
+    output = tmp_path / "gpu_fsdp.json"
+    summary = gpu_fsdp.Summary({"loops": {"eager": {}}}, [output])
+    loop = summary.fields["loops"]["eager"]
+    assert summary.run(loop, "ours", lambda: {"tokens": 1})
+    assert json.loads(output.read_text())["loops"]["eager"]["ours"] == {"finished": True, "tokens": 1}
+
+    def out_of_memory() -> dict[str, Any]:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert not summary.run(loop, "baseline_a", out_of_memory)
+    written = json.loads(output.read_text())["loops"]["eager"]["baseline_a"]
+    assert written["failed"] == "OutOfMemoryError: CUDA out of memory" and not written["finished"]
+    with pytest.raises(gpu_fsdp.BudgetSpent):
+        summary.run(loop, "baseline_b", lambda: gpu_fsdp.on_alarm(0, None))
+    assert json.loads(output.read_text())["loops"]["eager"]["baseline_b"]["not_run"].startswith("stopped")

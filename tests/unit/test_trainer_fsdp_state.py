@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,9 +44,12 @@ def sharded_app(spec: TrainingSpec, batches: data.BatchLoader | None = None) -> 
     return checkpoint.AppState(model, optimizer, scheduler, checkpoint.TrainState(), batches)
 
 
-def train_step(app: checkpoint.AppState) -> None:
+def train_step(app: checkpoint.AppState, saving: checkpoint.CheckpointSaver | None = None) -> None:
+    """One step; a save in flight stages the state while forward and backward run, as in the loop."""
     batch = torch.randint(0, 64, (2, 16))
     app.model(input_ids=batch, labels=batch).loss.backward()
+    if saving is not None:
+        saving.wait_for_staging()
     app.optimizer.step()
     app.scheduler.step()
     app.optimizer.zero_grad()
@@ -56,9 +60,9 @@ def weights(app: checkpoint.AppState) -> dict[str, torch.Tensor]:
     return {name: p.full_tensor().detach().clone() for name, p in app.model.named_parameters()}
 
 
-def saver(run: Location) -> checkpoint.CheckpointSaver:
+def saver(run: Location, writer: checkpoint.Writer = "thread") -> checkpoint.CheckpointSaver:
     identity = checkpoint.SaveIdentity("run", "job-1", FINGERPRINT, "data-0", 1, Versions())
-    return checkpoint.CheckpointSaver(run, identity, 0, 3, torch.device("cpu"))
+    return checkpoint.CheckpointSaver(run, identity, 0, 3, torch.device("cpu"), writer=writer)
 
 
 @pytest.fixture(params=["local disk", "S3"])
@@ -87,7 +91,7 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(run: L
     checkpoints = saver(run)
     checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
     for _ in range(3):  # the save is in flight: these steps change the weights it is writing
-        train_step(app)
+        train_step(app, checkpoints)
     result = checkpoints.wait()
     checkpoints.close()
     assert result is not None and result.manifest is not None
@@ -108,13 +112,20 @@ def test_a_save_that_fails_midway_leaves_nothing_resumable(
 ) -> None:
     app = sharded_app(TrainingSpec())
     train_step(app)
-    real_upload = Location.upload_from
+    real_upload, real_save = Location.upload_from, checkpoint.dcp_save
 
     def upload_then_lose_the_connection(self: Location, local_dir: str) -> None:
         real_upload(self, local_dir)  # every shard arrives, yet the save does not finish
         raise OSError("connection reset")
 
-    monkeypatch.setattr(Location, "upload_from", upload_then_lose_the_connection)
+    def write_then_lose_the_disk(*args: Any, **kwargs: Any) -> Any:
+        real_save(*args, **kwargs)  # a local save is written in place: the failure comes after it
+        raise OSError("connection reset")
+
+    if run.is_local:
+        monkeypatch.setattr(checkpoint, "dcp_save", write_then_lose_the_disk)
+    else:
+        monkeypatch.setattr(Location, "upload_from", upload_then_lose_the_connection)
     checkpoints = saver(run)
     checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
     with pytest.raises(OSError, match="connection reset"):
@@ -122,6 +133,65 @@ def test_a_save_that_fails_midway_leaves_nothing_resumable(
     checkpoints.close()
     assert [".metadata" in saved.listing for saved in checkpoint.run_checkpoints(run)] == [True], "shards"
     assert checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT) is None
+
+
+def test_a_local_checkpoint_is_written_in_place_with_no_upload_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_copies(self: Location, local_dir: str) -> None:
+        raise AssertionError(f"{local_dir} copied to {self.uri}: the disk would hold the checkpoint twice")
+
+    monkeypatch.setattr(Location, "upload_from", no_copies)
+    monkeypatch.setattr(checkpoint.tempfile, "mkdtemp", lambda **_: pytest.fail("a staging directory"))
+    app = sharded_app(TrainingSpec())
+    train_step(app)
+    checkpoints = saver(Location.parse(str(tmp_path)))
+    checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    result = checkpoints.wait()
+    checkpoints.close()
+    assert result is not None and result.manifest is not None
+    written = tmp_path / checkpoint.checkpoint_name(1, "a")
+    assert {".metadata", "rng_rank00000.pt", "fsdp_manifest.json"} <= {p.name for p in written.iterdir()}
+    assert checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT)
+
+
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_anything_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = sharded_app(TrainingSpec())
+    train_step(app)
+    shards = checkpoint.staged_bytes({"app": app.state_dict()})
+    assert shards > 4 * sum(p.numel() for p in app.model.parameters()), "weights and both AdamW moments"
+    free = shards + checkpoint.DISK_RESERVE_BYTES - 1
+    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda _: shutil_usage(free))
+    checkpoints = saver(Location.parse(str(tmp_path)))
+    with pytest.raises(OSError, match="not enough disk for a checkpoint"):
+        checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    checkpoints.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def shutil_usage(free: int) -> Any:
+    return type("Usage", (), {"total": free, "used": 0, "free": free})()
+
+
+def test_the_writer_process_saves_what_training_had_at_the_step(tmp_path: Path) -> None:
+    app = sharded_app(TrainingSpec(learning_rate=1e-2))
+    train_step(app)
+    at_save = weights(app)
+    run = Location.parse(str(tmp_path))
+    checkpoints = saver(run, writer="process")
+    checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    train_step(app, checkpoints)
+    result = checkpoints.wait()
+    checkpoints.close()
+    assert result is not None and result.manifest is not None
+    found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
+    assert found is not None
+    restored = sharded_app(TrainingSpec(learning_rate=1e-2))
+    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    for name, tensor in weights(restored).items():
+        torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0)
 
 
 def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Path) -> None:

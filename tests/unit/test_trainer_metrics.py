@@ -6,7 +6,7 @@ import pytest
 
 from fsdp_trainer.metrics import ModelShape, flops_per_token, model_flops_utilisation, peak_flops
 
-QWEN25_15B = ModelShape(params=1_543_714_304, layers=28, hidden=1536)
+QWEN25_15B = ModelShape(params=1_543_714_304, layers=28, heads=12, head_dim=128)
 
 
 def test_qwen25_15b_at_2048_tokens_costs_about_10_3_gflops_per_token() -> None:

@@ -59,5 +59,5 @@ def test_decoder_layers_and_the_flops_parameter_count(tied: bool) -> None:
     assert len(decoder_layers(model)) == 3
     shape = model_shape(model)
     total = sum(p.numel() for p in model.parameters())
-    assert (shape.layers, shape.hidden) == (3, 32)
+    assert (shape.layers, shape.heads, shape.head_dim) == (3, 4, 8)
     assert shape.params == (total if tied else total - 300 * 32), "an untied input embedding does no matmul"

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from fsdp_trainer import distributed, telemetry
+from fsdp_trainer.contract import ProgressRecord
 from fsdp_trainer.progress import ProgressWriter
 from fsdp_trainer.storage import Location
 from fsdp_trainer.telemetry import MetricsProcessor, Throughput
@@ -72,7 +73,7 @@ def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
         step(metrics, clock, n)
     clock.now += 30.0  # an evaluation and a checkpoint stall
     metrics.evaluated(EvalResult(loss=3.0, perplexity=20.1, seconds=20.0))
-    metrics.checkpoint_started(blocked_seconds=10.0)
+    metrics.checkpoint_staged(blocked_seconds=10.0)
     record = step(metrics, clock, 4)
     writer.close()
     assert record is not None
@@ -80,3 +81,22 @@ def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
     assert record.tokens_per_second == pytest.approx(2000.0)
     assert (record.loss, record.grad_norm, record.tokens_seen) == (2.0, 1.5, 4000)
     assert (record.eval_loss, record.eval_perplexity, record.checkpoint_blocked_seconds) == (3.0, 20.1, 10.0)
+
+
+def test_a_checkpoint_adds_no_record_of_its_own_so_no_step_is_counted_twice(
+    tmp_path: Path, collectives: list[str]
+) -> None:
+    clock = Clock()
+    metrics, writer = processor(tmp_path, clock, log_every=1)
+    step(metrics, clock, 1)
+    metrics.checkpoint_staged(blocked_seconds=0.25)  # the save at step 1, staged during step 2
+    step(metrics, clock, 2)
+    metrics.checkpoint_staged(blocked_seconds=0.5)  # the save at the last step, staged at the end
+    metrics.finished(2, None)
+    writer.close()
+    history = [
+        ProgressRecord.model_validate_json(line)
+        for line in (tmp_path / "metrics" / "a.jsonl").read_text().splitlines()
+    ]
+    assert [(r.phase, r.step) for r in history] == [("training", 1), ("training", 2), ("finished", 2)]
+    assert [r.checkpoint_blocked_seconds for r in history] == [None, 0.25, 0.5]

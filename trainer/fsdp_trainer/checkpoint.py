@@ -1,8 +1,9 @@
 """Checkpoints: DCP shards of model + optimizer, with scheduler, data position and step, per-rank RNG files,
 and our manifest, which is written last and makes a checkpoint usable.
 
-Saving (CheckpointSaver): the state is staged into host memory while training waits; writing the DCP shards,
-uploading them into `<run prefix>/<name>/`, and the manifest follow in the background. Rank 0 writes the
+Saving (CheckpointSaver): the state is staged into host memory while the next step's forward and backward run;
+writing the DCP shards (in place on a local path; for S3 locally, then uploaded into `<run prefix>/<name>/`),
+and the manifest follow in the background. Rank 0 writes the
 manifest only once every rank's files are in storage at their sizes; a crash anywhere before that leaves a
 checkpoint without a manifest, which resumption never picks. Checkpoints are not reported to Ray Train:
 resumption scans storage, and `prune` keeps the newest `keep` complete ones.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 import random
 import shutil
@@ -21,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -30,8 +32,10 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, Versions, checkpoint_is_complete
 from fsdp_trainer.errors import ConfigError
@@ -280,24 +284,41 @@ class SaveIdentity:
 
 @dataclass(frozen=True)
 class SaveResult:
-    """One finished save: rank 0's manifest (None on other ranks) and how long training was blocked."""
+    """One finished save: rank 0's manifest (None on other ranks), how long `wait` blocked, and when (by
+    time.perf_counter) the checkpoint became complete."""
 
     manifest: CheckpointManifest | None
     blocked_seconds: float
+    completed_at: float
+
+
+# Free disk a checkpoint must leave behind on the disk it is written to: the rest of the machine (logs, the
+# compile cache, the next save's temporary files) keeps working while it is written.
+DISK_RESERVE_BYTES = 2 << 30
+Writer = Literal["thread", "process"]
+# The writer bench/trainer_checkpoint.py measured to cost training less (docs/benchmarks.md).
+DEFAULT_WRITER: Writer = "thread"
 
 
 class CheckpointSaver:
-    """Saves checkpoints with the training step blocked only while the state is copied off the device.
+    """Saves checkpoints as torchtitan's async_with_pinned_mem mode does: training waits only while the state
+    is staged into host memory, and that staging overlaps the next step's forward and backward.
 
-    `start` stages model, optimizer, scheduler and loop position into host memory (DCP's DefaultStager, pinned
-    on CUDA, reused between saves) and returns; a background thread then writes the DCP shards to local disk
-    (`dcp.save`), uploads this rank's files, and gathers every rank's file list, which also tells rank 0 that
-    every rank's files are in storage. Rank 0 then checks storage holds every file at its size, writes the
-    manifest last, prunes, and tells the other ranks. A crash before the manifest leaves a checkpoint that
-    resumption never picks (a crash while a save is in flight resumes from the checkpoint before it).
+    `start` hands the state dict to DCP's DefaultStager, which copies it into host memory in a thread of its
+    own (on CUDA: pinned buffers, reused between saves, filled by non-blocking copies on a side stream) and
+    returns at once; `wait_for_staging`, called before the next optimizer step changes the weights, waits for
+    the copy. The staged shards are then written by DCP from `writer`: a thread of this process, or a process
+    of its own (dcp.async_save's PROCESS checkpointer: the staged tensors in shared memory, the writing off
+    this process's GIL); bench/trainer_checkpoint.py measures both. A local storage path is written in place,
+    synced; for S3 the shards go to a local temporary directory first and this rank uploads them. Every
+    rank's file list is then gathered, which also tells rank 0 that every rank's files are in storage; rank 0
+    checks storage holds every file at its size, writes the manifest last, prunes, and tells the other ranks.
+    A crash before the manifest leaves a checkpoint that resumption never picks.
 
     The background collectives run on a gloo group of their own, so they never interleave with training's.
-    At most one save is in flight: `start` and `wait` first finish the previous one.
+    At most one save is in flight: `start` and `wait` first finish the previous one. Before each save the
+    disk it is written to must hold this node's shards with DISK_RESERVE_BYTES to spare, or the save is
+    refused (OSError) before anything is written.
     """
 
     def __init__(
@@ -307,32 +328,36 @@ class CheckpointSaver:
         rank: int,
         keep: int,
         device: torch.device,
-        asynchronous: bool = True,
+        writer: Writer = DEFAULT_WRITER,
+        ranks_per_node: int = 1,
     ) -> None:
         self.run, self.identity, self.rank, self.keep = run, identity, rank, keep
-        self.asynchronous = asynchronous
+        self.writer, self.ranks_per_node = writer, ranks_per_node
         self.group = dist.new_group(backend="gloo")  # a collective: every rank builds it at the same point
         on_cuda = device.type == "cuda"
         self.stager = DefaultStager(
             StagingOptions(
                 use_pinned_memory=on_cuda,
-                use_shared_memory=False,
-                use_async_staging=False,  # staging is the part training waits for, by design
-                use_non_blocking_copy=False,
+                use_shared_memory=writer == "process",  # the writer process maps the staged tensors
+                use_async_staging=True,
+                use_non_blocking_copy=on_cuda,
             )
         )
+        self._staging: Future[Any] | None = None
         self._pending: _BackgroundSave | None = None
 
     def start(self, app_state: AppState, name: str, loss: float | None) -> float:
-        """Begins a save of the current state; returns the seconds training was blocked (including waiting
-        for the previous save, and the whole save when not asynchronous)."""
+        """Begins a save of the current state and returns the seconds that took (including waiting for the
+        previous save). The state is staged in the background: call
+        `wait_for_staging` before anything changes the weights or the optimizer state."""
         started = time.perf_counter()
         self.wait()
-        local_dir = tempfile.mkdtemp(prefix="fsdp-checkpoint-")
-        save_rng(local_dir, self.rank)
-        staged = self.stager.stage({"app": app_state.state_dict()})
-        if isinstance(staged, Future):  # only with use_async_staging, which this stager does not use
-            staged = staged.result()
+        location = self.run.child(name)
+        write_dir = location.path if self.run.is_local else tempfile.mkdtemp(prefix="fsdp-checkpoint-")
+        state = {"app": app_state.state_dict()}
+        require_disk(write_dir, staged_bytes(state) * self.ranks_per_node + DISK_RESERVE_BYTES)
+        os.makedirs(write_dir, exist_ok=True)
+        save_rng(write_dir, self.rank)
         train = app_state.train
         manifest = CheckpointManifest(
             run_name=self.identity.run_name,
@@ -347,54 +372,96 @@ class CheckpointSaver:
             fingerprint=self.identity.fingerprint,
             data_fingerprint=self.identity.data_fingerprint,
         )
-        self._pending = _BackgroundSave(lambda: self._complete(staged, local_dir, name, manifest))
-        if not self.asynchronous:
-            self.wait()
+        # Synced in place: a local checkpoint is the durable copy. Unsynced for S3: the local files are a
+        # staging copy the upload reads back at once, and the checkpoint is durable once storage holds it.
+        storage_writer = FileSystemWriter(write_dir, sync_files=self.run.is_local)
+        written: Callable[[], object]
+        if self.writer == "process":
+            response = async_save(
+                state,
+                storage_writer=storage_writer,
+                process_group=self.group,
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=self.stager,
+            )
+            if not isinstance(response, AsyncSaveResponse):  # only without asynchronous staging
+                raise TypeError(f"async_save returned {type(response).__name__}, not AsyncSaveResponse")
+            self._staging, written = response.staging_completion, response.upload_completion.result
+        else:
+            staging = self.stager.stage(state)
+            if not isinstance(staging, Future):  # only without asynchronous staging
+                raise TypeError(f"the stager returned {type(staging).__name__}, not a Future")
+            self._staging = staging
+
+            def written() -> object:
+                return dcp_save(staging.result(), storage_writer=storage_writer, process_group=self.group)
+
+        self._pending = _BackgroundSave(lambda: self._complete(written, write_dir, location, manifest))
         return time.perf_counter() - started
+
+    def wait_for_staging(self) -> float:
+        """Waits until the save in flight has its copy of the state (the weights may change after this);
+        returns the seconds waited. Raises what staging raised."""
+        staging, self._staging = self._staging, None
+        if staging is None:
+            return 0.0
+        started = time.perf_counter()
+        staging.result()
+        return time.perf_counter() - started
+
+    @property
+    def writing(self) -> bool:
+        """Whether a save is in flight on this rank (staging, writing, uploading or finalising)."""
+        return self._pending is not None and not self._pending.done()
 
     def wait(self) -> SaveResult | None:
         """Finishes the save in flight (if any): when it returns, on any rank, the checkpoint is complete
         (manifest written). Raises what the save raised."""
+        started = time.perf_counter()
+        self.wait_for_staging()
         pending, self._pending = self._pending, None
         if pending is None:
             return None
-        started = time.perf_counter()
         manifest = pending.result()
-        return SaveResult(manifest, time.perf_counter() - started)
+        return SaveResult(manifest, time.perf_counter() - started, pending.finished_at)
 
     def close(self) -> None:
         self.stager.close()
 
     def _complete(
-        self, staged: dict[str, Any], local_dir: str, name: str, manifest: CheckpointManifest
+        self,
+        written: Callable[[], object],
+        write_dir: str,
+        location: Location,
+        manifest: CheckpointManifest,
     ) -> CheckpointManifest | None:
-        location = self.run.child(name)
         try:
             failure: str | None = None
             local_files: dict[str, int] = {}
             try:
                 started = time.perf_counter()
-                # Not synced to disk: the local files are a staging copy the upload reads back at once, and
-                # the checkpoint is durable only once storage holds it.
-                writer = FileSystemWriter(local_dir, sync_files=False)
-                dcp_save(staged, storage_writer=writer, process_group=self.group)
-                written = time.perf_counter()
-                local_files = {e.name: e.stat().st_size for e in os.scandir(local_dir) if e.is_file()}
-                location.upload_from(local_dir)
+                written()
+                wrote = time.perf_counter()
+                local_files = {e.name: e.stat().st_size for e in os.scandir(write_dir) if e.is_file()}
+                if not self.run.is_local:
+                    location.upload_from(write_dir)
                 log.info(
-                    "checkpoint step %d, rank %d: %d bytes written locally in %.2f s, uploaded in %.2f s",
+                    "checkpoint step %d, rank %d: written by the %s writer in %.2f s (%d bytes in %s)%s",
                     manifest.step,
                     self.rank,
+                    self.writer,
+                    wrote - started,
                     sum(local_files.values()),
-                    written - started,
-                    time.perf_counter() - written,
+                    write_dir,
+                    "" if self.run.is_local else f", uploaded in {time.perf_counter() - wrote:.2f} s",
                 )
             except Exception as error:  # every rank must still reach the gather below, or the others hang
                 failure = f"rank {self.rank}: {type(error).__name__}: {error}"
             gathered: list[Any] = [None] * dist.get_world_size(self.group)
             dist.all_gather_object(gathered, (local_files, failure), group=self.group)
         finally:
-            shutil.rmtree(local_dir, ignore_errors=True)
+            if not self.run.is_local:
+                shutil.rmtree(write_dir, ignore_errors=True)
         failures = [failed for _, failed in gathered if failed]
         if failures:
             raise OSError(f"checkpoint {location.uri} failed: {'; '.join(failures)}")
@@ -430,6 +497,33 @@ class CheckpointSaver:
         return manifest
 
 
+def staged_bytes(state: Any) -> int:
+    """The bytes of this rank's tensors in a state dict (a DTensor counts its local shard)."""
+    if isinstance(state, DTensor):
+        return int(state.to_local().nbytes)
+    if isinstance(state, torch.Tensor):
+        return int(state.nbytes)
+    if isinstance(state, dict):
+        return sum(staged_bytes(value) for value in state.values())
+    if isinstance(state, list | tuple):
+        return sum(staged_bytes(value) for value in state)
+    return 0
+
+
+def require_disk(directory: str, needed: int) -> None:
+    """Refuses a write of `needed` bytes below `directory` (which may not exist yet) that the disk cannot
+    hold: a checkpoint cut short by a full disk would also starve everything else on the machine."""
+    existing = directory
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    free = shutil.disk_usage(existing).free
+    if free < needed:
+        raise OSError(
+            f"not enough disk for a checkpoint in {directory}: it needs {needed / 1e9:.1f} GB (this node's "
+            f"shards and {DISK_RESERVE_BYTES / 1e9:.1f} GB to spare), {free / 1e9:.1f} GB are free"
+        )
+
+
 class _BackgroundSave:
     """A daemon thread and its outcome: a save stuck in a collective with a dead peer must not keep the
     process from exiting (concurrent.futures' workers are joined at exit)."""
@@ -438,6 +532,7 @@ class _BackgroundSave:
         self._work = work
         self._manifest: CheckpointManifest | None = None
         self._error: BaseException | None = None
+        self.finished_at = math.nan  # time.perf_counter() when the work ended
         self._thread = threading.Thread(target=self._run, name="checkpoint-save", daemon=True)
         self._thread.start()
 
@@ -446,6 +541,11 @@ class _BackgroundSave:
             self._manifest = self._work()
         except BaseException as error:  # handed to the training thread by result()
             self._error = error
+        finally:
+            self.finished_at = time.perf_counter()
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
 
     def result(self) -> CheckpointManifest | None:
         self._thread.join()
@@ -463,11 +563,18 @@ def load(
     barrier: Callable[[], None],
 ) -> bool:
     """Loads a complete checkpoint, resharding onto this world size; returns whether this rank's RNG state
-    was in it. The checkpoint is copied to each node once and removed after loading."""
+    was in it. A checkpoint in S3 is copied to each node once and removed after loading; a local one is read
+    in place."""
+    if checkpoint.is_local:
+        return _load_from(checkpoint.path, app_state, rank, reseed)
     local_dir = node_local_copy(checkpoint.uri, local_rank, barrier)
-    dcp_load({"app": app_state}, checkpoint_id=local_dir)
-    restored = load_rng(local_dir, rank, reseed)
+    restored = _load_from(local_dir, app_state, rank, reseed)
     barrier()
     if local_rank == 0:
         shutil.rmtree(local_dir, ignore_errors=True)
     return restored
+
+
+def _load_from(directory: str, app_state: AppState, rank: int, reseed: int) -> bool:
+    dcp_load({"app": app_state}, checkpoint_id=directory)
+    return load_rng(directory, rank, reseed)

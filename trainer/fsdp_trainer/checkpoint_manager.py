@@ -45,7 +45,10 @@ class CheckpointManager:
             runtime.rank,
             config.checkpoint.keep,
             runtime.device,
+            ranks_per_node=runtime.local_world_size,
         )
+        self._saving_step: int | None = None  # the step of a save whose staging is not yet waited for
+        self._blocked = 0.0
 
     def find(self) -> Location | None:
         """The checkpoint to resume from (rank 0 looks, every rank learns the answer), or None."""
@@ -87,11 +90,21 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return step % self.config.checkpoint.every_steps == 0 or step == self.config.training.max_steps
 
-    def save(self, app_state: checkpoint.AppState, attempt_id: str, loss: float | None) -> float:
-        """Starts saving the current state; returns the seconds training was blocked."""
+    def save(self, app_state: checkpoint.AppState, attempt_id: str, loss: float | None) -> None:
+        """Starts saving the current state; its staging runs on while the next step's forward and backward
+        do, until `staging_done`."""
         step = app_state.train.step
-        blocked = self.saver.start(app_state, checkpoint.checkpoint_name(step, attempt_id), loss)
-        log.info("checkpoint step %d: training blocked %.3f s", step, blocked)
+        self._saving_step = step
+        self._blocked = self.saver.start(app_state, checkpoint.checkpoint_name(step, attempt_id), loss)
+
+    def staging_done(self) -> float | None:
+        """Waits until the save in flight (if any) has staged the state, before the weights change; returns
+        the seconds that save held training up (starting it and waiting here), once per save, else None."""
+        if self._saving_step is None:
+            return None
+        blocked = self._blocked + self.saver.wait_for_staging()
+        log.info("checkpoint step %d: training blocked %.3f s", self._saving_step, blocked)
+        self._saving_step = None
         return blocked
 
     def wait(self) -> None:

@@ -11,6 +11,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from fsdp_trainer.errors import DeviceError
+
 Launcher = Literal["ray", "torchrun", "single"]
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 
@@ -45,12 +47,26 @@ def ray_train_context() -> Any | None:
         return None
 
 
+def require_cuda(use_gpu: bool, device_type: str) -> None:
+    """GPUs asked for and none usable (a driver too old for the CUDA build, a device not visible) is an
+    error: training on the CPU with gloo instead would look like a very slow run, not a broken node."""
+    if use_gpu and device_type != "cuda":
+        cuda = torch.version.cuda or "none (a CPU build of torch)"
+        raise DeviceError(
+            "GPUs were asked for (gpusPerWorker > 0) but CUDA is not usable here: "
+            f"torch {torch.__version__}, CUDA {cuda}, {torch.cuda.device_count()} device(s) visible. "
+            "Check the node's NVIDIA driver against the image's CUDA version and the pod's nvidia.com/gpu "
+            "request."
+        )
+
+
 def start(use_gpu: bool) -> Runtime:
     context = ray_train_context()
     if context is not None:
         from ray.train.torch import get_device
 
         device = get_device()
+        require_cuda(use_gpu, device.type)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return Runtime(
@@ -61,20 +77,20 @@ def start(use_gpu: bool) -> Runtime:
             context.get_local_world_size(),
             device,
         )
-    gpu = use_gpu and torch.cuda.is_available()
-    backend = "nccl" if gpu else "gloo"
+    require_cuda(use_gpu, "cuda" if torch.cuda.is_available() else "cpu")
+    backend = "nccl" if use_gpu else "gloo"
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
         launcher: Launcher = "torchrun"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        device = torch.device("cuda", local_rank) if gpu else torch.device("cpu")
-        if gpu:
+        device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+        if use_gpu:
             torch.cuda.set_device(device)
         dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
     else:
         launcher, local_rank, local_world_size = "single", 0, 1
-        device = torch.device("cuda", 0) if gpu else torch.device("cpu")
-        if gpu:
+        device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
+        if use_gpu:
             torch.cuda.set_device(device)
         # A one-process group: its own rendezvous on any free loopback port.
         dist.init_process_group(

@@ -29,6 +29,10 @@ class TransportError(TrainerError):
     kind = ErrorKind.TRANSPORT
 
 
+class DeviceError(TrainerError):
+    """The node cannot run what was asked (no usable GPU): RUNTIME, since another node may."""
+
+
 def classify(error: BaseException) -> ErrorKind:
     """The kind of the first classified exception in the chain (Ray wraps worker errors around their cause).
 

@@ -24,7 +24,7 @@ from torch.distributed.fsdp import FSDPModule
 from fsdp_trainer import checkpoint, chunked_loss, data, distributed, model, optim, parallelize, transport
 from fsdp_trainer.checkpoint_manager import CheckpointManager
 from fsdp_trainer.contract import Precision, SetupStage, TrainerConfig
-from fsdp_trainer.errors import ConfigError, classify
+from fsdp_trainer.errors import ConfigError, ModelError, classify
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
 from fsdp_trainer.storage import Location
@@ -48,6 +48,7 @@ def train_loop(config: dict[str, Any]) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     loop_input = LoopInput.model_validate(config)
     use_gpu = loop_input.trainer.gpus_per_worker > 0
+    socket_interface = None
     if use_gpu:
         # The Ray driver sets these for its workers; under torchrun they are set here, before the first
         # collective creates NCCL's communicators (they initialise lazily), unless the launcher set them.
@@ -55,9 +56,10 @@ def train_loop(config: dict[str, Any]) -> None:
             loop_input.trainer.network, loop_input.trainer.run_name
         ).items():
             os.environ.setdefault(key, value)
+        socket_interface = transport.choose_socket_interface()  # on the worker: its own pod's interfaces
     runtime = distributed.start(use_gpu=use_gpu)
     run = Location.parse(loop_input.trainer.run_uri())
-    trainer = Trainer(loop_input, runtime, run)
+    trainer = Trainer(loop_input, runtime, run, socket_interface)
     try:
         trainer.run()
     except BaseException as error:
@@ -103,8 +105,15 @@ class Trainer:
     """One attempt on one worker: `setup` builds the parts, `train` runs the loop, `finish` completes the
     run (last checkpoint, final evaluation, export, the finished record)."""
 
-    def __init__(self, loop_input: LoopInput, runtime: distributed.Runtime, run: Location) -> None:
+    def __init__(
+        self,
+        loop_input: LoopInput,
+        runtime: distributed.Runtime,
+        run: Location,
+        socket_interface: str | None = None,
+    ) -> None:
         self.config = loop_input.trainer
+        self.socket_interface = socket_interface
         self.submission_id = loop_input.submission_id
         self.runtime = runtime
         self.run_location = run
@@ -156,7 +165,9 @@ class Trainer:
         validator = Validator(datasets.eval, config.data.eval_batches, training.micro_batch_size, runtime)
 
         self.stage(SetupStage.PROBING_TRANSPORT)
-        report = transport.measure(config.network, config.run_name, runtime, self.versions)
+        report = transport.measure(
+            config.network, config.run_name, runtime, self.versions, self.socket_interface
+        )
         if self.progress is not None:
             self.progress.update(transport=report)
 
@@ -252,7 +263,13 @@ class Trainer:
                     checkpoints.wait()  # tests know which checkpoint a resume uses: the last is complete
                     fault.trigger()
                 learning_rate = float(session.scheduler.get_last_lr()[0])
-                loss, grad_norm = self.train_step(session)
+                try:
+                    loss, grad_norm = self.train_step(session)
+                except torch._dynamo.exc.Unsupported as error:  # evaluated only when something is raised
+                    raise ModelError(
+                        "fsdp.compile: torch.compile cannot compile a decoder layer whole (fullgraph=True): "
+                        f"{error}. Turn fsdp.compile off for this model."
+                    ) from error
                 state.step = step
                 state.tokens_seen += metrics.throughput.tokens_per_step
                 if step == first_step and config.fsdp.compile:
@@ -261,9 +278,7 @@ class Trainer:
                 if config.data.eval_every and step % config.data.eval_every == 0:
                     metrics.evaluated(session.validator.validate(session.lm, step))
                 if checkpoints.due(step):
-                    metrics.checkpoint_started(
-                        checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
-                    )
+                    checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
 
     def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
@@ -277,13 +292,21 @@ class Trainer:
             self.config.fsdp.reduce_every_micro_step,
         )
         grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
+        self.checkpoint_staged(session)  # a save's staging overlapped this step's forward and backward
         session.optimizer.step()
         session.scheduler.step()
         session.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm
 
+    def checkpoint_staged(self, session: Session) -> None:
+        """Waits for a save's staging (if one is in flight) and records how long it held training up."""
+        blocked = session.checkpoints.staging_done()
+        if blocked is not None:
+            session.metrics.checkpoint_staged(blocked)
+
     def finish(self, session: Session) -> None:
         checkpoints, step = session.checkpoints, session.state.step
+        self.checkpoint_staged(session)
         checkpoints.wait()  # the last checkpoint is complete before the run says it finished
         if session.validator.evaluated_at_step != step:
             session.metrics.evaluated(session.validator.validate(session.lm, step))

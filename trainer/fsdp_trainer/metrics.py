@@ -42,13 +42,17 @@ class ModelShape:
 
     params: int  # parameters that do matmul work per token (input embeddings excluded unless tied)
     layers: int
-    hidden: int
+    heads: int  # query heads
+    head_dim: int
 
 
 def flops_per_token(shape: ModelShape, sequence_length: int) -> float:
-    """Training FLOPs per token: 6N for the parameter matmuls (forward 2N, backward 4N) plus the
-    attention scores and weighted sum, 12 * layers * hidden * sequence_length (PaLM, appendix B)."""
-    return 6 * shape.params + 12 * shape.layers * shape.hidden * sequence_length
+    """Training FLOPs per token: 6N for the parameter matmuls (forward 2N, backward 4N) plus the attention
+    scores and weighted sum, 12 * layers * heads * head_dim * sequence_length: torchtitan's count
+    (models/utils.py, get_dense_model_nparams_and_flops), PaLM's appendix B with the attention width
+    heads * head_dim, which is not the hidden size in every model (Qwen3 0.6B: 16 x 128 = 2048 against
+    1024)."""
+    return 6 * shape.params + 12 * shape.layers * shape.heads * shape.head_dim * sequence_length
 
 
 def model_flops_utilisation(

@@ -21,6 +21,11 @@ from fsdp_trainer.storage import node_local_copy
 
 log = logging.getLogger(__name__)
 
+if int(transformers.__version__.split(".")[0]) < 5:
+    # Before 5, nothing refills a rotary embedding's inv_freq after `to_empty` (transformers 5's
+    # _init_weights does, see `materialise`): RoPE would read uninitialised memory without an error.
+    raise ImportError(f"fsdp_trainer needs transformers>=5, not {transformers.__version__}")
+
 # transformers' auto classes and fast tokenizer have untyped constructors; mypy sees them as Any here.
 AutoConfig: Any = transformers.AutoConfig
 AutoModelForCausalLM: Any = transformers.AutoModelForCausalLM
@@ -131,7 +136,9 @@ def materialise(
     """Gives the sharded meta model real storage on `device` (parameters on the CPU with cpu_offload, as
     FSDP's offload policy expects) and fills it: a random initialisation ("initialise"), the pretrained
     weights read straight into each rank's shards ("load"), or nothing but the buffers that no checkpoint
-    holds, such as rotary frequencies ("checkpoint": the checkpoint's weights are loaded next)."""
+    holds, such as rotary frequencies ("checkpoint": the checkpoint's weights are loaded next). Buffers are
+    refilled by transformers' `_init_weights`, whose rotary branch (transformers>=5) recomputes inv_freq and
+    original_inv_freq from the config."""
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     for module in model.modules():  # buffers are not sharded or offloaded: forward reads them on the device
         for name, buffer in module.named_buffers(recurse=False):
@@ -215,4 +222,6 @@ def model_shape(model: PreTrainedModel) -> ModelShape:
     if embedding is not lm.get_output_embeddings().weight:
         params -= embedding.numel()
     config: Any = model.config
-    return ModelShape(params=params, layers=config.num_hidden_layers, hidden=config.hidden_size)
+    heads = int(config.num_attention_heads)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return ModelShape(params=params, layers=config.num_hidden_layers, heads=heads, head_dim=int(head_dim))

@@ -55,9 +55,10 @@ def accumulate_gradients(
     """Forward and backward over one optimizer step's `micro_steps` micro-batches, each loss scaled by
     1 / micro_steps; returns the sum of the scaled losses as a device tensor.
 
-    By default gradients are reduce-scattered once, after the last micro-step, and accumulate unsharded
-    before it (the fewest collectives); with reduce_every_micro_step they are reduce-scattered after every
-    micro-step and accumulate as this rank's shard (1 / shard-size of the memory)."""
+    With reduce_every_micro_step (the default, torchtitan's way) gradients are reduce-scattered after every
+    micro-step and accumulate as this rank's shard; without, they are reduce-scattered once, after the last
+    micro-step, and accumulate unsharded in fp32 before it (the fewest collectives, shard-size times the
+    gradient memory)."""
     losses = []
     for micro_step, batch in enumerate(micro_batches):
         root.set_requires_gradient_sync(reduce_every_micro_step or micro_step == micro_steps - 1)

@@ -1,6 +1,9 @@
-"""FSDP2 (fully_shard) in torchtitan's order: activation checkpointing, torch.compile, then one FSDP group
-per decoder layer, then the root (which keeps the embeddings, the final norm and the output projection,
-so a tied embedding stays in one group, and is not resharded after forward)."""
+"""FSDP2 (fully_shard) in torchtitan's order and layout: activation checkpointing, torch.compile (each
+decoder layer whole: a graph break is an error), then one FSDP group per decoder layer, then the ends of the
+model, then the root. An untied model shards its input embedding alone (gathered for the first op, reduced
+as soon as backward is done with it) and the final norm with the output projection as one group, as
+torchtitan does; a tied embedding is the output projection and stays with the norm in the root, which is
+not resharded after forward (backward starts with it)."""
 
 from __future__ import annotations
 
@@ -136,8 +139,10 @@ def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype:
             layers[index] = checkpoint_wrapper(layers[index])
     if spec.compile:
         for layer in layers:
-            layer.compile()
-    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+            layer.compile(fullgraph=True)  # a graph break fails the first step instead of going unnoticed
+    # Inputs are not cast: each layer gets the previous one's activations in the compute dtype already, and
+    # the casts would be per-layer copies for nothing (torchtitan turns them off too).
+    mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
     offload: OffloadPolicy = CPUOffloadPolicy() if spec.cpu_offload else OffloadPolicy()
     reshard = ShardingStrategy(spec.sharding) in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
     for index, layer in enumerate(layers):
@@ -149,6 +154,17 @@ def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype:
             mp_policy=mp_policy,
             offload_policy=offload,
         )
-    # The root's reshard_after_forward is left to FSDP (None): it keeps the root's parameters (embeddings,
-    # final norm, tied output head) after forward, since backward starts with them; True gathers them again.
+    lm: Any = model
+    embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+    norm = getattr(lm.get_decoder(), "norm", None)
+    if head is not None and embedding.weight is not head.weight and isinstance(norm, torch.nn.Module):
+        fully_shard(
+            embedding, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy, offload_policy=offload
+        )
+        # Backward starts with them: gathering them again after forward would be a wasted all-gather.
+        fully_shard(
+            [norm, head], mesh=mesh, reshard_after_forward=False, mp_policy=mp_policy, offload_policy=offload
+        )
+    # The root's reshard_after_forward is left to FSDP (None): it keeps the root's parameters (a tied
+    # embedding and the final norm) after forward, since backward starts with them; True gathers them again.
     return fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)

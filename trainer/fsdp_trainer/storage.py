@@ -2,7 +2,8 @@
 
 One code path for S3 and local disk, except uploads of whole directories to S3 (checkpoints, the exported
 model), which go through boto3's managed transfer for throughput. S3 honours AWS_ENDPOINT_URL and the usual
-AWS credential chain.
+AWS credential chain. boto3 is imported only for such an upload: a run on local storage (the GPU benchmark's
+machine has no boto3) never needs it.
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import boto3
 import pyarrow.fs as pafs
-from boto3.s3.transfer import TransferConfig, create_transfer_manager
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,11 @@ class Location:
     def name(self) -> str:
         return self.path.rsplit("/", 1)[-1]
 
+    @property
+    def is_local(self) -> bool:
+        """On this machine's disk: written in place, never through a staging copy."""
+        return isinstance(self.fs, pafs.LocalFileSystem)
+
     def exists(self) -> bool:
         return bool(self.fs.get_file_info(self.path).type != pafs.FileType.NotFound)
 
@@ -59,7 +63,7 @@ class Location:
         """Readers see the old content or the new, never a partial file: an object store's PUT is atomic,
         and on local disk the file is written aside and renamed over the old one."""
         self._make_dir(self.path.rsplit("/", 1)[0])
-        local = isinstance(self.fs, pafs.LocalFileSystem)
+        local = self.is_local
         target = f"{self.path}.partial-{os.getpid()}-{threading.get_ident()}" if local else self.path
         with self.fs.open_output_stream(target) as stream:
             stream.write(data)
@@ -126,7 +130,7 @@ class Location:
     def _make_dir(self, path: str) -> None:
         """Local directories must exist before writing; object stores have none (creating one would leave
         an empty "dir/" marker object for every reader to skip)."""
-        if isinstance(self.fs, pafs.LocalFileSystem):
+        if self.is_local:
             self.fs.create_dir(path, recursive=True)
 
     def delete_dir(self) -> None:
@@ -137,16 +141,19 @@ class Location:
 _LOCAL = pafs.LocalFileSystem()
 # pyarrow copies in 1 MiB chunks by default: 16 MiB means 16 times fewer requests per copy.
 COPY_CHUNK = 16 << 20
-S3_UPLOAD = TransferConfig()  # 8 MiB parts, 10 at a time
 
 
 def _upload_to_s3(local_dir: str, path: str, region: str) -> None:
     """Uploads every file below `local_dir` to `path` ("bucket/prefix") and returns once all are stored;
     the first failure cancels the rest (a multipart upload cut short leaves no object behind)."""
+    import boto3
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
     bucket, _, prefix = path.partition("/")
     # A session of its own: boto3's default session is not safe to share between threads.
     client = boto3.session.Session().client("s3", region_name=region)
-    with create_transfer_manager(client, S3_UPLOAD) as transfers:
+    # TransferConfig's defaults: 8 MiB parts, 10 at a time.
+    with create_transfer_manager(client, TransferConfig()) as transfers:
         uploads = [
             transfers.upload(os.path.join(local_dir, file), bucket, f"{prefix}/{file}" if prefix else file)
             for file in _files_below(local_dir)

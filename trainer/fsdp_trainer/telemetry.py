@@ -53,6 +53,7 @@ class MetricsProcessor:
         self.interval_start = clock()
         self.interval_steps = 0
         self.last_loss: float | None = None
+        self.checkpoint_blocked_seconds: float | None = None  # of the latest save, once staged
         device = runtime.device
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
         _reset_peak_memory(device)
@@ -88,6 +89,7 @@ class MetricsProcessor:
                 mfu=model_flops_utilisation(per_device, self.throughput.flops_per_token, self.peak_flops),
                 peak_memory_bytes=int(memory),
                 tokens_seen=tokens_seen,
+                checkpoint_blocked_seconds=self.checkpoint_blocked_seconds,
             )
             log.info("%s", summary(record))
         _reset_peak_memory(device)
@@ -111,16 +113,23 @@ class MetricsProcessor:
             log.info("eval loss %.4f perplexity %.2f", result.loss, result.perplexity)
             self.progress.update(eval_loss=result.loss, eval_perplexity=result.perplexity)
 
-    def checkpoint_started(self, blocked_seconds: float) -> None:
-        """A save began, blocking training for `blocked_seconds`; the history so far is stored with it."""
+    def checkpoint_staged(self, blocked_seconds: float) -> None:
+        """A save has its copy of the state, having held training up for `blocked_seconds`. The figure goes
+        into the next record (a record of its own would repeat the step's); the history so far is stored
+        with the checkpoint."""
         self.exclude(blocked_seconds)
+        self.checkpoint_blocked_seconds = blocked_seconds
         if self.progress is not None:
-            self.progress.update(checkpoint_blocked_seconds=blocked_seconds)
             self.progress.flush_history()
 
     def finished(self, step: int, exported_model_uri: str | None) -> None:
         if self.progress is not None:
-            self.progress.write(phase="finished", step=step, exported_model_uri=exported_model_uri)
+            self.progress.write(
+                phase="finished",
+                step=step,
+                exported_model_uri=exported_model_uri,
+                checkpoint_blocked_seconds=self.checkpoint_blocked_seconds,
+            )
             self.progress.flush_history()
 
 

@@ -169,6 +169,23 @@ def worker_env(network: NetworkSpec, run_name: str) -> dict[str, str]:
     return env
 
 
+SOCKET_INTERFACE = "eth0"  # the pod's VPC interface; AWS's EKS manifests set NCCL_SOCKET_IFNAME to it
+NET_DEVICES = "/sys/class/net"
+
+
+def choose_socket_interface(net_devices: str = NET_DEVICES) -> str:
+    """Sets NCCL_SOCKET_IFNAME to eth0 where the run left it unset and this pod has an eth0, so that NCCL's
+    bootstrap and socket transport never pick the pod-identity link (169.254.170.x), which hangs across
+    nodes (aws-samples/aws-do-eks#54). Returns what the transport report records: the interface and why."""
+    chosen = os.environ.get("NCCL_SOCKET_IFNAME")
+    if chosen is not None:
+        return f"NCCL_SOCKET_IFNAME={chosen} (set for the run)"
+    if os.path.isdir(os.path.join(net_devices, SOCKET_INTERFACE)):
+        os.environ["NCCL_SOCKET_IFNAME"] = SOCKET_INTERFACE
+        return f"NCCL_SOCKET_IFNAME={SOCKET_INTERFACE} (the trainer's default where the pod has it, as AWS's)"
+    return f"NCCL_SOCKET_IFNAME unset: this pod has no {SOCKET_INTERFACE}, NCCL chooses the interface"
+
+
 def own_nccl_log_lines(run_name: str) -> list[str]:
     """This process's NCCL log (found by pid: NCCL's %h may shorten the host name)."""
     pattern = os.environ.get("NCCL_DEBUG_FILE") or nccl_log_pattern(run_name)
@@ -185,11 +202,16 @@ def own_nccl_log_lines(run_name: str) -> list[str]:
 
 
 def measure(
-    network: NetworkSpec, run_name: str, runtime: distributed.Runtime, versions: Versions
+    network: NetworkSpec,
+    run_name: str,
+    runtime: distributed.Runtime,
+    versions: Versions,
+    socket_interface: str | None = None,
 ) -> TransportReport:
     """Bus bandwidth from a short all-reduce, then (under NCCL) the network every rank's NCCL log shows,
     enforced against the EFA policy; the probe also makes NCCL initialise, so its log exists afterwards.
-    Records the NCCL version in `versions`."""
+    Records the NCCL version in `versions`, and `socket_interface` (choose_socket_interface's line) in the
+    evidence."""
     bandwidth = (
         _probe_bandwidth(network.bandwidth_probe_mb, runtime.device) if runtime.world_size > 1 else None
     )
@@ -200,6 +222,8 @@ def measure(
             bus_bandwidth_gbps=bandwidth,
         )
     mine = parse_nccl_log(own_nccl_log_lines(run_name))
+    if socket_interface is not None:  # after NCCL's own lines, which the operator quotes first
+        mine.evidence.append(socket_interface)
     gathered = distributed.all_gather((os.uname().nodename, mine))
     nodes = len({host for host, _ in gathered})
     report = combine([rank_report for _, rank_report in gathered], nodes)
