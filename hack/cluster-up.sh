@@ -43,6 +43,7 @@ log "creating control plane with kwokctl (binary runtime)"
 # (--close: the components kwokctl starts must not inherit, and so keep, the lock).
 {
   sed -e "s|@PKI@|$KWOK_WORKDIR/clusters/$CLUSTER_NAME/pki|g" -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" \
+    -e "s|@HOST_POD_ADDRESS@|$HOST_POD_ADDRESS|g" \
     "$root/hack/cluster/kwokctl.yaml"
   echo ---
   cat "$root/hack/cluster/kwok.yaml"

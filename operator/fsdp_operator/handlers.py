@@ -325,7 +325,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         # a head waits for nothing but a CPU node, which a cluster has or never gets.
         if head and condition.get("type") == "PodScheduled" and condition.get("reason") == "Unschedulable":
             problems.append(("HeadUnschedulable", f"pod {name}: {condition.get('message', '')}".strip()))
-    return {"name": name, "imageIds": image_ids, "problems": problems, "oomKills": oom_kills}
+    return {"name": name, "head": head, "imageIds": image_ids, "problems": problems, "oomKills": oom_kills}
 
 
 @dataclass
@@ -657,7 +657,11 @@ def _observe(
         storage_error=storage_error,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
         pod_problems=tuple(
-            PodProblem(reason, message) for pod in pods for reason, message in pod["problems"]
+            PodProblem(reason, message)
+            for pod in pods
+            for reason, message in pod["problems"]
+            # Workers exit while their head is down (no GCS) and loop until it is back: not a fault of theirs.
+            if not (reason == "CrashLoopBackOff" and not pod.get("head") and not (cluster and cluster.ready))
         ),
         oom_kills=tuple(
             OomKill(dt.datetime.fromisoformat(finished), message)
