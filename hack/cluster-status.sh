@@ -12,6 +12,12 @@ for name in ray moto kuberay; do
     ok=1
   fi
 done
+for name in namespaces containerd kubelet coredns kube-router; do # the real node's (hack/real-node.sh)
+  if ! kill -0 "$(cat "$NODE_DIR/pids/$name.pid" 2>/dev/null)" 2>/dev/null; then
+    echo "real node's $name: not running"
+    ok=1
+  fi
+done
 if ! KUBECONFIG=$STATE/kubeconfig kubectl get --raw /readyz >/dev/null 2>&1; then
   echo "kube-apiserver: not ready"
   ok=1

@@ -36,12 +36,7 @@ start=$(date +%s)
 if ! podman image exists "$base_ref"; then
   log "making the DLC stand-in's Debian 12 base ($base_recipe)"
   base_tar=$(mktemp --suffix .tar)
-  mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" --skip=output/dev \
-    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' bookworm "$base_tar" \
-    >"$CACHE/image/dlc-base.log" 2>&1 || { tail -n 30 "$CACHE/image/dlc-base.log" >&2; exit 1; }
+  debian_minbase "$BASE_PACKAGES" "$base_tar" "$CACHE/image/dlc-base.log"
   podman import --quiet "$base_tar" "$base_ref" >/dev/null
   rm -f "$base_tar"
 fi

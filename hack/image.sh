@@ -28,14 +28,7 @@ if ! podman image exists "$base_ref"; then
   if [[ ! -s $base_tar ]]; then
     log "making the Debian 12 base ($base_recipe)"
     start=$(date +%s)
-    # --skip=output/dev: no device nodes in the tarball (podman provides /dev), so no root is needed for them.
-    # merged-usr hook: /usr merged by mmdebstrap itself, without the usrmerge package (and the perl it needs).
-    mmdebstrap --quiet --format=tar --variant=minbase --include="$BASE_PACKAGES" --skip=output/dev \
-      --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
-      --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
-      --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
-      --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' bookworm "$base_tar.tmp" \
-      >"$CACHE/image/base.log" 2>&1 || { tail -n 30 "$CACHE/image/base.log" >&2; exit 1; }
+    debian_minbase "$BASE_PACKAGES" "$base_tar.tmp" "$CACHE/image/base.log"
     mv "$base_tar.tmp" "$base_tar"
     find "$CACHE/image" -maxdepth 1 -name 'base-*.tar' ! -name "base-$base_key.tar" -delete
     printf '%s\t%s\t%ss\t\n' "image-base" "bookworm" "$(($(date +%s) - start))" >>"$CACHE/build-times.tsv"

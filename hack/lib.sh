@@ -73,6 +73,19 @@ start_daemon() {
   echo $! >"$PIDS/$name.pid"
 }
 
+# debian_minbase PACKAGES TAR LOG: a Debian 12 minbase root filesystem with the packages (comma-separated), as a
+# tarball for `podman import`; exits printing the log's tail when mmdebstrap fails. No docs, man pages or
+# locales. --skip=output/dev: no device nodes in the tarball (podman provides /dev), so no root is needed for
+# them; the merged-usr hook merges /usr itself, without the usrmerge package (and the perl it needs).
+debian_minbase() {
+  mmdebstrap --quiet --format=tar --variant=minbase --include="$1" --skip=output/dev \
+    --hook-dir=/usr/share/mmdebstrap/hooks/merged-usr \
+    --dpkgopt='path-exclude=/usr/share/doc/*' --dpkgopt='path-include=/usr/share/doc/*/copyright' \
+    --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/locale/*' \
+    --customize-hook='rm -rf "$1"/var/cache/apt/* "$1"/var/lib/apt/lists/*' bookworm "$2" \
+    >"$3" 2>&1 || { tail -n 30 "$3" >&2; exit 1; }
+}
+
 # wait_for WHAT SECONDS CMD...: retries CMD once a second until it succeeds or the time is up.
 wait_for() {
   local what=$1 deadline=$(($(date +%s) + $2))

@@ -215,17 +215,19 @@ start() {
     --node-labels="type=real,node.kubernetes.io/instance-type=g6.12xlarge,topology.kubernetes.io/region=us-west-2,topology.kubernetes.io/zone=us-west-2c,eks.amazonaws.com/nodegroup=real" \
     --register-with-taints="$REAL_NODE_TAINT" --v=1
 
-  # Cluster DNS and NetworkPolicy enforcement, in the node's namespaces.
+  # Cluster DNS, in the node's namespaces.
   render Corefile "$NODE_DIR/coredns/Corefile"
   start_daemon coredns nsenter --target "$(holder_pid)" --net --mount -- \
     coredns -conf "$NODE_DIR/coredns/Corefile"
+  wait_for "node $REAL_NODE_NAME Ready" 180 kubectl wait --for condition=Ready --timeout 5s "node/$REAL_NODE_NAME"
+  # NetworkPolicy enforcement, once the node exists (kube-router exits when it cannot find its node).
   start_daemon kube-router nsenter --target "$(holder_pid)" --net --mount -- \
     kube-router --kubeconfig="$NODE_DIR/admin.kubeconfig" --hostname-override="$REAL_NODE_NAME" \
     --run-firewall=true --run-router=false --run-service-proxy=false --run-loadbalancer=false \
     --enable-cni=false --enable-pod-egress=false --enable-ipv4=true --enable-ipv6=false \
     --health-port=0 --metrics-port=0 --service-cluster-ip-range="$SERVICE_CIDR" --iptables-sync-period=1m
 
-  wait_for "node $REAL_NODE_NAME Ready" 180 kubectl wait --for condition=Ready --timeout 5s "node/$REAL_NODE_NAME"
+  wait_for "kube-router's NetworkPolicy chains" 60 in_node iptables -n -L KUBE-ROUTER-FORWARD
   # Fake accelerators, as the device plugins would advertise them: accounting only, no device is given. Two
   # g6.12xlarge workers' worth, so that a whole GPU-shaped RayCluster fits on this one node.
   kubectl patch node "$REAL_NODE_NAME" --subresource status --type merge \

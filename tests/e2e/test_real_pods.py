@@ -56,6 +56,17 @@ class RealNode:
     pod_s3_endpoint: str
     image: str  # the DLC stand-in, as the node's containerd has it
 
+    @property
+    def pod_env(self) -> dict[str, str]:
+        """What every Ray container gets (operator setting ray-pod-env): the local S3, no model hub."""
+        return {
+            "AWS_ENDPOINT_URL": self.pod_s3_endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-west-2",
+            "HF_HUB_OFFLINE": "1",
+        }
+
 
 @pytest.fixture(scope="module")
 def real_node(local_cluster: LocalCluster) -> RealNode:
@@ -122,13 +133,6 @@ def proxied_operator(
 ) -> Iterator[OperatorProcess]:
     """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
     identity = chart_identity(namespace, tmp_path / "chart", local_cluster)
-    pod_env = {
-        "AWS_ENDPOINT_URL": real_node.pod_s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-west-2",
-        "HF_HUB_OFFLINE": "1",
-    }
     env = {
         **identity.env,
         "KUBECONFIG": str(identity.kubeconfig),
@@ -137,7 +141,7 @@ def proxied_operator(
         "FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": f"{real_node.host_address}/32",
         "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
         "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
-        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(pod_env),
+        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
         "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
@@ -434,13 +438,6 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
     repository, tag = image.rsplit(":", 1)
     release = f"p{namespace[-6:]}"
     kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    pod_env = {
-        "AWS_ENDPOINT_URL": real_node.pod_s3_endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-west-2",
-        "HF_HUB_OFFLINE": "1",
-    }
     values = {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "replicaCount": 1,
@@ -454,7 +451,7 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "extraEnv": [
             {"name": "FSDP_OPERATOR_TRAINER_DEVICE", "value": "cpu"},
-            {"name": "FSDP_OPERATOR_RAY_POD_ENV", "value": json.dumps(pod_env)},
+            {"name": "FSDP_OPERATOR_RAY_POD_ENV", "value": json.dumps(real_node.pod_env)},
             {"name": "AWS_ACCESS_KEY_ID", "value": "testing"},
             {"name": "AWS_SECRET_ACCESS_KEY", "value": "testing"},
             # No kube-proxy here: the kubernetes Service's address answers nothing; the apiserver is
