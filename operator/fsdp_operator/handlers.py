@@ -312,7 +312,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
                     f"({limit or 'none set'}, exit code {terminated.get('exitCode')})",
                 )
                 oom_kills.append(kill)
-        reason = waiting.get("reason")
+        reason = str(waiting.get("reason") or "")
         looping = reason == "CrashLoopBackOff" and status.get("restartCount", 0) >= CRASH_LOOP_RESTARTS
         if looping and kill is not None:  # Ray itself does not fit: the reason is the memory limit
             problems.append(("OOMKilled", f"{kill[1]}, {status['restartCount']} times"))
