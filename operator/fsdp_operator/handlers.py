@@ -14,6 +14,7 @@ the conditional status write keeps out any that slip through). A pass:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -304,6 +305,9 @@ class Context:
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
+    queues: dict[str, preflight.Queue] = field(default_factory=dict)  # instance type -> its last placement
+    queue_placements: int = 0  # how many times the whole queue was placed
+    admission_cpu_seconds: float = 0.0  # thread CPU time spent deciding admissions
     # run uid -> (generation, its spec as parsed then)
     specs: dict[str, tuple[int | None, api.FSDPTrainingRunSpec | None]] = field(default_factory=dict)
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
@@ -390,9 +394,9 @@ def _competitors(
     nodes: list[dict[str, Any]],
     pods: list[dict[str, Any]],
 ) -> list[preflight.Competitor]:
-    """Every other run of the operator that wants existing GPU nodes: admitted ones with workers still to
-    place, and waiting ones (which go first when created earlier, unless they could not fit even on empty
-    nodes: those must not hold up everyone behind them)."""
+    """Every run of the operator that wants existing GPU nodes, this one included: admitted ones with workers
+    still to place, and waiting ones (which go first when created earlier, unless they could not fit even on
+    empty nodes: those must not hold up everyone behind them)."""
     placed: dict[tuple[str, str], int] = defaultdict(int)
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -400,26 +404,28 @@ def _competitors(
             placed[(pod["metadata"]["namespace"], labels.get(builder.LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
     done_with_slots: set[str] = set()
-    # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once.
-    free_now: dict[str, list[preflight.NodeFree]] = {}
+    # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once,
+    # and decide once per placement and demand whether a run of it could fit on empty nodes.
+    free_now: dict[str, tuple[preflight.NodeFree, ...]] = {}
     free_when_empty: dict[str, list[preflight.NodeFree]] = {}
+    fits_when_empty: dict[tuple[str, int, int, int, str | None], bool] = {}
     in_index: set[str] = set()
     for other in indexes.all(indexes.runs):
         meta = other["metadata"]
         in_index.add(meta["uid"])
-        if meta["uid"] == run.uid:
-            continue
         spec = ctx.spec_of(other)
         if spec is None:
             continue
         status = other.get("status") or {}
         phase = status.get("phase")
-        if phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero:
+        if meta["uid"] != run.uid and (
+            phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero
+        ):
             done_with_slots.add(meta["uid"])
             continue
         name = f"{meta['namespace']}/{meta['name']}"
         created = meta.get("creationTimestamp", "")
-        if phase in api.ACTIVE_PHASES:
+        if phase in api.ACTIVE_PHASES and meta["uid"] != run.uid:
             cluster = builder.ray_cluster_name(meta["name"])
             found[meta["uid"]] = preflight.Competitor(
                 name=name,
@@ -432,8 +438,13 @@ def _competitors(
             continue
         key = preflight.placement_key(spec)
         if key not in free_now:
-            free_now[key] = preflight.free_worker_nodes(spec, nodes, pods)
+            free_now[key] = tuple(preflight.free_worker_nodes(spec, nodes, pods))
             free_when_empty[key] = preflight.free_worker_nodes(spec, nodes, [])
+        cluster_spec = spec.cluster
+        demand = (key, cluster_spec.workers, cluster_spec.gpus_per_worker, cluster_spec.efa_per_worker,
+                  cluster_spec.zone)  # fmt: skip
+        if demand not in fits_when_empty:
+            fits_when_empty[demand] = preflight.check_nodes(spec, free_when_empty[key]).ok
         found[meta["uid"]] = preflight.Competitor(
             name=name,
             created=created,
@@ -441,9 +452,9 @@ def _competitors(
             admitted=False,
             zone=None,
             workers_not_placed=spec.cluster.workers,
-            fits_when_empty=preflight.check_nodes(spec, free_when_empty[key]).ok,
+            fits_when_empty=fits_when_empty[demand],
             spec=spec,
-            free=tuple(free_now[key]),
+            free=free_now[key],
         )
     # A run deleted with its finalizer stripped by hand never reaches the delete handler that forgets it.
     for uid in ctx.specs.keys() - in_index - {run.uid}:
@@ -463,22 +474,38 @@ def _run_preflight(
     if spec.preflight.scale_from_zero:
         facts = preflight.ec2_instance_type_facts(ctx.ec2(), spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
+    start = time.thread_time()
     nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
-    free = preflight.free_worker_nodes(spec, nodes, pods)
-    result = preflight.admit(spec, created, f"{run.namespace}/{run.name}", free, competitors)
+    name = f"{run.namespace}/{run.name}"
+    if not any(c.name == name and not c.admitted for c in competitors):  # not in the index (yet)
+        free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        own = preflight.Competitor(
+            name, created, spec.cluster.instance_type, False, None, spec.cluster.workers
+        )
+        competitors.append(dataclasses.replace(own, spec=spec, free=free))
+    # One placement of the queue serves every run's pass until the view changes (preflight.Queue).
+    instance_type = spec.cluster.instance_type
+    queue = ctx.queues.get(instance_type)
+    queue = queue.still_holds(competitors) if queue is not None else None
+    if queue is None or name not in queue.results:
+        queue = preflight.Queue.place(competitors, instance_type)
+        ctx.queue_placements += 1
+    ctx.queues[instance_type] = queue
+    result = queue.results[name]
     if result.ok:
         ctx.admitted[run.uid] = (
             time.monotonic(),
             preflight.Competitor(
-                name=f"{run.namespace}/{run.name}",
+                name=name,
                 created=created,
-                instance_type=spec.cluster.instance_type,
+                instance_type=instance_type,
                 admitted=True,
                 zone=result.zone,
                 workers_not_placed=spec.cluster.workers,
             ),
         )
+    ctx.admission_cpu_seconds += time.thread_time() - start
     return result
 
 
