@@ -34,7 +34,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, conditions, kueue, metrics, preflight, submission
+from fsdp_operator import api, builder, conditions, kopfsession, kueue, metrics, preflight, submission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
 from fsdp_operator.reconcile import (
@@ -833,9 +833,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     ours = {builder.LABEL_MANAGED_BY: builder.MANAGER}
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Same credentials as the kubernetes client: in-cluster service account, else KUBECONFIG.
-        return kopf.login_via_client(**kwargs)
+    async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
+        # Same credentials as the kubernetes client, in a session with a bounded connection pool.
+        return await kopfsession.login(settings.watch_namespaces, **kwargs)
 
     watch_seconds = settings.watch_timeout_seconds
     watch_deadline = watch_seconds + max(5, watch_seconds // 10)
