@@ -491,6 +491,7 @@ def _run_preflight(
     if queue is None or name not in queue.results:
         queue = preflight.Queue.place(competitors, instance_type)
         ctx.queue_placements += 1
+        metrics.QUEUE_PLACEMENTS.inc()
     ctx.queues[instance_type] = queue
     result = queue.results[name]
     if result.ok:
@@ -505,7 +506,9 @@ def _run_preflight(
                 workers_not_placed=spec.cluster.workers,
             ),
         )
-    ctx.admission_cpu_seconds += time.thread_time() - start
+    spent = time.thread_time() - start
+    ctx.admission_cpu_seconds += spent
+    metrics.ADMISSION_CPU.inc(spent)
     return result
 
 
