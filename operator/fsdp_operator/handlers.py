@@ -306,6 +306,11 @@ class Context:
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
     queues: dict[str, preflight.Queue] = field(default_factory=dict)  # instance type -> its last placement
+    # (placement key, with the pods?) -> the nodes and pods it was built from, and the free nodes
+    free_nodes_memo: dict[tuple[str, bool], tuple[list[Any], list[Any], tuple[preflight.NodeFree, ...]]] = (
+        field(default_factory=dict)
+    )
+    placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = field(default_factory=dict)
     queue_placements: int = 0  # how many times the whole queue was placed
     admission_cpu_seconds: float = 0.0  # thread CPU time spent deciding admissions
     # run uid -> (generation, its spec as parsed then)
@@ -382,9 +387,36 @@ class Context:
             cached = self.specs[meta["uid"]] = (meta.get("generation"), spec)
         return cached[1]
 
+    def placement_key(self, spec: api.FSDPTrainingRunSpec) -> str:
+        """preflight.placement_key of a spec parsed by spec_of, once per spec object."""
+        found = self.placement_keys.get(id(spec))
+        if found is None or found[0] is not spec:
+            if len(self.placement_keys) > 4 * len(self.specs) + 64:
+                self.placement_keys.clear()  # of specs long replaced
+            found = self.placement_keys[id(spec)] = (spec, preflight.placement_key(spec))
+        return found[1]
+
+    def free_nodes(
+        self, key: str, spec: api.FSDPTrainingRunSpec, nodes: list[Any], pods: list[Any] | None
+    ) -> tuple[preflight.NodeFree, ...]:
+        """preflight.free_worker_nodes for a placement (None: on empty nodes), built again only when a node or
+        pod object changed: kopf's indexes hold each object until it changes, so identity tells."""
+        memo_key = (key, pods is not None)
+        found = self.free_nodes_memo.get(memo_key)
+        pods = pods or []
+        if found is not None and _same_objects(found[0], nodes) and _same_objects(found[1], pods):
+            return found[2]
+        free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        self.free_nodes_memo[memo_key] = (nodes, pods, free)
+        return free
+
     def forget(self, uid: str) -> None:
         for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
             memory.pop(uid, None)
+
+
+def _same_objects(before: list[Any], now: list[Any]) -> bool:
+    return len(before) == len(now) and all(a is b for a, b in zip(before, now, strict=True))
 
 
 def _competitors(
@@ -407,7 +439,7 @@ def _competitors(
     # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once,
     # and decide once per placement and demand whether a run of it could fit on empty nodes.
     free_now: dict[str, tuple[preflight.NodeFree, ...]] = {}
-    free_when_empty: dict[str, list[preflight.NodeFree]] = {}
+    free_when_empty: dict[str, tuple[preflight.NodeFree, ...]] = {}
     fits_when_empty: dict[tuple[str, int, int, int, str | None], bool] = {}
     in_index: set[str] = set()
     for other in indexes.all(indexes.runs):
@@ -436,15 +468,15 @@ def _competitors(
                 workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0),
             )
             continue
-        key = preflight.placement_key(spec)
+        key = ctx.placement_key(spec)
         if key not in free_now:
-            free_now[key] = tuple(preflight.free_worker_nodes(spec, nodes, pods))
-            free_when_empty[key] = preflight.free_worker_nodes(spec, nodes, [])
+            free_now[key] = ctx.free_nodes(key, spec, nodes, pods)
+            free_when_empty[key] = ctx.free_nodes(key, spec, nodes, None)
         cluster_spec = spec.cluster
         demand = (key, cluster_spec.workers, cluster_spec.gpus_per_worker, cluster_spec.efa_per_worker,
                   cluster_spec.zone)  # fmt: skip
         if demand not in fits_when_empty:
-            fits_when_empty[demand] = preflight.check_nodes(spec, free_when_empty[key]).ok
+            fits_when_empty[demand] = preflight.check_nodes(spec, list(free_when_empty[key])).ok
         found[meta["uid"]] = preflight.Competitor(
             name=name,
             created=created,
@@ -479,7 +511,7 @@ def _run_preflight(
     competitors = _competitors(ctx, run, indexes, nodes, pods)
     name = f"{run.namespace}/{run.name}"
     if not any(c.name == name and not c.admitted for c in competitors):  # not in the index (yet)
-        free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        free = ctx.free_nodes(preflight.placement_key(spec), spec, nodes, pods)
         own = preflight.Competitor(
             name, created, spec.cluster.instance_type, False, None, spec.cluster.workers
         )
