@@ -122,6 +122,31 @@ class Timeline:
         return [until[key] - at for key, at in self.created.items() if key[0] == kind and key in until]
 
 
+class ProfiledOperator(OperatorProcess):
+    """The operator under `memray run --aggregate` (memray from MEMRAY_PATH, e.g. a `pip install --target`
+    folder: it is not in the project's environment)."""
+
+    output: Path = Path("memray-load.bin")
+
+    def start(self) -> OperatorProcess:
+        env = {
+            **os.environ,
+            "FSDP_OPERATOR_LEADER_ELECTION": "false",
+            "FSDP_OPERATOR_HEALTH_PORT": "0",
+            **self.env,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "operator"), str(REPO / "trainer"), os.environ.get("MEMRAY_PATH", "")]
+            ),
+            "FSDP_OPERATOR_WATCH_NAMESPACES": self.namespace,
+        }
+        self.output.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "memray", "run", "--aggregate", "-o", str(self.output), "-m",
+                   "fsdp_operator"]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(fraction * len(ordered)) - 1)]
@@ -269,6 +294,13 @@ def main() -> None:
     parser.add_argument("--sample-seconds", type=float, default=30)
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--memray",
+        type=Path,
+        default=None,
+        help="profile the operator with `memray run --aggregate` into this file (memray importable from "
+        "MEMRAY_PATH); its RSS and CPU figures are then memray's too, not the operator's",
+    )
     args = parser.parse_args()
 
     subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
@@ -301,7 +333,7 @@ def main() -> None:
     )
     wait_until("the Ray stand-in's port", lambda: port_file.exists() and port_file.read_text(), timeout=60)
     metrics_port = free_port()
-    operator = OperatorProcess(
+    operator = (ProfiledOperator if args.memray else OperatorProcess)(
         ",".join(run_namespaces),
         {
             "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
@@ -314,7 +346,10 @@ def main() -> None:
             "MALLOC_ARENA_MAX": "2",  # as the operator's image sets it (Dockerfile.operator)
         },
         work / "load-operator.log",
-    ).start()
+    )
+    if isinstance(operator, ProfiledOperator):
+        operator.output = args.memray
+    operator.start()
     assert operator.process is not None
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     audit = AuditLog.of_local_cluster()
