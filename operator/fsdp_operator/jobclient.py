@@ -34,7 +34,7 @@ RAY_PKG_PREFIX = "_ray_pkg_"
 USER_AGENT = "fsdp-operator"
 # Every entry of a package zip gets this time, so that the same files always make the same bytes.
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
-POOL_SIZE = 4  # keep-alive connections per dashboard host (the handler pool's threads share them)
+POOL_SIZE = 32  # connections kept per dashboard host: one per handler thread (settings.worker_threads)
 
 
 class DashboardError(RuntimeError):
