@@ -5,7 +5,7 @@ What the operator asks a Ray dashboard, and nothing else, as Ray's own `JobSubmi
 Ray (its client costs ~75 MiB of imports and `_raylet.so`):
 
 - `POST /api/jobs/` submit, `GET /api/jobs/<id>` status, `POST /api/jobs/<id>/stop` stop;
-- `GET /api/v0/logs/file?submission_id=<id>&lines=N` the driver log's tail (read from the end);
+- `GET /api/v0/logs/file?node_id=<driver node>&submission_id=<id>&lines=N`: the driver log's tail;
 - `GET` / `PUT /api/packages/<protocol>/<name>`: a local py_modules directory is zipped (the directory itself
   at the top, as Ray's `create_package(include_parent_dir=True)`) and uploaded under a content-addressed
   `gcs://_ray_pkg_<hash>.zip` unless the dashboard has it already. The GET also pins the package in the GCS
@@ -168,10 +168,10 @@ class JobClient:
     def stop_job(self, submission_id: str) -> Response:
         return self.request("POST", f"/api/jobs/{submission_id}/stop")
 
-    def log_tail(self, submission_id: str, lines: int, limit: int) -> Response:
-        return self.request(
-            "GET", "/api/v0/logs/file", params={"submission_id": submission_id, "lines": lines}, limit=limit
-        )
+    def log_tail(self, submission_id: str, node_id: str, lines: int, limit: int) -> Response:
+        """The driver log's last `lines` (at most `limit` bytes of them), as Ray's `get_log` asks for it."""
+        params = {"node_id": node_id, "submission_id": submission_id, "lines": lines}
+        return self.request("GET", "/api/v0/logs/file", params=params, limit=limit)
 
     def package_exists(self, uri: str) -> bool:
         protocol, name = uri.split("://", 1)

@@ -81,23 +81,25 @@ class Jobs:
             return JobObservation(submission_id, None, "Ray has no job with this submission id")
         info = self.client.ok(response).json()
         status = str(info.get("status"))
-        logs = self.logs_tail(submission_id) if with_logs and status in ("FAILED", "STOPPED") else ""
+        ended = with_logs and status in ("FAILED", "STOPPED")
+        logs = self.logs_tail(submission_id, info.get("driver_node_id")) if ended else ""
         started = info.get("start_time")
         start_time = dt.datetime.fromtimestamp(started / 1000, dt.UTC) if started else None
         return JobObservation(submission_id, status, info.get("message") or "", logs, start_time)
 
-    def logs_tail(self, submission_id: str) -> str:
+    def logs_tail(self, submission_id: str, node_id: str | None = None) -> str:
         """The driver log's last lines, from the dashboard's log API (it reads only the tail), never the
-        whole log; empty when the head cannot serve it."""
+        whole log; empty when the head cannot serve it. Ray 2.58's log API finds a submission's driver log
+        only on the node named (the job's driver_node_id): without it, it answers 500."""
         try:
-            response = self.client.log_tail(submission_id, LOG_TAIL_LINES, LOG_TAIL_CHARS * 4)
+            if node_id is None:
+                node_id = self.client.ok(self.client.job_info(submission_id)).json().get("driver_node_id")
+            if not node_id:
+                return ""
+            response = self.client.log_tail(submission_id, node_id, LOG_TAIL_LINES, LOG_TAIL_CHARS * 4)
         except Exception:  # the tail is evidence for classification, never a reason to fail the pass
             return ""
-        if response.status != 200:
-            return ""
-        # The stream starts with "1" when the log was found ("0" and an error otherwise).
-        body = response.text
-        return body[1:][-LOG_TAIL_CHARS:] if body.startswith("1") else ""
+        return response.text[-LOG_TAIL_CHARS:] if response.status == 200 else ""
 
     def submit(
         self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]

@@ -87,7 +87,9 @@ class Handler(BaseHTTPRequestHandler):
                 return self.answer(200, {"stopped": True})
             return self.answer(200, job)
         if path.startswith("/api/v0/logs/file"):
-            return self.answer(200, "1" + "".join(f"line {i}\n" for i in range(100)))
+            if "node_id=" not in path:  # Ray 2.58: no driver log found without the node
+                return self.answer(500, "node_id or node_ip must be provided")
+            return self.answer(200, "".join(f"line {i}\n" for i in range(100)))
         return self.answer(404, "no such route")
 
     do_GET = do_POST = do_PUT = handle_any
@@ -161,12 +163,14 @@ def test_status_stop_logs_and_unknown_jobs(dashboard: Dashboard) -> None:
     jobs = Jobs(dashboard.url)
     assert jobs.observe("nope").status is None
     jobs.stop("nope")  # Ray's "does not exist": nothing to stop
-    dashboard.jobs["j"] = {"status": "FAILED", "message": "boom", "start_time": 1_700_000_000_000}
+    dashboard.jobs["j"] = {"status": "FAILED", "message": "boom", "start_time": 1_700_000_000_000,
+                           "driver_node_id": "n1"}  # fmt: skip
     seen = jobs.observe("j")
     assert seen.status == "FAILED" and seen.message == "boom" and seen.start_time is not None
-    assert seen.logs_tail.endswith("line 99\n") and not seen.logs_tail.startswith("1")
+    assert seen.logs_tail.endswith("line 99\n") and len(seen.logs_tail) <= 4000
     log_request = dashboard.seen[-1][1]
-    assert log_request == "/api/v0/logs/file?submission_id=j&lines=60"
+    assert log_request == "/api/v0/logs/file?node_id=n1&submission_id=j&lines=60"
+    assert jobs.logs_tail("j").endswith("line 99\n")  # the driver's node read from the job
     jobs.stop("j")
     assert dashboard.jobs["j"]["status"] == "STOPPED"
 
