@@ -61,7 +61,9 @@ def s3_zip(package: Path) -> bytes:
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
         for path in jobclient.package_files(package):
             name = (Path("pkg") / package.name / path.relative_to(package)).as_posix()
-            archive.writestr(zipfile.ZipInfo(name, jobclient.ZIP_DATE), path.read_bytes())
+            info = zipfile.ZipInfo(name, jobclient.ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            archive.writestr(info, path.read_bytes())
     return buffer.getvalue()
 
 
