@@ -70,6 +70,10 @@ POD_LIST_PAGE = 250
 # or done with them (finished, suspended); at most this long.
 ADMISSION_MEMORY_SECONDS = 120.0
 CONFLICT_RETRIES = 3
+# Our own status writes are remembered this long (and the last this many versions each replaced), so that a
+# pass that waited for the run's lock starts from what the pass before it stored.
+WRITTEN_MEMORY_SECONDS = 60.0
+WRITTEN_VERSIONS = 8
 USER_AGENT = "fsdp-operator"
 # Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
 FAULT_POINT_ENV = "FSDP_OPERATOR_FAULT_POINT"
@@ -263,6 +267,14 @@ class Indexes:
         return list(store) if store else []
 
 
+def cluster_reaction(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a RayCluster event a pass reacts to at once: readiness as the pass reads it, KubeRay's state
+    (failed), suspension, its spec's generation (drift), its deletion."""
+    seen = observe_cluster(dict(body))
+    state = (body.get("status") or {}).get("state")
+    return (body["metadata"].get("generation"), seen.ready, seen.deleting, seen.suspended, state)
+
+
 def pod_disruption(body: Mapping[str, Any]) -> str | None:
     """Why the pod is being taken away (preempted, evicted, drained), from its DisruptionTarget condition."""
     for condition in (body.get("status") or {}).get("conditions") or []:
@@ -311,6 +323,10 @@ class Context:
         field(default_factory=dict)
     )
     placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = field(default_factory=dict)
+    # run uid -> (when, the versions our own status writes replaced, the run as the last write stored it)
+    written: dict[str, tuple[float, tuple[str, ...], dict[str, Any]]] = field(default_factory=dict)
+    # (namespace, RayCluster name) -> what of it a pass reacts to, as last seen in its events
+    cluster_seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
     queue_placements: int = 0  # how many times the whole queue was placed
     admission_cpu_seconds: float = 0.0  # thread CPU time spent deciding admissions
     # run uid -> (generation, its spec as parsed then)
@@ -410,7 +426,24 @@ class Context:
         self.free_nodes_memo[memo_key] = (nodes, pods, free)
         return free
 
+    def newest(self, run: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The run as our own last status write stored it, when `run` is a version that write replaced: a
+        pass queued behind another (the per-run lock) holds the body of its event, which that pass's write
+        made stale, and would only conflict and read the run again."""
+        found = self.written.get(run["metadata"]["uid"])
+        return found[2] if found is not None and run["metadata"].get("resourceVersion") in found[1] else run
+
+    def wrote(self, uid: str, replaced: str, stored: dict[str, Any]) -> None:
+        now = time.monotonic()
+        before = self.written.get(uid)
+        replaced_versions = ((before[1] if before else ()) + (replaced,))[-WRITTEN_VERSIONS:]
+        self.written[uid] = (now, replaced_versions, stored)
+        if len(self.written) > 16 and now - min(w[0] for w in self.written.values()) > WRITTEN_MEMORY_SECONDS:
+            for key in [k for k, w in self.written.items() if now - w[0] > WRITTEN_MEMORY_SECONDS]:
+                del self.written[key]
+
     def forget(self, uid: str) -> None:
+        self.written.pop(uid, None)
         for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
             memory.pop(uid, None)
 
@@ -555,6 +588,7 @@ def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> De
                 return None  # deleted (or re-created under the same name: that object gets its own passes)
             if current["metadata"].get("deletionTimestamp"):
                 return None
+            current = ctx.newest(current)
             try:
                 return _reconcile_once(ctx, dict(current), indexes)
             except Conflict as conflict:
@@ -712,7 +746,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     old = stored.get("status") or {}
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     if patch:
-        ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        ctx.wrote(run.uid, meta["resourceVersion"], stored_now)
         fault_point("after-status-write", new.attempt)
     metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
     _act(ctx, run, spec, decision)
@@ -958,13 +993,34 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def unfinished(status: kopf.Status, **_: Any) -> bool:
         return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
 
-    @kopf.timer(*resource, interval=settings.observe_interval_seconds, when=unfinished, registry=registry)
+    # First tick one interval in: on.create / on.resume make the first pass (a tick at once would race them
+    # with the pre-finalizer body and conflict).
+    @kopf.timer(
+        *resource,
+        interval=settings.observe_interval_seconds,
+        initial_delay=settings.observe_interval_seconds,
+        when=unfinished,
+        registry=registry,
+    )
     def on_timer(body: kopf.Body, **kwargs: Any) -> None:
         reconcile_run(ctx, body, indexes_of(kwargs))
 
     @kopf.on.event(*ray_clusters, labels=ours, registry=registry)
-    def on_raycluster_event(body: kopf.Body, **kwargs: Any) -> None:
-        # React to KubeRay at once (the cluster turning ready, deleted) instead of at the next timer tick.
+    def on_raycluster_event(body: kopf.Body, type: str | None = None, **kwargs: Any) -> None:
+        # React to KubeRay at once (the cluster ready or failed, suspended, edited, deleted) instead of at the
+        # next timer tick; not to each of its progress notes while it provisions (a status write each, with
+        # nothing a user or a retry needs that the next tick would not write too).
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        seen = cluster_reaction(body)
+        before = ctx.cluster_seen.get(key)
+        if type == "DELETED":
+            ctx.cluster_seen.pop(key, None)
+        else:
+            ctx.cluster_seen[key] = seen
+            # The first sight of one the operator just created (or, after a restart, one on.resume passes
+            # over anyway) has nothing to act on unless it is ready or going.
+            if seen == before or (before is None and not (seen[1] or seen[2])):
+                return
         indexes = indexes_of(kwargs)
         owners = body["metadata"].get("ownerReferences") or []
         name = next((o["name"] for o in owners if o.get("kind") == api.KIND), None)
