@@ -73,6 +73,9 @@ CONFLICT_RETRIES = 3
 # Our own status writes are remembered this long (and the last this many versions each replaced), so that a
 # pass that waited for the run's lock starts from what the pass before it stored.
 WRITTEN_MEMORY_SECONDS = 60.0
+# A RayCluster this process created is not created again (Secret, NetworkPolicy, RayCluster: three 409s) by
+# passes that come before the index shows it, for at most this long.
+CREATED_MEMORY_SECONDS = 30.0
 WRITTEN_VERSIONS = 8
 USER_AGENT = "fsdp-operator"
 # Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
@@ -351,6 +354,7 @@ class Context:
     placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = field(default_factory=dict)
     # run uid -> (when, the versions our own status writes replaced, the run as the last write stored it)
     written: dict[str, tuple[float, tuple[str, ...], dict[str, Any]]] = field(default_factory=dict)
+    created: dict[str, tuple[float, int]] = field(default_factory=dict)  # run uid -> when, for which attempt
     # (namespace, RayCluster name) -> what of it a pass reacts to, as last seen in its events
     cluster_seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
     queue_placements: int = 0  # how many times the whole queue was placed
@@ -470,6 +474,7 @@ class Context:
 
     def forget(self, uid: str) -> None:
         self.written.pop(uid, None)
+        self.created.pop(uid, None)
         for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
             memory.pop(uid, None)
 
@@ -759,6 +764,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     spec, status = _parse(body, stored)
     obs = _observe(ctx, run, stored, spec, status, indexes)
+    if obs.cluster is not None:
+        ctx.created.pop(run.uid, None)  # the index has it: a later loss is recreated at once
     decision = reconcile(spec, status, obs)
     new = decision.status
     cluster_name = builder.ray_cluster_name(run.name)
@@ -798,9 +805,16 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
                 )
         if decision.delete_cluster:
             ctx.kube.delete_raycluster(run.namespace, cluster_name)
-        if decision.create_cluster:
+        if decision.delete_cluster:
+            ctx.created.pop(run.uid, None)
+        created = ctx.created.get(run.uid)
+        attempt = decision.status.attempt
+        if decision.create_cluster and not (
+            created and created[1] == attempt and time.monotonic() - created[0] < CREATED_MEMORY_SECONDS
+        ):
             _create_cluster_guards(ctx, run)
             ctx.kube.create_raycluster(_desired_cluster(ctx, run, spec, decision.status))
+            ctx.created[run.uid] = (time.monotonic(), attempt)
             fault_point("after-create-cluster", decision.status.attempt)
         if decision.submit_attempt is not None:
             _submit(ctx, run, spec, decision)
