@@ -37,7 +37,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -277,6 +277,35 @@ def operator_requests(counts: Counter[str]) -> int:
     return sum(n for agent, n in counts.items() if agent in OPERATOR_AGENTS)
 
 
+def owned_by(name: str, obj: str) -> bool:
+    """Whether an object's name is the run's or RayJob's own or one derived from it (its RayCluster, pods,
+    Services, Secret, NetworkPolicy, Events: `<name>-...`, `<name>.<hash>`)."""
+    return obj == name or obj.startswith((f"{name}-", f"{name}."))
+
+
+def requests_until(
+    log: AuditLog,
+    since: datetime,
+    until: datetime,
+    agents: tuple[str, ...],
+    done: dict[tuple[str, str], datetime],
+) -> float:
+    """Requests per object from its creation until it was done (a run Running, a RayJob's cluster ready):
+    each request naming an object (or one derived from it) counts while that object was not done yet; those
+    naming none (lists, watches) count for all of them, divided evenly."""
+    by_namespace: dict[str, list[tuple[str, datetime]]] = {}
+    for (namespace, name), at in done.items():
+        by_namespace.setdefault(namespace, []).append((name, at))
+    counted = 0
+    for event in log.requests("", since, until):
+        if agent_of(event.user_agent) not in agents:
+            continue
+        owners = [at for name, at in by_namespace.get(event.namespace, []) if owned_by(name, event.name)]
+        if not event.name or not owners or event.received < owners[0]:
+            counted += 1
+    return counted / max(len(done), 1)
+
+
 def phase_counts(namespaces: list[str]) -> Counter[str]:
     phases: Counter[str] = Counter()
     for namespace in namespaces:
@@ -416,6 +445,7 @@ def measure(
         with timeline.lock:
             timeline.created[(kind, namespace, name)] = time.monotonic()
 
+    wall_minus_monotonic = datetime.now(UTC) - timedelta(seconds=time.monotonic())
     before, peer_before = proc_stat(pid), proc_stat(peer)
     admission_before = metric(metrics_url, "fsdp_operator_admission_cpu_seconds_total") or 0.0
     placements_before = metric(metrics_url, "fsdp_operator_admission_queue_placements_total") or 0.0
@@ -449,6 +479,22 @@ def measure(
     time.sleep(10)  # the audit log is written when a response completes
     start_requests = requests_by_agent(audit, started_at, start_phase_end)
     start_kinds = requests_by_kind(audit, started_at, start_phase_end)
+    with timeline.lock:
+        ready_at = dict(timeline.cluster_ready)
+
+    def wall(at: float) -> datetime:
+        return wall_minus_monotonic + timedelta(seconds=at)
+
+    until_done = {
+        "operator_per_run_until_running": requests_until(
+            audit, started_at, start_phase_end, OPERATOR_AGENTS,
+            {key: wall(at) for key, at in running_at.items()},
+        ),
+        "kuberay_per_rayjob_until_its_cluster_ready": requests_until(
+            audit, started_at, start_phase_end, (KUBERAY_USER_AGENT,),
+            {(ns, name): wall(at) for (kind, ns, name), at in ready_at.items() if kind == "RayJob"},
+        ),
+    }  # fmt: skip
 
     samples: list[
         tuple[float, float, int | None, float]
@@ -534,6 +580,12 @@ def measure(
         ),
         "operator_requests_per_running_run_per_minute": [round(r / args.runs, 2) for r in window_requests],
         "start_phase_requests_by_kind": {side: dict(c.most_common()) for side, c in start_kinds.items()},
+        "requests_until_done": {k: round(v, 1) for k, v in until_done.items()},
+        "ratio_requests_until_done": round(
+            until_done["operator_per_run_until_running"]
+            / max(until_done["kuberay_per_rayjob_until_its_cluster_ready"], 0.1),
+            2,
+        ),
         "operator": {
             **ours_process,
             "admission_cpu_seconds_to_all_running": round(admission, 2),
@@ -601,6 +653,10 @@ def load_table(results: dict[str, Any]) -> str:
          f"{results['kuberay_requests_per_raycluster_to_ready']} per RayCluster (kuberay-operator "
          f"{requests.get(KUBERAY_USER_AGENT, 0)} for {2 * runs})",
          f"{results['ratio_requests_to_start']:.2f}", "<= 1.5"),
+        ("requests of each run until it is Running / of each RayJob until its RayCluster is ready",
+         f"{results['requests_until_done']['operator_per_run_until_running']}",
+         f"{results['requests_until_done']['kuberay_per_rayjob_until_its_cluster_ready']}",
+         f"{results['ratio_requests_until_done']:.2f}", "<= 1.5"),
         ("where they go, per run / per RayCluster", where("operator", runs), where("kuberay", 2 * runs),
          "", ""),
         (f"requests per running run per minute ({len(windows)} 5-minute windows)",
