@@ -292,7 +292,8 @@ def requests_until(
 ) -> float:
     """Requests per object from its creation until it was done (a run Running, a RayJob's cluster ready):
     each request naming an object (or one derived from it) counts while that object was not done yet; those
-    naming none (lists, watches) count for all of them, divided evenly."""
+    naming none (lists, watches) count for all of them, divided evenly; those naming other objects (KubeRay's
+    work on the operator's RayClusters) not at all."""
     by_namespace: dict[str, list[tuple[str, datetime]]] = {}
     for (namespace, name), at in done.items():
         by_namespace.setdefault(namespace, []).append((name, at))
@@ -300,8 +301,11 @@ def requests_until(
     for event in log.requests("", since, until):
         if agent_of(event.user_agent) not in agents:
             continue
+        if not event.name:
+            counted += 1  # a list or watch: shared by all of them
+            continue
         owners = [at for name, at in by_namespace.get(event.namespace, []) if owned_by(name, event.name)]
-        if not event.name or not owners or event.received < owners[0]:
+        if owners and event.received < owners[0]:  # named, not of one of them (the other kind's): left out
             counted += 1
     return counted / max(len(done), 1)
 
