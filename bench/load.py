@@ -11,7 +11,10 @@ and fake nodes, in one run; then a soak with the N runs training.
   event for both kinds), p50 and p99 per kind and their ratio; the runs' create to Running; apiserver requests
   by user agent from the apiserver's audit log (it has the user agent; apiserver_request_total does not), per
   run while they start and per running run per minute in the soak; the operator's peak RSS and CPU seconds;
-  in the soak, its RSS slope and its event loop's task count (fsdp_operator_asyncio_tasks).
+  in the soak, its RSS slope and its event loop's task count (fsdp_operator_asyncio_tasks); KubeRay's operator
+  process (the peer, reconciling the RayJobs and every RayCluster of both kinds) measured the same way, in the
+  same run, so that RSS and CPU are ratios too; the operator's admission CPU (fsdp_operator_admission_cpu_
+  seconds_total) and where its start-phase requests go, by verb and resource.
 
     python bench/load.py [--runs 200] [--soak-minutes 30]      (make bench-load; part of make bench)
 
@@ -34,7 +37,7 @@ import urllib.request
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -119,6 +122,31 @@ class Timeline:
         return [until[key] - at for key, at in self.created.items() if key[0] == kind and key in until]
 
 
+class ProfiledOperator(OperatorProcess):
+    """The operator under `memray run --aggregate` (memray from MEMRAY_PATH, e.g. a `pip install --target`
+    folder: it is not in the project's environment)."""
+
+    output: Path = Path("memray-load.bin")
+
+    def start(self) -> OperatorProcess:
+        env = {
+            **os.environ,
+            "FSDP_OPERATOR_LEADER_ELECTION": "false",
+            "FSDP_OPERATOR_HEALTH_PORT": "0",
+            **self.env,
+            "PYTHONPATH": os.pathsep.join(
+                [str(REPO / "operator"), str(REPO / "trainer"), os.environ.get("MEMRAY_PATH", "")]
+            ),
+            "FSDP_OPERATOR_WATCH_NAMESPACES": self.namespace,
+        }
+        self.output.unlink(missing_ok=True)
+        command = [sys.executable, "-m", "memray", "run", "--aggregate", "-o", str(self.output), "-m",
+                   "fsdp_operator"]  # fmt: skip
+        with self.log.open("ab") as out:
+            self.process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return self
+
+
 def percentile(values: list[float], fraction: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, math.ceil(fraction * len(ordered)) - 1)]
@@ -192,28 +220,94 @@ def proc_stat(pid: int) -> dict[str, float]:
     }
 
 
-def asyncio_tasks(metrics_url: str) -> int | None:
+def metric(metrics_url: str, name: str) -> float | None:
+    """One unlabelled sample of the operator's /metrics."""
     try:
         with urllib.request.urlopen(metrics_url, timeout=10) as answer:
             text = answer.read().decode()
     except OSError:
         return None
-    found = [line for line in text.splitlines() if line.startswith("fsdp_operator_asyncio_tasks ")]
-    return int(float(found[0].split()[1])) if found else None
+    found = [line for line in text.splitlines() if line.startswith(f"{name} ")]
+    return float(found[0].split()[1]) if found else None
+
+
+def asyncio_tasks(metrics_url: str) -> int | None:
+    found = metric(metrics_url, "fsdp_operator_asyncio_tasks")
+    return None if found is None else int(found)
+
+
+def kuberay_pid(state: Path) -> int:
+    """The local cluster's KubeRay operator (hack/kuberay.sh starts the binary itself under setsid)."""
+    pid = int((state / "pids" / "kuberay.pid").read_text())
+    command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0]
+    assert command.endswith(b"ray-operator"), f"pid {pid} is {command!r}, not KubeRay's operator"
+    return pid
+
+
+def agent_of(user_agent: str) -> str:
+    return user_agent.split("/")[0].split(" ")[0]
+
+
+def requests_by_kind(log: AuditLog, since: datetime, until: datetime) -> dict[str, Counter[str]]:
+    """Start-phase requests of the operator (kopf and its own client) and of KubeRay, by verb and resource
+    ("verb resource[/subresource]"), for the table of where they go."""
+    found: dict[str, Counter[str]] = {"operator": Counter(), "kuberay": Counter()}
+    for event in log.requests("", since, until):
+        agent = agent_of(event.user_agent)
+        side = "kuberay" if agent == KUBERAY_USER_AGENT else "operator" if agent in OPERATOR_AGENTS else None
+        if side:
+            found[side][
+                f"{event.verb} {event.resource}" + (f"/{event.subresource}" if event.subresource else "")
+            ] += 1
+    return found
+
+
+OPERATOR_AGENTS = (KOPF_USER_AGENT.rstrip("/"), OPERATOR_USER_AGENT)
 
 
 def requests_by_agent(log: AuditLog, since: datetime, until: datetime) -> Counter[str]:
     """Requests in [since, until) by user agent up to its first "/": kopf, fsdp-operator, kuberay-operator."""
     found: Counter[str] = Counter()
     for event in log.requests("", since, until):
-        found[event.user_agent.split("/")[0].split(" ")[0]] += 1
+        found[agent_of(event.user_agent)] += 1
     return found
 
 
 def operator_requests(counts: Counter[str]) -> int:
-    return sum(
-        n for agent, n in counts.items() if agent in (KOPF_USER_AGENT.rstrip("/"), OPERATOR_USER_AGENT)
-    )
+    return sum(n for agent, n in counts.items() if agent in OPERATOR_AGENTS)
+
+
+def owned_by(name: str, obj: str) -> bool:
+    """Whether an object's name is the run's or RayJob's own or one derived from it (its RayCluster, pods,
+    Services, Secret, NetworkPolicy, Events: `<name>-...`, `<name>.<hash>`)."""
+    return obj == name or obj.startswith((f"{name}-", f"{name}."))
+
+
+def requests_until(
+    log: AuditLog,
+    since: datetime,
+    until: datetime,
+    agents: tuple[str, ...],
+    done: dict[tuple[str, str], datetime],
+) -> float:
+    """Requests per object from its creation until it was done (a run Running, a RayJob's cluster ready):
+    each request naming an object (or one derived from it) counts while that object was not done yet; those
+    naming none (lists, watches) count for all of them, divided evenly; those naming other objects (KubeRay's
+    work on the operator's RayClusters) not at all."""
+    by_namespace: dict[str, list[tuple[str, datetime]]] = {}
+    for (namespace, name), at in done.items():
+        by_namespace.setdefault(namespace, []).append((name, at))
+    counted = 0
+    for event in log.requests("", since, until):
+        if agent_of(event.user_agent) not in agents:
+            continue
+        if not event.name:
+            counted += 1  # a list or watch: shared by all of them
+            continue
+        owners = [at for name, at in by_namespace.get(event.namespace, []) if owned_by(name, event.name)]
+        if owners and event.received < owners[0]:  # named, not of one of them (the other kind's): left out
+            counted += 1
+    return counted / max(len(done), 1)
 
 
 def phase_counts(namespaces: list[str]) -> Counter[str]:
@@ -233,6 +327,13 @@ def main() -> None:
     parser.add_argument("--sample-seconds", type=float, default=30)
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
     parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
+    parser.add_argument(
+        "--memray",
+        type=Path,
+        default=None,
+        help="profile the operator with `memray run --aggregate` into this file (memray importable from "
+        "MEMRAY_PATH); its RSS and CPU figures are then memray's too, not the operator's",
+    )
     args = parser.parse_args()
 
     subprocess.run([REPO / "hack" / "cluster-up.sh"], check=True)
@@ -265,7 +366,7 @@ def main() -> None:
     )
     wait_until("the Ray stand-in's port", lambda: port_file.exists() and port_file.read_text(), timeout=60)
     metrics_port = free_port()
-    operator = OperatorProcess(
+    operator = (ProfiledOperator if args.memray else OperatorProcess)(
         ",".join(run_namespaces),
         {
             "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
@@ -278,7 +379,10 @@ def main() -> None:
             "MALLOC_ARENA_MAX": "2",  # as the operator's image sets it (Dockerfile.operator)
         },
         work / "load-operator.log",
-    ).start()
+    )
+    if isinstance(operator, ProfiledOperator):
+        operator.output = args.memray
+    operator.start()
     assert operator.process is not None
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
     audit = AuditLog.of_local_cluster()
@@ -290,8 +394,9 @@ def main() -> None:
         wait_until("the operator's metrics", lambda: asyncio_tasks(metrics_url), timeout=120)
         time.sleep(5)  # kopf's watches started: its start-up is not counted against it
         try:
+            peer = kuberay_pid(Path(cluster.env["FSDP_LOCAL_CLUSTER_STATE"]))
             results = measure(args, api_client, timeline, run_namespaces, job_namespaces, operator, audit,
-                              metrics_url)  # fmt: skip
+                              metrics_url, peer)  # fmt: skip
         finally:
             timeline.stop.set()
             operator.stop()
@@ -324,6 +429,7 @@ def measure(
     operator: OperatorProcess,
     audit: AuditLog,
     metrics_url: str,
+    peer: int,
 ) -> dict[str, Any]:
     assert operator.process is not None
     pid = operator.process.pid
@@ -343,7 +449,10 @@ def measure(
         with timeline.lock:
             timeline.created[(kind, namespace, name)] = time.monotonic()
 
-    before = proc_stat(pid)
+    wall_minus_monotonic = datetime.now(UTC) - timedelta(seconds=time.monotonic())
+    before, peer_before = proc_stat(pid), proc_stat(peer)
+    admission_before = metric(metrics_url, "fsdp_operator_admission_cpu_seconds_total") or 0.0
+    placements_before = metric(metrics_url, "fsdp_operator_admission_queue_placements_total") or 0.0
     started_at = datetime.now(UTC)
     with ThreadPoolExecutor(8) as pool:  # the two kinds interleaved, so that neither goes first
         list(pool.map(lambda task: create(*task), [(k, i) for i in range(args.runs)
@@ -366,16 +475,41 @@ def measure(
     )
 
     start_phase_end = datetime.now(UTC)
-    after_start = proc_stat(pid)
+    after_start, peer_after_start = proc_stat(pid), proc_stat(peer)
+    admission = (metric(metrics_url, "fsdp_operator_admission_cpu_seconds_total") or 0.0) - admission_before
+    placements = (
+        metric(metrics_url, "fsdp_operator_admission_queue_placements_total") or 0
+    ) - placements_before
     time.sleep(10)  # the audit log is written when a response completes
     start_requests = requests_by_agent(audit, started_at, start_phase_end)
+    start_kinds = requests_by_kind(audit, started_at, start_phase_end)
+    with timeline.lock:
+        ready_at = dict(timeline.cluster_ready)
 
-    samples: list[tuple[float, float, int | None]] = []  # (seconds into the soak, RSS MiB, tasks)
+    def wall(at: float) -> datetime:
+        return wall_minus_monotonic + timedelta(seconds=at)
+
+    until_done = {
+        "operator_per_run_until_running": requests_until(
+            audit, started_at, start_phase_end, OPERATOR_AGENTS,
+            {key: wall(at) for key, at in running_at.items()},
+        ),
+        "kuberay_per_rayjob_until_its_cluster_ready": requests_until(
+            audit, started_at, start_phase_end, (KUBERAY_USER_AGENT,),
+            {(ns, name): wall(at) for (kind, ns, name), at in ready_at.items() if kind == "RayJob"},
+        ),
+    }  # fmt: skip
+
+    samples: list[
+        tuple[float, float, int | None, float]
+    ] = []  # (seconds into the soak, RSS MiB, tasks, peer's)
     soak_start, soak_at = time.monotonic(), datetime.now(UTC)
     window_requests: list[float] = []
     window_start = soak_at
     while (elapsed := time.monotonic() - soak_start) < args.soak_minutes * 60:
-        samples.append((elapsed, proc_stat(pid)["rss_mib"], asyncio_tasks(metrics_url)))
+        samples.append(
+            (elapsed, proc_stat(pid)["rss_mib"], asyncio_tasks(metrics_url), proc_stat(peer)["rss_mib"])
+        )
         if (datetime.now(UTC) - window_start).total_seconds() >= 300:  # count before the log rotates it away
             window_end = datetime.now(UTC)
             minutes = (window_end - window_start).total_seconds() / 60
@@ -384,7 +518,7 @@ def measure(
             )
             window_start = window_end
         time.sleep(args.sample_seconds)
-    end = proc_stat(pid)
+    end, peer_end = proc_stat(pid), proc_stat(peer)
     phases = phase_counts(run_namespaces)
 
     created_ready = {
@@ -406,6 +540,24 @@ def measure(
         else None
     )
     tasks = [s[2] for s in samples if s[2] is not None]
+
+    def process(
+        start: dict[str, float], all_running: dict[str, float], final: dict[str, float]
+    ) -> dict[str, float]:
+        return {
+            "rss_mib_idle": round(start["rss_mib"], 1),
+            "rss_mib_all_running": round(all_running["rss_mib"], 1),
+            "peak_rss_mib": round(final["peak_rss_mib"], 1),
+            "cpu_seconds_to_all_running": round(all_running["cpu_seconds"] - start["cpu_seconds"], 1),
+            "cpu_seconds_per_minute_in_soak": round(
+                (final["cpu_seconds"] - all_running["cpu_seconds"]) / max(args.soak_minutes, 1e-9), 2
+            ),
+        }
+
+    ours_process, peer_process = (
+        process(before, after_start, end),
+        process(peer_before, peer_after_start, peer_end),
+    )
     return {
         "runs": args.runs,
         "rayjobs": args.runs,
@@ -431,19 +583,40 @@ def measure(
             start_requests[KUBERAY_USER_AGENT] / (2 * args.runs), 1
         ),
         "operator_requests_per_running_run_per_minute": [round(r / args.runs, 2) for r in window_requests],
+        "start_phase_requests_by_kind": {side: dict(c.most_common()) for side, c in start_kinds.items()},
+        "requests_until_done": {k: round(v, 1) for k, v in until_done.items()},
+        "ratio_requests_until_done": round(
+            until_done["operator_per_run_until_running"]
+            / max(until_done["kuberay_per_rayjob_until_its_cluster_ready"], 0.1),
+            2,
+        ),
         "operator": {
-            "rss_mib_idle": round(before["rss_mib"], 1),
-            "rss_mib_all_running": round(after_start["rss_mib"], 1),
-            "peak_rss_mib": round(end["peak_rss_mib"], 1),
-            "cpu_seconds_to_all_running": round(after_start["cpu_seconds"] - before["cpu_seconds"], 1),
-            "cpu_seconds_per_minute_in_soak": round(
-                (end["cpu_seconds"] - after_start["cpu_seconds"]) / max(args.soak_minutes, 1e-9), 2
-            ),
+            **ours_process,
+            "admission_cpu_seconds_to_all_running": round(admission, 2),
+            "admission_queue_placements_to_all_running": int(placements),
         },
+        "kuberay_operator": peer_process,
+        "ratio_rss_all_running": round(
+            ours_process["rss_mib_all_running"] / peer_process["rss_mib_all_running"], 2
+        ),
+        "ratio_peak_rss": round(ours_process["peak_rss_mib"] / peer_process["peak_rss_mib"], 2),
+        "ratio_cpu_to_all_running": round(
+            ours_process["cpu_seconds_to_all_running"] / max(peer_process["cpu_seconds_to_all_running"], 0.1),
+            2,
+        ),
+        "ratio_requests_to_start": round(
+            operator_requests(start_requests)
+            / args.runs
+            / max(start_requests[KUBERAY_USER_AGENT] / (2 * args.runs), 0.1),
+            2,
+        ),
         "soak": {
             "minutes": args.soak_minutes,
             "phases_at_end": dict(phases),
             "rss_mib_first_last": [round(samples[0][1], 1), round(samples[-1][1], 1)] if samples else None,
+            "kuberay_rss_mib_first_last": [round(samples[0][3], 1), round(samples[-1][3], 1)]
+            if samples
+            else None,
             "rss_slope_mib_per_hour": None if slope is None else round(slope, 2),
             "asyncio_tasks_min_max": [min(tasks), max(tasks)] if tasks else None,
         },
@@ -464,32 +637,51 @@ def load_table(results: dict[str, Any]) -> str:
         return " / ".join(f"{ours[figure][p] / theirs[figure][p]:.2f}" for p in ("p50", "p99"))
 
     running = results["runs_create_to_running_s"]
-    rss = soak["rss_mib_first_last"]
+    rss, peer_rss = soak["rss_mib_first_last"], soak.get("kuberay_rss_mib_first_last")
+    peer = results["kuberay_operator"]
+    kinds = results["start_phase_requests_by_kind"]
+
+    def where(side: str, per: int) -> str:
+        return ", ".join(f"{kind} {n / per:.1f}" for kind, n in list(kinds[side].items())[:8])
+
     rows = [
         ("create -> RayCluster created, p50 / p99", p50_p99(ours["to_raycluster_created_s"]),
          p50_p99(theirs["to_raycluster_created_s"]), ratios("to_raycluster_created_s"), ""),
         ("create -> RayCluster ready, p50 / p99", p50_p99(ours["to_raycluster_ready_s"]),
          p50_p99(theirs["to_raycluster_ready_s"]), ratios("to_raycluster_ready_s"),
-         "p99 no worse than KubeRay"),
+         "p99 <= 1.0"),
         ("create -> run Running (job submitted), p50 / p99", p50_p99(running), "", "", ""),
         ("apiserver requests while starting",
          f"{results['operator_requests_per_run_to_running']} per run (fsdp-operator "
          f"{requests.get(OPERATOR_USER_AGENT, 0)} + kopf {requests.get('kopf', 0)})",
          f"{results['kuberay_requests_per_raycluster_to_ready']} per RayCluster (kuberay-operator "
-         f"{requests.get(KUBERAY_USER_AGENT, 0)} for {2 * runs})", "", ""),
+         f"{requests.get(KUBERAY_USER_AGENT, 0)} for {2 * runs})",
+         f"{results['ratio_requests_to_start']:.2f}", "<= 1.5"),
+        ("requests of each run until it is Running / of each RayJob until its RayCluster is ready",
+         f"{results['requests_until_done']['operator_per_run_until_running']}",
+         f"{results['requests_until_done']['kuberay_per_rayjob_until_its_cluster_ready']}",
+         f"{results['ratio_requests_until_done']:.2f}", "<= 1.5"),
+        ("where they go, per run / per RayCluster", where("operator", runs), where("kuberay", 2 * runs),
+         "", ""),
         (f"requests per running run per minute ({len(windows)} 5-minute windows)",
          f"{min(windows):.2f}-{max(windows):.2f}" if windows else "no full window", "", "", ""),
-        (f"operator RSS: idle / {runs} runs / peak",
+        (f"RSS: idle / {runs} runs / peak",
          f"{operator['rss_mib_idle']:.0f} / {operator['rss_mib_all_running']:.0f} / "
-         f"{operator['peak_rss_mib']:.0f} MiB", "", "", "< 200 MiB"),
-        ("operator CPU: to all Running / per minute in the soak",
+         f"{operator['peak_rss_mib']:.0f} MiB",
+         f"{peer['rss_mib_idle']:.0f} / {peer['rss_mib_all_running']:.0f} / {peer['peak_rss_mib']:.0f} MiB",
+         f"{results['ratio_rss_all_running']:.2f} at {runs} runs", "<= 1.5 and < 200 MiB"),
+        ("CPU: to all Running / per minute in the soak",
          f"{operator['cpu_seconds_to_all_running']:.0f} s / "
          f"{operator['cpu_seconds_per_minute_in_soak']:.1f} s",
-         "", "", ""),
-        (f"soak, {soak['minutes']:.0f} min, {runs} runs Running: RSS first -> last, slope / asyncio tasks",
+         f"{peer['cpu_seconds_to_all_running']:.0f} s / {peer['cpu_seconds_per_minute_in_soak']:.1f} s",
+         f"{results['ratio_cpu_to_all_running']:.2f} to all Running", ""),
+        ("admission CPU to all Running (queue placements)",
+         f"{operator['admission_cpu_seconds_to_all_running']:.2f} s "
+         f"({operator['admission_queue_placements_to_all_running']})", "", "", ""),
+        (f"soak, {soak['minutes']:g} min, {runs} runs Running: RSS first -> last, slope / asyncio tasks",
          f"{rss[0]:.1f} -> {rss[1]:.1f} MiB, {soak['rss_slope_mib_per_hour']:+.1f} MiB/h / "
          f"{soak['asyncio_tasks_min_max'][0]}-{soak['asyncio_tasks_min_max'][1]}" if rss else "no soak",
-         "", "", "flat"),
+         f"{peer_rss[0]:.1f} -> {peer_rss[1]:.1f} MiB" if peer_rss else "", "", "flat"),
     ]  # fmt: skip
     lines = [
         f"Measured {results['date']} on {results['machine']} (`python bench/load.py --runs {runs} "

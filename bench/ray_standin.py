@@ -168,7 +168,7 @@ class StandIn:
         return web.json_response({"stopped": stopped})
 
     async def logs(self, _: web.Request) -> web.Response:
-        return web.Response(text="0no driver log: a stand-in job")
+        return web.Response(status=500, text="Could not find a log file (a stand-in job has none)")
 
     def app(self) -> web.Application:
         app = web.Application()

@@ -14,6 +14,7 @@ the conditional status write keeps out any that slip through). A pass:
 from __future__ import annotations
 
 import base64
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -33,7 +34,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, conditions, kueue, metrics, preflight, submission
+from fsdp_operator import api, builder, conditions, kopfsession, kueue, metrics, preflight, submission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
 from fsdp_operator.reconcile import (
@@ -70,6 +71,13 @@ POD_LIST_PAGE = 250
 # or done with them (finished, suspended); at most this long.
 ADMISSION_MEMORY_SECONDS = 120.0
 CONFLICT_RETRIES = 3
+# Our own status writes are remembered this long (and the last this many versions each replaced), so that a
+# pass that waited for the run's lock starts from what the pass before it stored.
+WRITTEN_MEMORY_SECONDS = 60.0
+# A RayCluster this process created is not created again (Secret, NetworkPolicy, RayCluster: three 409s) by
+# passes that come before the index shows it, for at most this long.
+CREATED_MEMORY_SECONDS = 30.0
+WRITTEN_VERSIONS = 8
 USER_AGENT = "fsdp-operator"
 # Test hook: SIGKILL this process at a side-effect boundary, e.g. "after-submit" or "after-submit:2".
 FAULT_POINT_ENV = "FSDP_OPERATOR_FAULT_POINT"
@@ -101,13 +109,39 @@ class Kube:
             config.load_kube_config()
         api_client = client.ApiClient()
         api_client.user_agent = USER_AGENT  # tells the operator's requests apart in audit logs and metrics
+        self.api_client = api_client
         self.custom = client.CustomObjectsApi(api_client)
-        self.core = client.CoreV1Api(api_client)
-        self.networking = client.NetworkingV1Api(api_client)
+        # Secrets, NetworkPolicies and pods by path, through the same client: the generated CoreV1Api and
+        # NetworkingV1Api modules alone are 23 MiB of the operator's memory, for four calls.
 
     @property
     def configuration(self) -> Any:
-        return self.core.api_client.configuration
+        return self.api_client.configuration
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, Any]] | None = None,
+        preload: bool = True,
+    ) -> Any:
+        """One call by path, as the generated APIs make it (bearer token, timeout); ApiException on errors.
+        The decoded JSON, or the raw response with preload=False."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        serialized = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        return self.api_client._call_with_legacy_options(
+            serialized, {"200": "object", "201": "object"}, None, preload, API_TIMEOUT, True
+        )
 
     def create_raycluster(self, manifest: dict[str, Any]) -> None:
         namespace = manifest["metadata"]["namespace"]
@@ -126,10 +160,10 @@ class Kube:
         body = cast(Any, manifest)
         try:
             if manifest["kind"] == "Secret":
-                self.core.create_namespaced_secret(namespace, body, _request_timeout=API_TIMEOUT)
+                self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body)
             else:
-                self.networking.create_namespaced_network_policy(
-                    namespace, body, _request_timeout=API_TIMEOUT
+                self.request(
+                    "POST", f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", body
                 )
         except ApiException as error:
             if error.status != 409:
@@ -140,8 +174,8 @@ class Kube:
         starting at once: the second create fails (409) and reads the first one's."""
         for _ in range(2):
             try:
-                secret = self.core.read_namespaced_secret(name, namespace, _request_timeout=API_TIMEOUT)
-                return base64.b64decode((secret.data or {})[RAY_AUTH_KEY_FIELD])
+                secret = self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+                return base64.b64decode((secret.get("data") or {})[RAY_AUTH_KEY_FIELD])
             except ApiException as error:
                 if error.status != 404:
                     raise
@@ -158,7 +192,7 @@ class Kube:
                 "data": {RAY_AUTH_KEY_FIELD: base64.b64encode(key).decode()},
             }
             try:
-                self.core.create_namespaced_secret(namespace, cast(Any, body), _request_timeout=API_TIMEOUT)
+                self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body)
                 return key
             except ApiException as error:
                 if error.status != 409:
@@ -232,13 +266,13 @@ class Kube:
         found: list[dict[str, Any]] = []
         page_token = None
         while True:
-            response = self.core.list_pod_for_all_namespaces(
-                field_selector="status.phase!=Succeeded,status.phase!=Failed",
-                limit=POD_LIST_PAGE,
-                _continue=page_token,
-                _preload_content=False,
-                _request_timeout=API_TIMEOUT,
-            )
+            query: list[tuple[str, Any]] = [
+                ("fieldSelector", "status.phase!=Succeeded,status.phase!=Failed"),
+                ("limit", POD_LIST_PAGE),
+            ]
+            if page_token:
+                query.append(("continue", page_token))
+            response = self.request("GET", "/api/v1/pods", query=query, preload=False)
             page = json.loads(cast(Any, response).data)  # the raw urllib3 response: _preload_content=False
             found += [preflight.placement_of(p) for p in page["items"] if preflight.holds_accelerators(p)]
             page_token = page["metadata"].get("continue")
@@ -271,6 +305,14 @@ class Indexes:
     def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
         store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
         return list(store) if store else []
+
+
+def cluster_reaction(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a RayCluster event a pass reacts to at once: readiness as the pass reads it, KubeRay's state
+    (failed), suspension, its spec's generation (drift), its deletion."""
+    seen = observe_cluster(dict(body))
+    state = (body.get("status") or {}).get("state")
+    return (body["metadata"].get("generation"), seen.ready, seen.deleting, seen.suspended, state)
 
 
 def pod_disruption(body: Mapping[str, Any]) -> str | None:
@@ -345,6 +387,19 @@ class Context:
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
     pods_view: tuple[float, list[dict[str, Any]]] | None = None
+    queues: dict[str, preflight.Queue] = field(default_factory=dict)  # instance type -> its last placement
+    # (placement key, with the pods?) -> the nodes and pods it was built from, and the free nodes
+    free_nodes_memo: dict[tuple[str, bool], tuple[list[Any], list[Any], tuple[preflight.NodeFree, ...]]] = (
+        field(default_factory=dict)
+    )
+    placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = field(default_factory=dict)
+    # run uid -> (when, the versions our own status writes replaced, the run as the last write stored it)
+    written: dict[str, tuple[float, tuple[str, ...], dict[str, Any]]] = field(default_factory=dict)
+    created: dict[str, tuple[float, int]] = field(default_factory=dict)  # run uid -> when, for which attempt
+    # (namespace, RayCluster name) -> what of it a pass reacts to, as last seen in its events
+    cluster_seen: dict[tuple[str, str], tuple[Any, ...]] = field(default_factory=dict)
+    queue_placements: int = 0  # how many times the whole queue was placed
+    admission_cpu_seconds: float = 0.0  # thread CPU time spent deciding admissions
     # run uid -> (generation, its spec as parsed then)
     specs: dict[str, tuple[int | None, api.FSDPTrainingRunSpec | None]] = field(default_factory=dict)
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
@@ -423,9 +478,54 @@ class Context:
             cached = self.specs[meta["uid"]] = (meta.get("generation"), spec)
         return cached[1]
 
+    def placement_key(self, spec: api.FSDPTrainingRunSpec) -> str:
+        """preflight.placement_key of a spec parsed by spec_of, once per spec object."""
+        found = self.placement_keys.get(id(spec))
+        if found is None or found[0] is not spec:
+            if len(self.placement_keys) > 4 * len(self.specs) + 64:
+                self.placement_keys.clear()  # of specs long replaced
+            found = self.placement_keys[id(spec)] = (spec, preflight.placement_key(spec))
+        return found[1]
+
+    def free_nodes(
+        self, key: str, spec: api.FSDPTrainingRunSpec, nodes: list[Any], pods: list[Any] | None
+    ) -> tuple[preflight.NodeFree, ...]:
+        """preflight.free_worker_nodes for a placement (None: on empty nodes), built again only when a node or
+        pod object changed: kopf's indexes hold each object until it changes, so identity tells."""
+        memo_key = (key, pods is not None)
+        found = self.free_nodes_memo.get(memo_key)
+        pods = pods or []
+        if found is not None and _same_objects(found[0], nodes) and _same_objects(found[1], pods):
+            return found[2]
+        free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        self.free_nodes_memo[memo_key] = (nodes, pods, free)
+        return free
+
+    def newest(self, run: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The run as our own last status write stored it, when `run` is a version that write replaced: a
+        pass queued behind another (the per-run lock) holds the body of its event, which that pass's write
+        made stale, and would only conflict and read the run again."""
+        found = self.written.get(run["metadata"]["uid"])
+        return found[2] if found is not None and run["metadata"].get("resourceVersion") in found[1] else run
+
+    def wrote(self, uid: str, replaced: str, stored: dict[str, Any]) -> None:
+        now = time.monotonic()
+        before = self.written.get(uid)
+        replaced_versions = ((before[1] if before else ()) + (replaced,))[-WRITTEN_VERSIONS:]
+        self.written[uid] = (now, replaced_versions, stored)
+        if len(self.written) > 16 and now - min(w[0] for w in self.written.values()) > WRITTEN_MEMORY_SECONDS:
+            for key in [k for k, w in self.written.items() if now - w[0] > WRITTEN_MEMORY_SECONDS]:
+                del self.written[key]
+
     def forget(self, uid: str) -> None:
+        self.written.pop(uid, None)
+        self.created.pop(uid, None)
         for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
             memory.pop(uid, None)
+
+
+def _same_objects(before: list[Any], now: list[Any]) -> bool:
+    return len(before) == len(now) and all(a is b for a, b in zip(before, now, strict=True))
 
 
 def _competitors(
@@ -435,9 +535,9 @@ def _competitors(
     nodes: list[dict[str, Any]],
     pods: list[dict[str, Any]],
 ) -> list[preflight.Competitor]:
-    """Every other run of the operator that wants existing GPU nodes: admitted ones with workers still to
-    place, and waiting ones (which go first when created earlier, unless they could not fit even on empty
-    nodes: those must not hold up everyone behind them)."""
+    """Every run of the operator that wants existing GPU nodes, this one included: admitted ones with workers
+    still to place, and waiting ones (which go first when created earlier, unless they could not fit even on
+    empty nodes: those must not hold up everyone behind them)."""
     placed: dict[tuple[str, str], int] = defaultdict(int)
     for pod in pods:
         labels = pod["metadata"].get("labels") or {}
@@ -445,26 +545,28 @@ def _competitors(
             placed[(pod["metadata"]["namespace"], labels.get(builder.LABEL_RAY_CLUSTER, ""))] += 1
     found: dict[str, preflight.Competitor] = {}
     done_with_slots: set[str] = set()
-    # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once.
-    free_now: dict[str, list[preflight.NodeFree]] = {}
-    free_when_empty: dict[str, list[preflight.NodeFree]] = {}
+    # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list once,
+    # and decide once per placement and demand whether a run of it could fit on empty nodes.
+    free_now: dict[str, tuple[preflight.NodeFree, ...]] = {}
+    free_when_empty: dict[str, tuple[preflight.NodeFree, ...]] = {}
+    fits_when_empty: dict[tuple[str, int, int, int, str | None], bool] = {}
     in_index: set[str] = set()
     for other in indexes.all(indexes.runs):
         meta = other["metadata"]
         in_index.add(meta["uid"])
-        if meta["uid"] == run.uid:
-            continue
         spec = ctx.spec_of(other)
         if spec is None:
             continue
         status = other.get("status") or {}
         phase = status.get("phase")
-        if phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero:
+        if meta["uid"] != run.uid and (
+            phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero
+        ):
             done_with_slots.add(meta["uid"])
             continue
         name = f"{meta['namespace']}/{meta['name']}"
         created = meta.get("creationTimestamp", "")
-        if phase in api.ACTIVE_PHASES:
+        if phase in api.ACTIVE_PHASES and meta["uid"] != run.uid:
             cluster = builder.ray_cluster_name(meta["name"])
             found[meta["uid"]] = preflight.Competitor(
                 name=name,
@@ -475,10 +577,15 @@ def _competitors(
                 workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0),
             )
             continue
-        key = preflight.placement_key(spec)
+        key = ctx.placement_key(spec)
         if key not in free_now:
-            free_now[key] = preflight.free_worker_nodes(spec, nodes, pods)
-            free_when_empty[key] = preflight.free_worker_nodes(spec, nodes, [])
+            free_now[key] = ctx.free_nodes(key, spec, nodes, pods)
+            free_when_empty[key] = ctx.free_nodes(key, spec, nodes, None)
+        cluster_spec = spec.cluster
+        demand = (key, cluster_spec.workers, cluster_spec.gpus_per_worker, cluster_spec.efa_per_worker,
+                  cluster_spec.zone)  # fmt: skip
+        if demand not in fits_when_empty:
+            fits_when_empty[demand] = preflight.check_nodes(spec, list(free_when_empty[key])).ok
         found[meta["uid"]] = preflight.Competitor(
             name=name,
             created=created,
@@ -486,9 +593,9 @@ def _competitors(
             admitted=False,
             zone=None,
             workers_not_placed=spec.cluster.workers,
-            fits_when_empty=preflight.check_nodes(spec, free_when_empty[key]).ok,
+            fits_when_empty=fits_when_empty[demand],
             spec=spec,
-            free=tuple(free_now[key]),
+            free=free_now[key],
         )
     # A run deleted with its finalizer stripped by hand never reaches the delete handler that forgets it.
     for uid in ctx.specs.keys() - in_index - {run.uid}:
@@ -508,22 +615,41 @@ def _run_preflight(
     if spec.preflight.scale_from_zero:
         facts = preflight.ec2_instance_type_facts(ctx.ec2(), spec.cluster.instance_type)
         return preflight.check_instance_type(spec, facts)
+    start = time.thread_time()
     nodes, pods = ctx.nodes_and_pods(indexes)
     competitors = _competitors(ctx, run, indexes, nodes, pods)
-    free = preflight.free_worker_nodes(spec, nodes, pods)
-    result = preflight.admit(spec, created, f"{run.namespace}/{run.name}", free, competitors)
+    name = f"{run.namespace}/{run.name}"
+    if not any(c.name == name and not c.admitted for c in competitors):  # not in the index (yet)
+        free = ctx.free_nodes(preflight.placement_key(spec), spec, nodes, pods)
+        own = preflight.Competitor(
+            name, created, spec.cluster.instance_type, False, None, spec.cluster.workers
+        )
+        competitors.append(dataclasses.replace(own, spec=spec, free=free))
+    # One placement of the queue serves every run's pass until the view changes (preflight.Queue).
+    instance_type = spec.cluster.instance_type
+    queue = ctx.queues.get(instance_type)
+    queue = queue.still_holds(competitors) if queue is not None else None
+    if queue is None or name not in queue.results:
+        queue = preflight.Queue.place(competitors, instance_type)
+        ctx.queue_placements += 1
+        metrics.QUEUE_PLACEMENTS.inc()
+    ctx.queues[instance_type] = queue
+    result = queue.results[name]
     if result.ok:
         ctx.admitted[run.uid] = (
             time.monotonic(),
             preflight.Competitor(
-                name=f"{run.namespace}/{run.name}",
+                name=name,
                 created=created,
-                instance_type=spec.cluster.instance_type,
+                instance_type=instance_type,
                 admitted=True,
                 zone=result.zone,
                 workers_not_placed=spec.cluster.workers,
             ),
         )
+    spent = time.thread_time() - start
+    ctx.admission_cpu_seconds += spent
+    metrics.ADMISSION_CPU.inc(spent)
     return result
 
 
@@ -538,6 +664,7 @@ def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> De
                 return None  # deleted (or re-created under the same name: that object gets its own passes)
             if current["metadata"].get("deletionTimestamp"):
                 return None
+            current = ctx.newest(current)
             try:
                 return _reconcile_once(ctx, dict(current), indexes)
             except Conflict as conflict:
@@ -696,6 +823,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     spec, status = _parse(body, stored)
     obs = _observe(ctx, run, stored, spec, status, indexes)
+    if obs.cluster is not None:
+        ctx.created.pop(run.uid, None)  # the index has it: a later loss is recreated at once
     decision = reconcile(spec, status, obs)
     new = decision.status
     cluster_name = builder.ray_cluster_name(run.name)
@@ -709,7 +838,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     old = stored.get("status") or {}
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     if patch:
-        ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        ctx.wrote(run.uid, meta["resourceVersion"], stored_now)
         fault_point("after-status-write", new.attempt)
     metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
     _act(ctx, run, spec, decision)
@@ -734,9 +864,16 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
                 )
         if decision.delete_cluster:
             ctx.kube.delete_raycluster(run.namespace, cluster_name)
-        if decision.create_cluster:
+        if decision.delete_cluster:
+            ctx.created.pop(run.uid, None)
+        created = ctx.created.get(run.uid)
+        attempt = decision.status.attempt
+        if decision.create_cluster and not (
+            created and created[1] == attempt and time.monotonic() - created[0] < CREATED_MEMORY_SECONDS
+        ):
             _create_cluster_guards(ctx, run)
             ctx.kube.create_raycluster(_desired_cluster(ctx, run, spec, decision.status))
+            ctx.created[run.uid] = (time.monotonic(), attempt)
             fault_point("after-create-cluster", decision.status.attempt)
         if decision.submit_attempt is not None:
             _submit(ctx, run, spec, decision)
@@ -865,9 +1002,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     ours = {builder.LABEL_MANAGED_BY: builder.MANAGER}
 
     @kopf.on.login(registry=registry)
-    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
-        # Same credentials as the kubernetes client: in-cluster service account, else KUBECONFIG.
-        return kopf.login_via_client(**kwargs)
+    async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
+        # Same credentials as the kubernetes client, in a session with a bounded connection pool.
+        return await kopfsession.login(settings.watch_namespaces, **kwargs)
 
     watch_seconds = settings.watch_timeout_seconds
     watch_deadline = watch_seconds + max(5, watch_seconds // 10)
@@ -955,13 +1092,34 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def unfinished(status: kopf.Status, **_: Any) -> bool:
         return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
 
-    @kopf.timer(*resource, interval=settings.observe_interval_seconds, when=unfinished, registry=registry)
+    # First tick one interval in: on.create / on.resume make the first pass (a tick at once would race them
+    # with the pre-finalizer body and conflict).
+    @kopf.timer(
+        *resource,
+        interval=settings.observe_interval_seconds,
+        initial_delay=settings.observe_interval_seconds,
+        when=unfinished,
+        registry=registry,
+    )
     def on_timer(body: kopf.Body, **kwargs: Any) -> None:
         reconcile_run(ctx, body, indexes_of(kwargs))
 
     @kopf.on.event(*ray_clusters, labels=ours, registry=registry)
-    def on_raycluster_event(body: kopf.Body, **kwargs: Any) -> None:
-        # React to KubeRay at once (the cluster turning ready, deleted) instead of at the next timer tick.
+    def on_raycluster_event(body: kopf.Body, type: str | None = None, **kwargs: Any) -> None:
+        # React to KubeRay at once (the cluster ready or failed, suspended, edited, deleted) instead of at the
+        # next timer tick; not to each of its progress notes while it provisions (a status write each, with
+        # nothing a user or a retry needs that the next tick would not write too).
+        key = (body["metadata"]["namespace"], body["metadata"]["name"])
+        seen = cluster_reaction(body)
+        before = ctx.cluster_seen.get(key)
+        if type == "DELETED":
+            ctx.cluster_seen.pop(key, None)
+        else:
+            ctx.cluster_seen[key] = seen
+            # The first sight of one the operator just created (or, after a restart, one on.resume passes
+            # over anyway) has nothing to act on unless it is ready or going.
+            if seen == before or (before is None and not (seen[1] or seen[2])):
+                return
         indexes = indexes_of(kwargs)
         owners = body["metadata"].get("ownerReferences") or []
         name = next((o["name"] for o in owners if o.get("kind") == api.KIND), None)

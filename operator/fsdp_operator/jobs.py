@@ -1,4 +1,4 @@
-"""Ray jobs through Ray's job submission client, idempotent by submission id, every request bounded."""
+"""Ray jobs through Ray's job REST API (`jobclient`), idempotent by submission id, every request bounded."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import datetime as dt
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_operator.jobclient import DashboardError, JobClient
 from fsdp_operator.settings import DashboardAddressMode, Settings
 
 DASHBOARD_PORT = 8265
@@ -45,28 +46,6 @@ def dashboard_url(settings: Settings, namespace: str, cluster_name: str, apiserv
     return f"http://{service}.{namespace}.svc:{DASHBOARD_PORT}"
 
 
-def _bounded_client_class() -> type[Any]:
-    from ray.job_submission import JobSubmissionClient
-
-    class BoundedJobSubmissionClient(JobSubmissionClient):
-        """Ray's client, with a timeout and a TLS client certificate on every request: Ray passes neither,
-        and `_do_request` is the one place all of its requests (the version check included) go through."""
-
-        def __init__(self, address: str, auth: DashboardAuth | None) -> None:
-            self._client_cert = auth.client_cert if auth else None
-            super().__init__(
-                address, headers=dict(auth.headers) if auth else None, verify=auth.verify if auth else True
-            )
-
-        def _do_request(self, method: str, endpoint: str, **kwargs: Any) -> Any:
-            kwargs.setdefault("timeout", REQUEST_TIMEOUT)
-            if self._client_cert:
-                kwargs.setdefault("cert", self._client_cert)
-            return super()._do_request(method, endpoint, **kwargs)
-
-    return BoundedJobSubmissionClient
-
-
 def job_not_found(status_code: int, text: str, submission_id: str) -> bool:
     """Ray's own answer for an unknown job, not any 404 (a missing Service behind the apiserver proxy is a 404
     too, and means the head is unreachable, not that the job is gone)."""
@@ -74,51 +53,53 @@ def job_not_found(status_code: int, text: str, submission_id: str) -> bool:
 
 
 class Jobs:
-    """Job calls against one Ray dashboard. Construction does not connect; every call may raise (a timeout,
-    ConnectionError) while the head is (re)starting or unreachable."""
+    """Job calls against one Ray dashboard, over Ray's job REST API (`jobclient`; no Ray import in the
+    operator). Construction does not connect; every call may raise (a timeout, a refused connection) while
+    the head is (re)starting or unreachable."""
 
     def __init__(self, address: str, auth: DashboardAuth | None = None) -> None:
         self.address = address
         self.auth = auth
-        self._client: Any = None
+        self._client: JobClient | None = None
 
     @property
-    def client(self) -> Any:
+    def client(self) -> JobClient:
         if self._client is None:
-            self._client = _bounded_client_class()(self.address, self.auth)
+            auth = self.auth
+            self._client = JobClient(
+                self.address,
+                headers=dict(auth.headers) if auth else None,
+                verify=auth.verify if auth else True,
+                client_cert=auth.client_cert if auth else None,
+                timeout=REQUEST_TIMEOUT,
+            )
         return self._client
 
     def observe(self, submission_id: str, with_logs: bool = True) -> JobObservation:
-        response = self.client._do_request("GET", f"/api/jobs/{submission_id}")
-        if job_not_found(response.status_code, response.text, submission_id):
+        response = self.client.job_info(submission_id)
+        if job_not_found(response.status, response.text, submission_id):
             return JobObservation(submission_id, None, "Ray has no job with this submission id")
-        if response.status_code != 200:
-            self.client._raise_error(response)
-        info = response.json()
+        info = self.client.ok(response).json()
         status = str(info.get("status"))
-        logs = self.logs_tail(submission_id) if with_logs and status in ("FAILED", "STOPPED") else ""
+        ended = with_logs and status in ("FAILED", "STOPPED")
+        logs = self.logs_tail(submission_id, info.get("driver_node_id")) if ended else ""
         started = info.get("start_time")
         start_time = dt.datetime.fromtimestamp(started / 1000, dt.UTC) if started else None
         return JobObservation(submission_id, status, info.get("message") or "", logs, start_time)
 
-    def logs_tail(self, submission_id: str) -> str:
+    def logs_tail(self, submission_id: str, node_id: str | None = None) -> str:
         """The driver log's last lines, from the dashboard's log API (it reads only the tail), never the
-        whole log; empty when the head cannot serve it."""
+        whole log; empty when the head cannot serve it. Ray 2.58's log API finds a submission's driver log
+        only on the node named (the job's driver_node_id): without it, it answers 500."""
         try:
-            response = self.client._do_request(
-                "GET",
-                "/api/v0/logs/file",
-                params={"submission_id": submission_id, "lines": LOG_TAIL_LINES},
-                stream=True,
-            )
-            with response:
-                if response.status_code != 200:
-                    return ""
-                body = response.raw.read(LOG_TAIL_CHARS * 4, decode_content=True).decode(errors="replace")
+            if node_id is None:
+                node_id = self.client.ok(self.client.job_info(submission_id)).json().get("driver_node_id")
+            if not node_id:
+                return ""
+            response = self.client.log_tail(submission_id, node_id, LOG_TAIL_LINES, LOG_TAIL_CHARS * 4)
         except Exception:  # the tail is evidence for classification, never a reason to fail the pass
             return ""
-        # The stream starts with "1" when the log was found ("0" and an error otherwise).
-        return body[1:][-LOG_TAIL_CHARS:] if body.startswith("1") else ""
+        return response.text[-LOG_TAIL_CHARS:] if response.status == 200 else ""
 
     def submit(
         self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]
@@ -130,13 +111,11 @@ class Jobs:
             self.client.submit_job(
                 entrypoint=entrypoint, submission_id=submission_id, runtime_env=runtime_env, metadata=metadata
             )
-        except RuntimeError as error:
-            if "already exists" not in str(error):
+        except DashboardError as error:
+            if "already exists" not in error.text:
                 raise
 
     def stop(self, submission_id: str) -> None:
-        response = self.client._do_request("POST", f"/api/jobs/{submission_id}/stop")
-        if response.status_code != 200 and not job_not_found(
-            response.status_code, response.text, submission_id
-        ):
-            self.client._raise_error(response)
+        response = self.client.stop_job(submission_id)
+        if response.status != 200 and not job_not_found(response.status, response.text, submission_id):
+            self.client.ok(response)

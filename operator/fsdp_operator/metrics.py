@@ -119,6 +119,17 @@ TIME_TO_RUNNING = Histogram(
     registry=REGISTRY,
 )
 
+ADMISSION_CPU = Counter(
+    f"{PREFIX}admission_cpu_seconds",
+    "CPU time (the deciding thread's) spent on admission decisions: the other runs, the queue's placement.",
+    registry=REGISTRY,
+)
+QUEUE_PLACEMENTS = Counter(
+    f"{PREFIX}admission_queue_placements",
+    "How often the whole admission queue was placed (once per view; the runs of one view share it).",
+    registry=REGISTRY,
+)
+
 P = ParamSpec("P")
 R = TypeVar("R")
 

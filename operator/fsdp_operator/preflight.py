@@ -229,6 +229,130 @@ def admit(
     return check_nodes(spec, free, reserved)
 
 
+def _blocked_by(other: Competitor, instance_type: str) -> PreflightResult:
+    return PreflightResult(
+        False,
+        WAITING_FOR_EARLIER_RUN,
+        f"{other.name}, created earlier, waits for {instance_type} capacity too and is admitted first",
+    )
+
+
+def _in_order(competitors: Iterable[Competitor], instance_type: str) -> list[Competitor]:
+    """The waiting runs of one instance type in admission order (creation time, then name)."""
+    waiting = (c for c in competitors if not c.admitted and c.instance_type == instance_type)
+    return sorted(waiting, key=lambda c: (c.created, c.name))
+
+
+def _reserving(competitors: list[Competitor], instance_type: str) -> dict[str, tuple[str | None, int]]:
+    """The admitted runs that `reservations` counts: name -> (zone, workers not placed)."""
+    return {
+        c.name: (c.zone, c.workers_not_placed)
+        for c in competitors
+        if c.admitted and c.instance_type == instance_type and c.zone
+    }
+
+
+@dataclass
+class Queue:
+    """One placement of every waiting run of an instance type, in order, as `admit` places them, with each
+    run's own result; `extend` places runs created after all of them without placing the others again."""
+
+    instance_type: str
+    admitted: dict[
+        str, tuple[str | None, int]
+    ]  # name -> (zone, workers not placed): the runs it reserved for
+    waiting: list[Competitor]
+    results: dict[str, PreflightResult]
+    reserved: dict[str, int]
+    blocker: Competitor | None = None
+
+    @classmethod
+    def place(cls, competitors: Iterable[Competitor], instance_type: str) -> Queue:
+        competitors = list(competitors)
+        admitted = _reserving(competitors, instance_type)
+        queue = cls(instance_type, admitted, [], {}, reservations(competitors, instance_type))
+        queue.extend(_in_order(competitors, instance_type))
+        return queue
+
+    def extend(self, later: Iterable[Competitor]) -> None:
+        for run in later:
+            assert run.spec is not None, "a waiting run's record carries its spec"
+            self.waiting.append(run)
+            if self.blocker is not None:
+                self.results[run.name] = _blocked_by(self.blocker, self.instance_type)
+                continue
+            placed = check_nodes(run.spec, list(run.free), self.reserved)
+            self.results[run.name] = placed
+            if placed.ok and placed.zone is not None:
+                self.reserved[placed.zone] = self.reserved.get(placed.zone, 0) + run.workers_not_placed
+            elif (
+                run.fits_when_empty
+            ):  # holds every later run back (no backfill); one that never fits does not
+                self.blocker = run
+
+    def still_holds(self, competitors: Iterable[Competitor]) -> Queue | None:
+        """This placement for a newer view of the same runs, or None when the view changed in a way that
+        could change a result. It holds when the only changes are runs it placed that are now admitted where
+        it placed them, with all their workers still to place, and runs created after all of its own (placed
+        now, after them)."""
+        competitors = list(competitors)
+        admitted = _reserving(competitors, self.instance_type)
+        waiting = _in_order(competitors, self.instance_type)
+        now_admitted = set(admitted) - set(self.admitted)
+        if any(self.admitted[name] != admitted.get(name) for name in self.admitted):
+            return None  # one finished, moved, or placed some of its workers: its reservation changed
+        ours = {run.name: run for run in self.waiting}
+        for name in now_admitted:
+            result, run = self.results.get(name), ours.get(name)
+            if (
+                result is None
+                or run is None
+                or not result.ok
+                or admitted[name] != (result.zone, run.workers_not_placed)
+            ):
+                return None
+        still = [run for run in self.waiting if run.name not in now_admitted]
+        if not _same_runs(waiting[: len(still)], still):
+            return None
+        later = waiting[len(still) :]
+        if (
+            later
+            and self.waiting
+            and (later[0].created, later[0].name)
+            < (
+                self.waiting[-1].created,
+                self.waiting[-1].name,
+            )
+        ):
+            return None  # a run placed among ours, not after them: every later result may change
+        self.admitted.update((name, admitted[name]) for name in now_admitted)
+        self.waiting = still
+        self.extend(later)
+        return self
+
+
+def _same_runs(now: list[Competitor], placed: list[Competitor]) -> bool:
+    """The same waiting runs with the same demand and the same free nodes (specs compared by identity: the
+    operator parses each run's spec once per generation)."""
+    same_free: dict[tuple[int, int], bool] = {}  # runs of one placement share one tuple of free nodes
+
+    def free_equal(a: tuple[NodeFree, ...], b: tuple[NodeFree, ...]) -> bool:
+        key = (id(a), id(b))
+        if key not in same_free:
+            same_free[key] = a == b
+        return same_free[key]
+
+    return len(now) == len(placed) and all(
+        a.name == b.name
+        and a.created == b.created
+        and a.spec is b.spec
+        and a.workers_not_placed == b.workers_not_placed
+        and a.fits_when_empty == b.fits_when_empty
+        and free_equal(a.free, b.free)
+        for a, b in zip(now, placed, strict=True)
+    )
+
+
 def check_nodes(
     spec: api.FSDPTrainingRunSpec, free: list[NodeFree], reserved: Mapping[str, int] | None = None
 ) -> PreflightResult:

@@ -51,6 +51,8 @@ SERIES = {
     "fsdp_operator_run_last_checkpoint_age_seconds",
     "fsdp_operator_restarts_total",
     "fsdp_operator_errors_total",
+    "fsdp_operator_admission_cpu_seconds_total",
+    "fsdp_operator_admission_queue_placements_total",
     *(
         f"fsdp_operator_{histogram}_{suffix}"
         for histogram in (

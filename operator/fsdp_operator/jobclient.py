@@ -1,0 +1,224 @@
+"""A small client for Ray's job REST API, on urllib3 (already loaded by the kubernetes client and botocore).
+
+What the operator asks a Ray dashboard, and nothing else, as Ray's own `JobSubmissionClient` asks it
+(ray/dashboard/modules/dashboard_sdk.py and job/sdk.py, Ray 2.58), so that the operator process never imports
+Ray (its client costs ~75 MiB of imports and `_raylet.so`):
+
+- `POST /api/jobs/` submit, `GET /api/jobs/<id>` status, `POST /api/jobs/<id>/stop` stop;
+- `GET /api/v0/logs/file?node_id=<driver node>&submission_id=<id>&lines=N`: the driver log's tail;
+- `GET` / `PUT /api/packages/<protocol>/<name>`: a local py_modules directory is zipped (the directory itself
+  at the top, as Ray's `create_package(include_parent_dir=True)`) and uploaded under a content-addressed
+  `gcs://_ray_pkg_<hash>.zip` unless the dashboard has it already. The GET also pins the package in the GCS
+  for a while (the dashboard's `pin_runtime_env_uri`), so it outlives the gap to the submit.
+
+Like KubeRay's controller (ray-operator/controllers/ray/utils/dashboard_httpclient.go) it skips the SDK's
+`GET /api/version` check: a head that is not up fails the call the operator actually makes.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import json
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+import urllib3
+
+RAY_PKG_PREFIX = "_ray_pkg_"
+USER_AGENT = "fsdp-operator"
+# Every entry of a package zip gets this time, so that the same files always make the same bytes.
+ZIP_DATE = (1980, 1, 1, 0, 0, 0)
+POOL_SIZE = 32  # connections kept per dashboard host: one per handler thread (settings.worker_threads)
+
+
+class DashboardError(RuntimeError):
+    """The dashboard answered, but not with success; worded as Ray's client words it."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(f"Request failed with status code {status}: {text}.")
+        self.status = status
+        self.text = text
+
+
+@dataclass(frozen=True)
+class Response:
+    status: int
+    text: str
+
+    def json(self) -> Any:
+        return json.loads(self.text)
+
+
+@functools.cache
+def _pool(verify: str | bool, client_cert: tuple[str, str] | None) -> urllib3.PoolManager:
+    """One connection pool per TLS set-up, shared by every dashboard client of the process."""
+    tls: dict[str, Any] = {}
+    if verify is False:
+        tls["cert_reqs"] = "CERT_NONE"
+    else:
+        tls["cert_reqs"] = "CERT_REQUIRED"
+        if isinstance(verify, str):
+            tls["ca_cert_dir" if Path(verify).is_dir() else "ca_certs"] = verify
+    if client_cert:
+        tls["cert_file"], tls["key_file"] = client_cert
+    return urllib3.PoolManager(num_pools=16, maxsize=POOL_SIZE, block=False, retries=False, **tls)
+
+
+def package_files(directory: Path) -> list[Path]:
+    """The files a package of `directory` holds: its files, without bytecode caches, in path order."""
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and "__pycache__" not in p.relative_to(directory).parts and p.suffix != ".pyc"
+    )
+
+
+@functools.cache
+def zip_package(directory: Path) -> tuple[str, bytes]:
+    """`directory` zipped with itself as the top-level entry, and its content-addressed GCS URI. The same
+    files always give the same bytes (fixed times and order): the URI names the content, not the moment."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_DEFLATED) as archive:
+        for path in package_files(directory):
+            info = zipfile.ZipInfo((Path(directory.name) / path.relative_to(directory)).as_posix(), ZIP_DATE)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, path.read_bytes())
+    data = buffer.getvalue()
+    return f"gcs://{RAY_PKG_PREFIX}{hashlib.sha256(data).hexdigest()[:32]}.zip", data
+
+
+def normalized_runtime_env(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+    """The runtime env as Ray's client sends it (`RuntimeEnv(...).to_dict()`): a pip list becomes
+    `{"packages": [...], "pip_check": false}`; env_vars must map strings to strings."""
+    env = dict(runtime_env)
+    pip = env.get("pip")
+    if isinstance(pip, list | tuple):
+        env["pip"] = {"packages": list(pip), "pip_check": False}
+    for key, value in (env.get("env_vars") or {}).items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"runtime_env env_vars must map str to str, got {key!r}: {value!r}")
+    return env
+
+
+class JobClient:
+    """Requests to one Ray dashboard. Every request is bounded by `timeout` (connect, read) and carries
+    `headers` (the Ray token, and the apiserver's credentials through its service proxy); none is retried
+    here: the operator's next pass is the retry. Raises urllib3's errors (a timeout, a refused connection)
+    and DashboardError."""
+
+    def __init__(
+        self,
+        address: str,
+        headers: Mapping[str, str] | None = None,
+        verify: str | bool = True,
+        client_cert: tuple[str, str] | None = None,
+        timeout: tuple[float, float] = (5.0, 15.0),
+    ) -> None:
+        self.address = address.rstrip("/")
+        self.headers = {"User-Agent": USER_AGENT, **(headers or {})}
+        self.timeout = urllib3.Timeout(connect=timeout[0], read=timeout[1])
+        self.http = _pool(verify, client_cert)
+
+    def request(
+        self,
+        method: str,
+        endpoint: str,
+        *,
+        json_data: Any = None,
+        data: bytes | None = None,
+        params: Mapping[str, Any] | None = None,
+        limit: int | None = None,
+    ) -> Response:
+        """One request; the body is read whole, or only its first `limit` bytes (a streamed log)."""
+        url = self.address + endpoint + (f"?{urlencode(params)}" if params else "")
+        headers = dict(self.headers)
+        body = data
+        if json_data is not None:
+            body = json.dumps(json_data).encode()
+            headers["Content-Type"] = "application/json"
+        answer = self.http.request(
+            method, url, body=body, headers=headers, timeout=self.timeout, preload_content=limit is None
+        )
+        try:
+            raw = answer.data if limit is None else answer.read(limit, decode_content=True)
+        finally:
+            if limit is not None:
+                answer.drain_conn()
+                answer.release_conn()
+        return Response(answer.status, raw.decode(errors="replace"))
+
+    def ok(self, response: Response) -> Response:
+        if response.status != 200:
+            raise DashboardError(response.status, response.text)
+        return response
+
+    # -- the calls --------------------------------------------------------------------------------------
+
+    def job_info(self, submission_id: str) -> Response:
+        """`GET /api/jobs/<id>`, as answered (404 "Job <id> does not exist" for an unknown job)."""
+        return self.request("GET", f"/api/jobs/{submission_id}")
+
+    def stop_job(self, submission_id: str) -> Response:
+        return self.request("POST", f"/api/jobs/{submission_id}/stop")
+
+    def log_tail(self, submission_id: str, node_id: str, lines: int, limit: int) -> Response:
+        """The driver log's last `lines` (at most `limit` bytes of them), as Ray's `get_log` asks for it."""
+        params = {"node_id": node_id, "submission_id": submission_id, "lines": lines}
+        return self.request("GET", "/api/v0/logs/file", params=params, limit=limit)
+
+    def package_exists(self, uri: str) -> bool:
+        protocol, name = uri.split("://", 1)
+        response = self.request("GET", f"/api/packages/{protocol}/{name}")
+        if response.status == 404:
+            return False
+        self.ok(response)
+        return True
+
+    def upload_package(self, uri: str, data: bytes) -> None:
+        protocol, name = uri.split("://", 1)
+        self.ok(self.request("PUT", f"/api/packages/{protocol}/{name}", data=data))
+
+    def upload_py_modules(self, runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+        """Local py_modules directories uploaded (unless the dashboard has them) and named by their URIs."""
+        env = dict(runtime_env)
+        modules = []
+        for module in env.get("py_modules") or []:
+            if "://" in str(module):
+                modules.append(str(module))
+                continue
+            path = Path(module).resolve()
+            if not path.is_dir():
+                raise ValueError(f"py_modules entry {module} is not a directory or a URI")
+            uri, data = zip_package(path)
+            if not self.package_exists(uri):
+                self.upload_package(uri, data)
+            modules.append(uri)
+        if "py_modules" in env:
+            env["py_modules"] = modules
+        return env
+
+    def submit_job(
+        self,
+        *,
+        entrypoint: str,
+        submission_id: str,
+        runtime_env: Mapping[str, Any],
+        metadata: Mapping[str, str],
+    ) -> str:
+        """Uploads the runtime env's local packages, then `POST /api/jobs/`; returns the submission id."""
+        env = normalized_runtime_env(self.upload_py_modules(runtime_env))
+        body = {
+            "entrypoint": entrypoint,
+            "submission_id": submission_id,
+            "runtime_env": env,
+            "metadata": dict(metadata),
+        }
+        answer = self.ok(self.request("POST", "/api/jobs/", json_data=body)).json()
+        return str(answer["submission_id"])

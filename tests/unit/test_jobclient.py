@@ -1,0 +1,218 @@
+"""The operator's Ray job client against a recording HTTP server: what it sends, and how it reads answers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from io import BytesIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+import urllib3
+
+from fsdp_operator import jobclient
+from fsdp_operator.jobs import Jobs
+
+
+class Dashboard(ThreadingHTTPServer):
+    """Answers as Ray's dashboard does, for the calls the operator makes; records every request."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.seen: list[tuple[str, str, dict[str, str], bytes]] = []
+        self.packages: dict[str, bytes] = {}
+        self.jobs: dict[str, dict[str, Any]] = {}
+        self.hang = threading.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Dashboard
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def answer(self, status: int, body: str | dict[str, Any] = "") -> None:
+        data = (json.dumps(body) if isinstance(body, dict) else body).encode()
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def handle_any(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = self.rfile.read(length) if length else b""
+        self.server.seen.append((self.command, self.path, dict(self.headers), body))
+        if self.server.hang.is_set():
+            time.sleep(2)  # longer than the client's read timeout
+            return
+        path, method = self.path, self.command
+        if path.startswith("/api/packages/"):
+            uri = path.removeprefix("/api/packages/").replace("/", "://", 1)
+            if method == "PUT":
+                self.server.packages[uri] = body
+                return self.answer(200)
+            return (
+                self.answer(200)
+                if uri in self.server.packages
+                else self.answer(404, f"Package {uri} does not exist")
+            )
+        if path == "/api/jobs/" and method == "POST":
+            request = json.loads(body)
+            if request["submission_id"] in self.server.jobs:
+                return self.answer(400, f"Job with submission_id {request['submission_id']} already exists.")
+            self.server.jobs[request["submission_id"]] = {**request, "status": "PENDING", "start_time": 1e12}
+            return self.answer(200, {"submission_id": request["submission_id"]})
+        if path.startswith("/api/jobs/"):
+            job_id = path.removeprefix("/api/jobs/").removesuffix("/stop")
+            job = self.server.jobs.get(job_id)
+            if job is None:
+                return self.answer(404, f"Job {job_id} does not exist")
+            if path.endswith("/stop"):
+                job["status"] = "STOPPED"
+                return self.answer(200, {"stopped": True})
+            return self.answer(200, job)
+        if path.startswith("/api/v0/logs/file"):
+            if "node_id=" not in path:  # Ray 2.58: no driver log found without the node
+                return self.answer(500, "node_id or node_ip must be provided")
+            return self.answer(200, "".join(f"line {i}\n" for i in range(100)))
+        return self.answer(404, "no such route")
+
+    do_GET = do_POST = do_PUT = handle_any
+
+
+@pytest.fixture
+def dashboard() -> Iterator[Dashboard]:
+    server = Dashboard()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.hang.clear()
+    server.shutdown()
+
+
+def package(tmp_path: Path) -> Path:
+    module = tmp_path / "mymodule"
+    (module / "sub").mkdir(parents=True)
+    (module / "__init__.py").write_text("X = 1\n")
+    (module / "sub" / "data.txt").write_text("data\n")
+    (module / "__pycache__").mkdir()
+    (module / "__pycache__" / "__init__.cpython-311.pyc").write_bytes(b"\0")
+    return module
+
+
+def test_submit_uploads_the_package_once_and_sends_the_job_as_rays_client_does(
+    dashboard: Dashboard, tmp_path: Path
+) -> None:
+    module = package(tmp_path)
+    jobs = Jobs(dashboard.url)
+    env = {"py_modules": [str(module)], "pip": ["six"], "env_vars": {"A": "1"}}
+    jobs.submit("run-1", "python -m mymodule", env, {"run": "r"})
+    jobs.submit("run-2", "python -m mymodule", env, {"run": "r"})
+    calls = [(method, path.split("?")[0]) for method, path, _, _ in dashboard.seen]
+    uri, _ = jobclient.zip_package(module.resolve())
+    name = uri.removeprefix("gcs://")
+    assert calls == [
+        ("GET", "/api/jobs/run-1"),  # not there yet
+        ("GET", f"/api/packages/gcs/{name}"),
+        ("PUT", f"/api/packages/gcs/{name}"),
+        ("POST", "/api/jobs/"),
+        ("GET", "/api/jobs/run-2"),
+        ("GET", f"/api/packages/gcs/{name}"),  # there now (and pinned again): no second upload
+        ("POST", "/api/jobs/"),
+    ]
+    assert name.startswith("_ray_pkg_") and name.endswith(".zip")
+    submitted = dashboard.jobs["run-1"]
+    assert submitted["runtime_env"] == {
+        "py_modules": [uri],
+        "pip": {"packages": ["six"], "pip_check": False},
+        "env_vars": {"A": "1"},
+    }
+    assert submitted["entrypoint"] == "python -m mymodule" and submitted["metadata"] == {"run": "r"}
+    # The module itself at the top of the zip (Ray's include_parent_dir), no bytecode.
+    with zipfile.ZipFile(BytesIO(dashboard.packages[uri])) as archive:
+        assert sorted(archive.namelist()) == ["mymodule/__init__.py", "mymodule/sub/data.txt"]
+    # Resubmitting an id Ray has is a no-op; one it reports as existing is taken as ours.
+    jobs.submit("run-1", "python -m mymodule", env, {"run": "r"})
+    assert dashboard.seen[-1][:2] == ("GET", "/api/jobs/run-1")
+
+
+def test_the_same_files_make_the_same_package(tmp_path: Path) -> None:
+    first = jobclient.zip_package.__wrapped__(package(tmp_path / "a"))
+    second = jobclient.zip_package.__wrapped__(package(tmp_path / "b"))
+    assert first == second
+    (tmp_path / "b" / "mymodule" / "__init__.py").write_text("X = 2\n")
+    assert jobclient.zip_package.__wrapped__(tmp_path / "b" / "mymodule")[0] != first[0]
+
+
+def test_status_stop_logs_and_unknown_jobs(dashboard: Dashboard) -> None:
+    jobs = Jobs(dashboard.url)
+    assert jobs.observe("nope").status is None
+    jobs.stop("nope")  # Ray's "does not exist": nothing to stop
+    dashboard.jobs["j"] = {"status": "FAILED", "message": "boom", "start_time": 1_700_000_000_000,
+                           "driver_node_id": "n1"}  # fmt: skip
+    seen = jobs.observe("j")
+    assert seen.status == "FAILED" and seen.message == "boom" and seen.start_time is not None
+    assert seen.logs_tail.endswith("line 99\n") and len(seen.logs_tail) <= 4000
+    log_request = dashboard.seen[-1][1]
+    assert log_request == "/api/v0/logs/file?node_id=n1&submission_id=j&lines=60"
+    assert jobs.logs_tail("j").endswith("line 99\n")  # the driver's node read from the job
+    jobs.stop("j")
+    assert dashboard.jobs["j"]["status"] == "STOPPED"
+
+
+def test_every_request_carries_the_headers_and_a_missing_route_is_not_an_unknown_job(
+    dashboard: Dashboard,
+) -> None:
+    from fsdp_operator.jobs import DashboardAuth
+
+    auth = DashboardAuth(headers=(("Authorization", "Bearer k8s"), ("X-Ray-Authorization", "Bearer ray")))
+    jobs = Jobs(dashboard.url + "/not-a-dashboard", auth)
+    with pytest.raises(jobclient.DashboardError, match="status code 404"):
+        jobs.observe("j")  # a 404 that is not Ray's "Job j does not exist" (a missing Service)
+    headers = dashboard.seen[-1][2]
+    assert headers["Authorization"] == "Bearer k8s" and headers["X-Ray-Authorization"] == "Bearer ray"
+    assert headers["User-Agent"] == "fsdp-operator"
+
+
+def test_a_head_that_never_answers_costs_one_read_timeout(dashboard: Dashboard) -> None:
+    client = jobclient.JobClient(dashboard.url, timeout=(1.0, 0.5))
+    dashboard.hang.set()
+    with pytest.raises(urllib3.exceptions.ReadTimeoutError):
+        client.job_info("j")
+
+
+def test_a_refused_connection_raises_at_once() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(urllib3.exceptions.NewConnectionError):
+        jobclient.JobClient(f"http://127.0.0.1:{port}").job_info("j")
+
+
+def test_the_operator_never_imports_ray() -> None:
+    code = "import sys, fsdp_operator.__main__, fsdp_operator.handlers; print('ray' in sys.modules)"
+    repo = Path(__file__).resolve().parents[2]
+    path = os.pathsep.join(str(repo / d) for d in ("operator", "trainer"))
+    found = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    assert found.stdout.strip() == "False"
