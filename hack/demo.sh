@@ -32,7 +32,7 @@ else
   storage=s3://fsdp-demo/runs
   # The apiserver's proxied connections reach pods from the host's end of the pod segment; the Ray pods reach
   # S3 there too, with the local server's credentials, and no model hub.
-  pod_env=$(printf '{"AWS_ENDPOINT_URL": "%s", "AWS_ACCESS_KEY_ID": "%s", "AWS_SECRET_ACCESS_KEY": "%s", "AWS_DEFAULT_REGION": "%s", "HF_HUB_OFFLINE": "1"}' \
+  pod_env=$(printf '{"AWS_ENDPOINT_URL": "%s", "AWS_ACCESS_KEY_ID": "%s", "AWS_SECRET_ACCESS_KEY": "%s", "AWS_DEFAULT_REGION": "%s", "HF_HUB_OFFLINE": "1", "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300"}' \
     "$FSDP_POD_S3_ENDPOINT" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" "$AWS_DEFAULT_REGION")
   operator_env+=("FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS=$FSDP_HOST_POD_ADDRESS/32"
     "FSDP_OPERATOR_DEFAULT_IMAGE=$FSDP_DLC_IMAGE" "FSDP_OPERATOR_RAY_POD_ENV=$pod_env"

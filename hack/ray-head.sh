@@ -17,13 +17,15 @@ start() {
   # /tmp/ray/ray_current_cluster, which --temp-dir leaves stale or absent, and every job's end waited 12 s
   # for that lookup to time out. Token auth, as the operator sets it on every run's cluster: the dashboard and
   # GCS answer only callers with the token (its health endpoints stay open, for probes). It runs in the DLC's
-  # environment (Python 3.13, the DLC's Ray and torch), first on PATH, so that jobs' `python` is the DLC's.
+  # environment (Python 3.13, the DLC's Ray and torch), first on PATH, so that jobs' `python` is the DLC's. The
+  # dashboard's modules get 300 s to start, not Ray's 30: on a loaded machine MetricsHead took longer, and the
+  # dashboard (the job API) exited with it.
   log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
   mkdir -p "$RAY_TMP"
   (source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
     RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$FSDP_LOCAL_RAY_TOKEN \
     AUTOSCALER_METRIC_PORT=$RAY_AUTOSCALER_METRICS_PORT DASHBOARD_METRIC_PORT=$RAY_DASHBOARD_METRICS_PORT \
-    PATH="$DLC_VENV/bin:$PATH" &&
+    RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=300 PATH="$DLC_VENV/bin:$PATH" &&
     start_daemon ray "$DLC_VENV/bin/ray" start --head --block \
       --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
       --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \

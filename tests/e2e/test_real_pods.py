@@ -65,6 +65,8 @@ class RealNode:
             "AWS_SECRET_ACCESS_KEY": "testing",
             "AWS_DEFAULT_REGION": "us-west-2",
             "HF_HUB_OFFLINE": "1",
+            # The node is shared by the whole suite: give the dashboard's modules time to start.
+            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300",
         }
 
 
