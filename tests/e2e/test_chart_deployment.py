@@ -48,6 +48,7 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("", "services/proxy", "create"): "dashboard-address-mode service-proxy only (the test uses override)",
     ("", "services/proxy", "update"): "service-proxy's package upload, a PUT (the test uses override)",
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
+    ("fsdp.training.dev", "fsdptrainingruns", "get"): "a pass reads its run again only after a conflict",
     ("", "events", "patch"): "a repeated event (count bump); a clean run posts each event once",
 }
 
