@@ -167,6 +167,9 @@ class KueueProcess:
             "manageJobsWithoutQueueName": False,
             # waitForPodsReady absent: off.
             "integrations": {"frameworks": ["ray.io/raycluster"]},
+            # Ray pods request local disk (ephemeral-storage), which the ClusterQueue has no quota for:
+            # without this Kueue admits no workload ("resource ephemeral-storage unavailable").
+            "resources": {"excludeResourcePrefixes": ["ephemeral-storage"]},
         }
 
     def start(self) -> KueueProcess:
