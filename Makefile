@@ -49,8 +49,9 @@ lint: venv ## ruff and mypy
 
 .PHONY: test
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
+	export FSDP_RELIABILITY_TABLE=$(if $(PYTEST_ARGS),,docs/reliability.md) && \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
-	  $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS)
+	  $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS) && \
 	$(DLC_PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=5 \
 	  $(TRAINER_TESTS) $(PYTEST_ARGS)
 

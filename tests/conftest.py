@@ -28,6 +28,9 @@ from tests.harness import (
 )
 
 TIERS = ("unit", "cluster", "e2e")
+# The longest file (about half an hour of one worker's time under load) goes first, so the other worker's
+# files, not it, fill the end of the run.
+LONGEST_FILE = "tests/e2e/test_real_pods.py"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -36,9 +39,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test with its tier, and runs the slow tiers first: pytest-xdist hands whole files to its
-    workers in this order, so the long end-to-end files start early and the many short ones even out the
-    end."""
+    """Marks each test with its tier, and runs the longest file, then the slow tiers first: pytest-xdist
+    hands whole files to its workers in this order, so the long end-to-end files start early and the many
+    short ones even out the end."""
     tiers: dict[str, str] = {}
     for item in items:
         tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
@@ -46,7 +49,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/cluster or tests/e2e")
         item.add_marker(getattr(pytest.mark, tier))
         tiers[item.nodeid] = tier
-    items.sort(key=lambda item: ("e2e", "cluster", "unit").index(tiers[item.nodeid]))
+    items.sort(
+        key=lambda item: (
+            item.nodeid.split("::")[0] != LONGEST_FILE,
+            ("e2e", "cluster", "unit").index(tiers[item.nodeid]),
+        )
+    )
 
 
 def _cluster_running() -> bool:
@@ -171,8 +179,8 @@ def reliability(request: pytest.FixtureRequest) -> reliability_table.Recorder:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """A whole run (the configured test paths, nothing deselected) that passed rewrites the table. Under
-    pytest-xdist each worker hands its rows to the controller, which writes the table."""
+    """A whole run of `make test` (its configured test paths, nothing deselected) that passed rewrites its
+    section of the table. Under pytest-xdist each worker hands its rows to the controller, which writes it."""
     config = session.config
     rows = config.stash.setdefault(reliability_table.ROWS, {})
     order = config.stash.setdefault(reliability_table.ORDER, reliability_table.fault_tests(session.items))
@@ -180,14 +188,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         config.workeroutput["reliability"] = reliability_table.to_wire(rows, order)
         config.workeroutput["cluster_up_failures"] = _cluster_up_failures
         return
-    whole = (
-        config.args_source == pytest.Config.ArgsSource.TESTPATHS
-        and not config.option.keyword
-        and not config.option.markexpr
-        and not config.option.deselect
-    )
+    # `make test` names the table when it runs its whole configured set (no PYTEST_ARGS).
+    table = os.environ.get("FSDP_RELIABILITY_TABLE")
+    whole = table and not config.option.keyword and not config.option.markexpr and not config.option.deselect
     if whole and exitstatus == 0 and order and set(order) <= set(rows):
-        reliability_table.write_table(rows, order)
+        reliability_table.write_table(rows, order, Path(table))
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -289,6 +289,29 @@ def fields_others_own(namespace: str, manifest: dict[str, Any], applier: str) ->
     return taken
 
 
+GITOPS_APPLIER = "gitops"  # the field manager of a GitOps tool (Argo CD's ServerSideApply, Flux)
+
+
+def gitops_sync(namespace: str, manifest: dict[str, Any]) -> None:
+    """Applies a manifest as a GitOps tool syncs it: server-side, as its own field manager."""
+    kubectl(
+        "apply",
+        "--server-side",
+        f"--field-manager={GITOPS_APPLIER}",
+        "-n",
+        namespace,
+        "-f",
+        "-",
+        input=json.dumps(manifest),
+    )
+
+
+def assert_in_sync(namespace: str, manifest: dict[str, Any]) -> None:
+    """The live run is as the synced manifest says, and no one but the GitOps tool owns what it sets."""
+    assert drift(namespace, manifest, GITOPS_APPLIER) == ""
+    assert fields_others_own(namespace, manifest, GITOPS_APPLIER) == []
+
+
 @dataclass(frozen=True)
 class ControlPlaneComponent:
     """One process of the local control plane as kwokctl runs it (binary, arguments, working directory, pid

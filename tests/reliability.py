@@ -1,6 +1,7 @@
 """The reliability table, docs/reliability.md, made by the suite: every fault test records the fault it
-injected, the behaviour it asserts and the figure it measured. A run in which every such test ran and passed
-rewrites the table, with the date, the machine and the versions; no number in it is typed by hand."""
+injected, the behaviour it asserts and the figure it measured. A run of `make test` in which every such test
+ran and passed rewrites its environment's section of the table (the operator's Python and the DLC's run their
+own tests), with the date, the machine and the versions; no number in it is typed by hand."""
 
 from __future__ import annotations
 
@@ -8,16 +9,25 @@ import datetime as dt
 import os
 import platform
 import re
+import sys
 from dataclasses import astuple, dataclass
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bench.doc_section import write_section
 
 from tests.harness import REPO
 
-TABLE = REPO / "docs" / "reliability.md"
+INTRO = """# Reliability
+
+Written by `make test` (tests/reliability.py) from its last whole passing run, one section per Python
+environment it runs tests in: one row per injected fault, each a test that asserts the expected behaviour and
+measured the figure. Real components throughout: the local cluster's kube-apiserver, KubeRay, Ray heads (on
+the host, or in the real node's pods), the S3 server and real Ray jobs of the CPU demo (40-80 steps, a
+checkpoint every 10).
+"""
 ROWS = pytest.StashKey[dict[str, "Row"]]()
 ORDER = pytest.StashKey[list[str]]()  # every fault test collected, in collection order
 
@@ -52,18 +62,13 @@ def from_wire(wire: dict[str, Any]) -> tuple[dict[str, Row], list[str]]:
     return {test: Row(*cells) for test, cells in wire["rows"].items()}, list(wire["order"])
 
 
-def write_table(rows: dict[str, Row], order: list[str], path: Path = TABLE) -> None:
+def write_table(rows: dict[str, Row], order: list[str], path: Path) -> None:
+    """Rewrites this Python environment's section of the table, keeping the other environments' sections."""
     lines = [
-        "# Reliability",
-        "",
-        "Written by `make test` (tests/reliability.py) from its last whole passing run: one row per",
-        "injected fault, each a test that asserts the expected behaviour and measured the figure. Real",
-        "components throughout: the local cluster's kube-apiserver, KubeRay, a Ray head, the S3 server and",
-        "real Ray jobs of the CPU demo (40-80 steps, a checkpoint every 10).",
+        f"## Python {platform.python_version()}",
         "",
         f"- Date: {dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC",
-        f"- Machine: {os.cpu_count()} CPUs, {_memory_gib()} GiB, {platform.machine()}, Python "
-        f"{platform.python_version()}",
+        f"- Machine: {os.cpu_count()} CPUs, {_memory_gib()} GiB, {platform.machine()}",
         f"- Versions: {_versions()}",
         "",
         "| fault | expected | measured | test |",
@@ -72,7 +77,10 @@ def write_table(rows: dict[str, Row], order: list[str], path: Path = TABLE) -> N
     for test in order:
         cells = [*(_cell(text) for text in astuple(rows[test])), f"`{test.split('::')[-1]}`"]
         lines.append(f"| {' | '.join(cells)} |")
-    path.write_text("\n".join(lines) + "\n")
+    if not path.exists() or not path.read_text().startswith(INTRO):
+        path.write_text(INTRO)
+    environment = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    write_section(f"reliability-{environment}", "\n".join(lines), path)
 
 
 def _cell(text: str) -> str:
@@ -92,10 +100,14 @@ def _versions() -> str:
         found = re.search(rf"^{name}_VERSION=(\S+)", pinned, re.M)
         return found.group(1) if found else "?"
 
-    return (
-        f"Kubernetes {tool('K8S')}, KubeRay {tool('KUBERAY')}, Kueue {tool('KUEUE')}, Ray {version('ray')}, "
-        f"torch {version('torch')}, kopf {version('kopf')}"
-    )
+    def package(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:  # kopf is the operator's, not in the DLC's environment
+            return f"no {name}"
+
+    packages = ", ".join(package(name) for name in ("ray", "torch", "kopf"))
+    return f"Kubernetes {tool('K8S')}, KubeRay {tool('KUBERAY')}, Kueue {tool('KUEUE')}, {packages}"
 
 
 def seconds_between(start: Path | dt.datetime | str, end: Path | dt.datetime | str) -> float:

@@ -3,63 +3,18 @@ cluster DNS, the pod network, and a host left as it was found."""
 
 from __future__ import annotations
 
-import json
 import subprocess
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.harness import LocalCluster, cluster_settings, kubectl, kubectl_json, wait_until
+from tests.harness import LocalCluster, cluster_settings, kubectl_json
+from tests.probe_pod import run_probe
 
-TOLERATE_REAL_NODE = [{"key": "fsdp.training.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]
 # The kubelet would set these host-wide; it runs where they read as it wants them, so the host keeps its own.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")
-
-
-def probe_pod(namespace: str, image: str, node: str, command: str, **labels: str) -> dict[str, Any]:
-    name = f"probe-{uuid.uuid4().hex[:6]}"
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {
-            "nodeName": node,
-            "tolerations": TOLERATE_REAL_NODE,
-            "restartPolicy": "Never",
-            "terminationGracePeriodSeconds": 1,
-            "containers": [
-                {
-                    "name": "probe",
-                    "image": image,
-                    "imagePullPolicy": "Never",
-                    "command": ["python", "-c", command],
-                    "resources": {
-                        "requests": {"cpu": "50m", "memory": "64Mi"},
-                        "limits": {"memory": "256Mi"},
-                    },
-                }
-            ],
-        },
-    }
-
-
-def run_to_completion(pod: dict[str, Any]) -> tuple[str, str]:
-    """The pod's phase at its end and its log."""
-    kubectl("apply", "-f", "-", input=json.dumps(pod))
-    namespace, name = pod["metadata"]["namespace"], pod["metadata"]["name"]
-    phase = wait_until(
-        f"pod {name} to finish",
-        lambda: (
-            (p := kubectl_json("get", "pod", name, "-n", namespace)["status"].get("phase"))
-            in ("Succeeded", "Failed")
-            and p
-        ),
-        timeout=180,
-    )
-    return str(phase), kubectl("logs", "-n", namespace, name).stdout
 
 
 @pytest.fixture(scope="module")
@@ -100,8 +55,7 @@ try:
 except OSError:
     print("example.com refused")
 """
-    pod = probe_pod(namespace, local_cluster.env["FSDP_DLC_IMAGE"], node["metadata"]["name"], command)
-    phase, log = run_to_completion(pod)
+    phase, log = run_probe(namespace, local_cluster.env["FSDP_DLC_IMAGE"], node["metadata"]["name"], command)
     assert phase == "Succeeded", log
     assert "dns 198.19." in log  # the kubernetes Service, from the project's own range, by cluster DNS
     assert "s3 200" in log

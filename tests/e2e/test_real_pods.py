@@ -28,10 +28,11 @@ from tests.harness import (
     REPO,
     LocalCluster,
     OperatorProcess,
-    apply,
+    assert_in_sync,
     cluster_settings,
     conditions_of,
     example,
+    gitops_sync,
     kubectl,
     kubectl_json,
     rayclusters,
@@ -40,11 +41,11 @@ from tests.harness import (
     wait_until,
 )
 from tests.image import operator_image, service_account_files
+from tests.probe_pod import TOLERATE_REAL_NODE, run_probe
 
 # A real node is slower than KWOK: the image's Ray start, three pods' probes, then training on its 2 CPUs.
 RUN_TIMEOUT = 900
 OPERATOR_NAMESPACE = "fsdp-real-pods-operator"
-REAL_NODE_TOLERATION = [{"key": "fsdp.training.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]
 CONTAINERS_CONF = str(REPO / "hack" / "containers.conf")
 
 
@@ -160,7 +161,8 @@ def proxied_operator(
         print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-8000:]}")
 
 
-def real_pods_run(namespace: str, **changes: Any) -> str:
+def real_pods_run(namespace: str, **changes: Any) -> dict[str, Any]:
+    """examples/cpu-demo-real-pods.yaml with the test's data, applied as a GitOps tool applies it."""
     name = f"real-{uuid.uuid4().hex[:6]}"
     manifest = example(
         "cpu-demo-real-pods",
@@ -172,8 +174,8 @@ def real_pods_run(namespace: str, **changes: Any) -> str:
         },
     )
     manifest["metadata"]["name"] = name
-    apply(namespace, manifest)
-    return name
+    gitops_sync(namespace, manifest)
+    return manifest
 
 
 def pods_of(namespace: str, run: str) -> list[dict[str, Any]]:
@@ -238,11 +240,22 @@ def step_of(namespace: str, run: str) -> int:
     return int((run_of(namespace, run).get("status", {}).get("progress") or {}).get("step") or 0)
 
 
-def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_with_only_the_charts_rbac(
+def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives_killed_containers(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
-    run = real_pods_run(namespace, cleanupPolicy="KeepCluster")
-    finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
+    """One run for the whole real-pod path (each RayCluster start costs minutes of the node's 2 CPUs): where
+    its pods and Ray Train's workers run, then a worker container killed (Ray Train restarts its workers in
+    the job), then the head's (the operator restarts the run from the latest checkpoint)."""
+    every = 10
+    manifest = real_pods_run(
+        namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 80, "checkpoint.everySteps": every}
+    )
+    run = manifest["metadata"]["name"]
+    wait_until(
+        "the run past its second checkpoint",
+        lambda: step_of(namespace, run) >= 2 * every + 2,
+        timeout=RUN_TIMEOUT,
+    )
     pods = pods_of(namespace, run)
     assert sorted(node_type(p) for p in pods) == ["head", "worker", "worker"], [
         p["metadata"]["name"] for p in pods
@@ -252,42 +265,23 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_with_only_th
             f"{pod['metadata']['name']} ran on {pod['spec']['nodeName']}"
         )
         assert ray_container(pod)["containerID"].startswith("containerd://")
-    # The digest in the status is the one containerd reports for the image the containers ran.
-    image_ids = {ray_container(p)["imageID"] for p in pods}
-    assert len(image_ids) == 1, image_ids
-    assert finished["status"]["image"]["digest"] == image_ids.pop()
-    # Ray Train's workers ran in the worker pods, one in each, not on the head.
-    [head] = [p["metadata"]["name"] for p in pods if node_type(p) == "head"]
-    node_ips = {n["node_id"]: n["node_ip"] for n in ray_list(namespace, head, "nodes")}
-    workers = [a for a in ray_list(namespace, head, "actors") if "RayTrainWorker" in a.get("class_name", "")]
+    # Ray Train's workers run in the worker pods, one in each, not on the head.
+    [head] = [p for p in pods if node_type(p) == "head"]
+    node_ips = {n["node_id"]: n["node_ip"] for n in ray_list(namespace, head["metadata"]["name"], "nodes")}
+    actors = ray_list(namespace, head["metadata"]["name"], "actors")
+    workers = [a for a in actors if "RayTrainWorker" in a.get("class_name", "") and a["state"] == "ALIVE"]
     worker_ips = {node_ips[a["node_id"]] for a in workers}
     assert worker_ips == {p["status"]["podIP"] for p in pods if node_type(p) == "worker"}, workers
-    assert finished["status"]["checkpoints"]["latest"]["step"] == 40
-    assert finished["status"]["restarts"]["count"] == 0
 
-
-def test_killed_worker_and_head_containers_resume_from_the_latest_checkpoint(
-    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
-) -> None:
-    every = 10
-    run = real_pods_run(namespace, **{"training.maxSteps": 160, "checkpoint.everySteps": every})
-    wait_until(
-        "the run past its second checkpoint",
-        lambda: step_of(namespace, run) >= 2 * every + 2,
-        timeout=RUN_TIMEOUT,
-    )
-    [worker] = [p for p in pods_of(namespace, run) if node_type(p) == "worker"][:1]
-    kill_container(real_node, worker)
-    # Ray Train restarts its workers in the job once the killed container is back (the kubelet restarts it).
+    kill_container(real_node, next(p for p in pods if node_type(p) == "worker"))
     killed_at = step_of(namespace, run)
     wait_until(
-        "training to go on after the worker's kill",
+        "training to go on after the worker's kill (the kubelet restarts the container)",
         lambda: step_of(namespace, run) > killed_at + every,
         timeout=RUN_TIMEOUT,
     )
-    [head] = [p for p in pods_of(namespace, run) if node_type(p) == "head"]
     kill_container(real_node, head)
-    seen = wait_until(
+    wait_until(
         "the head's crash seen (ClusterReady False or a restart)",
         lambda: (
             (r := run_of(namespace, run))
@@ -300,14 +294,17 @@ def test_killed_worker_and_head_containers_resume_from_the_latest_checkpoint(
         timeout=300,
         interval=0.5,
     )
-    assert seen
     finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
+    assert finished["status"]["checkpoints"]["latest"]["step"] == 80
     restarts = finished["status"]["restarts"]
     assert restarts["count"] == 1, restarts
     [entry] = restarts["history"]
-    checkpoint_steps = {c["step"] for c in finished["status"]["checkpoints"]["recent"]}
     assert entry["resumedFromStep"] % every == 0 and entry["resumedFromStep"] >= 2 * every, entry
-    assert checkpoint_steps
+    # The digest in the status is the one containerd reports for the image every container ran.
+    image_ids = {ray_container(p)["imageID"] for p in pods_of(namespace, run)}
+    assert len(image_ids) == 1, image_ids
+    assert finished["status"]["image"]["digest"] == image_ids.pop()
+    assert_in_sync(namespace, manifest)
 
 
 def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
@@ -324,7 +321,7 @@ def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
             "model.fromConfig.num_attention_heads": 8,
             "recovery.inJobMaxFailures": 0,
         },
-    )
+    )["metadata"]["name"]
     failed = wait_for_phase(namespace, run, "Failed", timeout=RUN_TIMEOUT)
     assert conditions_of(failed)["Failed"]["reason"] == "OOMKilled", failed["status"]["message"]
     assert "spec.cluster.memory" in failed["status"]["message"]
@@ -337,7 +334,7 @@ def test_a_head_no_node_takes_is_shown_at_once_and_gives_the_workers_back_within
     run = real_pods_run(
         namespace,
         **{"cluster.head.nodeSelector": {"type": "no-such-node"}, "recovery.podErrorTimeoutSeconds": bound},
-    )
+    )["metadata"]["name"]
     shown = wait_until(
         "PodsHealthy False with reason HeadUnschedulable",
         lambda: (
@@ -392,39 +389,7 @@ except urllib.error.HTTPError as error:
 except OSError as error:
     print("error", type(error).__name__, getattr(error, "reason", error))
 """
-    name = f"probe-{uuid.uuid4().hex[:6]}"
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "nodeName": node.name,
-            "tolerations": REAL_NODE_TOLERATION,
-            "restartPolicy": "Never",
-            "containers": [
-                {
-                    "name": "probe",
-                    "image": node.image,
-                    "imagePullPolicy": "Never",
-                    "command": ["python", "-c", command],
-                    "resources": {
-                        "requests": {"cpu": "10m", "memory": "64Mi"},
-                        "limits": {"memory": "256Mi"},
-                    },
-                }
-            ],
-        },
-    }
-    kubectl("apply", "-f", "-", input=json.dumps(pod))
-    wait_until(
-        f"probe pod {name} to finish",
-        lambda: (
-            kubectl_json("get", "pod", name, "-n", namespace)["status"].get("phase")
-            in ("Succeeded", "Failed")
-        ),
-        timeout=180,
-    )
-    return kubectl("logs", "-n", namespace, name).stdout.strip()
+    return run_probe(namespace, node.image, node.name, command)[1].strip()
 
 
 def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reaches_the_dashboard(
@@ -449,7 +414,7 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         "aws": {"region": "us-west-2", "endpointUrl": real_node.pod_s3_endpoint},
         "observeIntervalSeconds": 3,
         "nodeSelector": {"type": "real"},
-        "tolerations": REAL_NODE_TOLERATION,
+        "tolerations": TOLERATE_REAL_NODE,
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "extraEnv": [
             {"name": "FSDP_OPERATOR_TRAINER_DEVICE", "value": "cpu"},
@@ -490,10 +455,12 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
             "get", "pods", "-n", OPERATOR_NAMESPACE, "-l", f"app.kubernetes.io/instance={release}"
         )["items"]
         assert operator_pod["spec"]["nodeName"] == real_node.name
-        run = real_pods_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 20})
-        finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
-        assert finished["status"]["checkpoints"]["latest"]["step"] == 20  # the operator's pod got through
-        [head] = [p for p in pods_of(namespace, run) if node_type(p) == "head"]
+        manifest = real_pods_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 20})
+        finished = wait_for_phase(namespace, manifest["metadata"]["name"], "Succeeded", timeout=RUN_TIMEOUT)
+        # The operator's pod got through, start to end, with nothing to restart.
+        assert finished["status"]["checkpoints"]["latest"]["step"] == 20
+        assert finished["status"]["restarts"]["count"] == 0, finished["status"]["restarts"]
+        [head] = [p for p in pods_of(namespace, manifest["metadata"]["name"]) if node_type(p) == "head"]
         dashboard = f"http://{head['status']['podIP']}:8265/api/jobs/"
         other = f"{namespace}-other"
         kubectl("create", "namespace", other)
