@@ -85,6 +85,16 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     assert record.versions.python and record.versions.python.startswith("3.13")
     assert [c.step for c in record.checkpoints][-1] == 40
     assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{namespace}/{name}/model"
+    # The logs outlive the cluster, where the status and run.json say.
+    logs = f"s3://{BUCKET}/runs/{namespace}/{name}/logs"
+    assert status["record"]["logsUri"] == record.logs_uri == logs
+    assert "step 40/40" in s3_log(s3, namespace, name, "attempt-1/rank-0.log")
+    assert s3_log(s3, namespace, name, "attempt-1/driver.log")
+
+
+def s3_log(s3: Any, namespace: str, name: str, log: str) -> str:
+    key = f"runs/{namespace}/{name}/logs/{log}"
+    return str(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode())
 
 
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
@@ -113,6 +123,11 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     assert "Restarting" in {e["reason"] for e in events["items"]}
     assert run_record(s3, namespace, name).restarts[0].resumed_from_step == restart["resumedFromStep"]
+    # Each attempt has its own logs, the failed one's driver log too. The killed rank's process exits at once
+    # (os._exit): its log holds what was stored before, at most 15 s behind.
+    assert "step 40/40" in s3_log(s3, namespace, name, "attempt-2/rank-0.log")
+    assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")
+    assert s3_log(s3, namespace, name, "attempt-1/driver.log")
     reliability.record(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",
