@@ -64,7 +64,8 @@ def get_run(options: argparse.Namespace) -> dict[str, Any]:
     except subprocess.TimeoutExpired as error:
         raise PluginError(f"kubectl get took longer than {KUBECTL_TIMEOUT_SECONDS}s") from error
     if done.returncode != 0:
-        raise PluginError(done.stderr.strip() or f"kubectl exited {done.returncode}")
+        said = done.stderr.strip().splitlines()
+        raise PluginError(said[-1] if said else f"kubectl exited {done.returncode}")  # the last line says why
     run: dict[str, Any] = json.loads(done.stdout)
     return run
 

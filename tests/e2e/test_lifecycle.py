@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from tests.e2e.demo import (
     wait_for_step,
 )
 from tests.harness import (
+    REPO,
     LocalCluster,
     OperatorProcess,
     conditions_of,
@@ -40,7 +44,7 @@ EVERY_STEPS = example("cpu-demo")["spec"]["checkpoint"]["everySteps"]
 
 
 def test_run_goes_from_preflight_to_succeeded_with_its_record(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
 ) -> None:
     name = demo_run(namespace, cleanupPolicy="KeepCluster")
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
@@ -90,6 +94,26 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     assert status["record"]["logsUri"] == record.logs_uri == logs
     assert "step 40/40" in s3_log(s3, namespace, name, "attempt-1/rank-0.log")
     assert s3_log(s3, namespace, name, "attempt-1/driver.log")
+    summary = trainingrun("describe", name, "-n", namespace)
+    assert "Succeeded" in summary and status["image"]["digest"] in summary and logs in summary
+    assert "step 40/40" in trainingrun("logs", name, "-n", namespace, "-f")  # ends: the run has
+    trainingrun("plot", name, "-n", namespace, "-o", str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def trainingrun(*args: str) -> str:
+    """`kubectl trainingrun ARGS` as a user runs it: kubectl on PATH, the session's kubeconfig, S3 access."""
+    path = f"{REPO / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_operator.kubectl_plugin", *args],
+        env={**os.environ, "PATH": path, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}{REPO / 'trainer'}"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
 
 def s3_log(s3: Any, namespace: str, name: str, log: str) -> str:
@@ -128,6 +152,7 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     assert "step 40/40" in s3_log(s3, namespace, name, "attempt-2/rank-0.log")
     assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")
     assert s3_log(s3, namespace, name, "attempt-1/driver.log")
+    assert "restart (from step" in trainingrun("plot", name, "-n", namespace)
     reliability.record(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",
