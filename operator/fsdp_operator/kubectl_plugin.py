@@ -155,12 +155,14 @@ def logs(
         if time.monotonic() - checked >= FOLLOW_RUN_POLL_SECONDS or ended:
             run, checked = refresh_run(), time.monotonic()
         current_name = log_name(run, options)
-        if current_name != name:  # a restart: the new attempt's log, from its start
+        if current_name != name:  # a restart: the old attempt's last lines, then the new one's log
+            write(new_output(printed, objects.text(name) or printed))
             write(f"\n[--- {current_name} ---]\n")
             name, printed = current_name, ""
-        current = objects.text(name) or ""
-        write(new_output(printed, current))
-        printed = current
+        current = objects.text(name)
+        if current is not None:  # not stored yet (a new attempt's first 15 s): nothing to print
+            write(new_output(printed, current))
+            printed = current
         if ended:
             return
 

@@ -243,3 +243,31 @@ def test_describe_and_logs_need_no_more_than_kubectl_and_the_users_s3_access(
     )
     assert kubectl_plugin.main(["logs", "tiny", "--driver", "-f"]) == 0
     assert capsys.readouterr().out == "driver says hi\n"
+
+
+def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(storage: str) -> None:
+    run = run_object(storage, attempt=1)
+    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3")
+
+    def put(attempt: int, text: str) -> None:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/team-a/tiny/logs/attempt-{attempt}/rank-0.log", Body=text)
+
+    put(1, "one\n")
+    printed: list[str] = []
+
+    def restart() -> None:
+        time.sleep(1)
+        put(1, "one\nlast words\n")
+        run["status"]["attempt"] = 2
+        time.sleep(3)
+        put(2, "resumed\n")
+        time.sleep(3)
+        run["status"]["phase"] = "Succeeded"
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    objects = kubectl_plugin.RunObjects(s3, kubectl_plugin.storage_prefix(run))
+    kubectl_plugin.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
+    thread.join()
+    assert "".join(printed) == "one\nlast words\n\n[--- logs/attempt-2/rank-0.log ---]\nresumed\n"
