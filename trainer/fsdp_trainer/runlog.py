@@ -33,7 +33,6 @@ UPLOAD_SECONDS = 15.0  # the longest a line waits before it is in storage
 # failure) are kept; lines in between are counted in a marker line.
 HEAD_BYTES = 2 << 20
 TAIL_BYTES = 6 << 20
-MAX_RANK_LOG_BYTES = HEAD_BYTES + TAIL_BYTES
 # Credentials that may be in any pod's environment, besides the names the run declares secret.
 ALWAYS_SECRET_ENV = ("RAY_AUTH_TOKEN", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "HF_TOKEN")
 MIN_SECRET_CHARS = 4  # shorter values ("1", "true") would blank out ordinary text without hiding anything
