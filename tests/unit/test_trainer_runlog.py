@@ -39,7 +39,7 @@ def test_a_failed_rank_leaves_its_whole_log_in_s3_without_the_secret(
     monkeypatch.setenv("TEAM_TOKEN", secret)
     for stream in ("stdout", "stderr"):  # the loop redacts them for the rest of the process: not pytest's
         monkeypatch.setattr(sys, stream, getattr(sys, stream))
-    base = config(s3_storage)  # type: ignore[arg-type]
+    base = config(s3_storage)
     # A source that names the secret (a presigned URL, say) makes the failure's message carry it.
     trainer = TrainerConfig.model_validate(
         {
