@@ -41,13 +41,14 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         data=spec.data,
         checkpoint=spec.checkpoint,
         network=spec.network,
+        secret_env_names=sorted(spec.runtime_env.secret_env),
     )
 
 
-def entrypoint(config: TrainerConfig, submission: str) -> str:
+def entrypoint(config: TrainerConfig, submission: str, attempt: int) -> str:
     return (
         f"python -m fsdp_trainer --config {shlex.quote(config.to_json())} "
-        f"--submission-id {shlex.quote(submission)}"
+        f"--submission-id {shlex.quote(submission)} --attempt {attempt}"
     )
 
 

@@ -116,6 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         "submissions' checkpoints); default: a random id",
     )
     parser.add_argument(
+        "--attempt",
+        type=int,
+        default=1,
+        help="The operator's attempt number: each rank's log goes to <run>/logs/attempt-<n>/rank-<k>.log "
+        "(default: 1)",
+    )
+    parser.add_argument(
         "--launcher",
         choices=LAUNCHERS,
         default="auto",
