@@ -250,9 +250,9 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     its pods and Ray Train's workers run, then a worker container killed (Ray Train restarts its workers in
     the job), then the head's (the operator restarts the run from the latest checkpoint)."""
     every = 10
-    manifest = real_pods_run(
-        namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 80, "checkpoint.everySteps": every}
-    )
+    # Steps enough that the run still trains when both kills have been seen (80 were not).
+    steps = {"training.maxSteps": 160, "checkpoint.everySteps": every}
+    manifest = real_pods_run(namespace, cleanupPolicy="KeepCluster", **steps)
     run = manifest["metadata"]["name"]
     wait_until(
         "the run past its second checkpoint",
@@ -283,6 +283,8 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
         lambda: step_of(namespace, run) > killed_at + every,
         timeout=RUN_TIMEOUT,
     )
+    phase = run_of(namespace, run)["status"]["phase"]
+    assert phase == "Running", f"the run is {phase} before its head's kill: it needs more steps"
     kill_container(real_node, head)
     wait_until(
         "the head's crash seen (ClusterReady False or a restart)",
@@ -298,7 +300,7 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
         interval=0.5,
     )
     finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
-    assert finished["status"]["checkpoints"]["latest"]["step"] == 80
+    assert finished["status"]["checkpoints"]["latest"]["step"] == 160
     restarts = finished["status"]["restarts"]
     assert restarts["count"] == 1, restarts
     [entry] = restarts["history"]
