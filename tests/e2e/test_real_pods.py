@@ -246,9 +246,9 @@ def step_of(namespace: str, run: str) -> int:
 def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives_killed_containers(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
-    """One run for the whole real-pod path (each RayCluster start costs minutes of the node's 2 CPUs): where
-    its pods and Ray Train's workers run, then a worker container killed (Ray Train restarts its workers in
-    the job), then the head's (the operator restarts the run from the latest checkpoint)."""
+    """One run for the whole real-pod path (each RayCluster start costs minutes of the node's 2 CPUs): a
+    worker container killed (Ray Train restarts its workers in the job), then the head's (the operator
+    restarts the run from the latest checkpoint), then where its pods and Ray Train's workers ran."""
     every = 10
     # Steps enough that the run still trains when both kills have been seen (80 were not).
     steps = {"training.maxSteps": 160, "checkpoint.everySteps": every}
@@ -260,22 +260,7 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
         timeout=RUN_TIMEOUT,
     )
     pods = pods_of(namespace, run)
-    assert sorted(node_type(p) for p in pods) == ["head", "worker", "worker"], [
-        p["metadata"]["name"] for p in pods
-    ]
-    for pod in pods:
-        assert pod["spec"]["nodeName"] == real_node.name, (
-            f"{pod['metadata']['name']} ran on {pod['spec']['nodeName']}"
-        )
-        assert ray_container(pod)["containerID"].startswith("containerd://")
-    # Ray Train's workers run in the worker pods, one in each, not on the head.
     [head] = [p for p in pods if node_type(p) == "head"]
-    node_ips = {n["node_id"]: n["node_ip"] for n in ray_list(namespace, head["metadata"]["name"], "nodes")}
-    actors = ray_list(namespace, head["metadata"]["name"], "actors")
-    workers = [a for a in actors if "RayTrainWorker" in a.get("class_name", "") and a["state"] == "ALIVE"]
-    worker_ips = {node_ips[a["node_id"]] for a in workers}
-    assert worker_ips == {p["status"]["podIP"] for p in pods if node_type(p) == "worker"}, workers
-
     kill_container(real_node, next(p for p in pods if node_type(p) == "worker"))
     killed_at = step_of(namespace, run)
     wait_until(
@@ -305,8 +290,25 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     assert restarts["count"] == 1, restarts
     [entry] = restarts["history"]
     assert entry["resumedFromStep"] % every == 0 and entry["resumedFromStep"] >= 2 * every, entry
+    # Where it ran (checked at the end: `ray list` in a loaded head can take a minute, which the kills must
+    # not wait for): the three pods on the real node, Ray Train's workers in the worker pods, one in each.
+    pods = pods_of(namespace, run)
+    assert sorted(node_type(p) for p in pods) == ["head", "worker", "worker"], [
+        p["metadata"]["name"] for p in pods
+    ]
+    for pod in pods:
+        assert pod["spec"]["nodeName"] == real_node.name, (
+            f"{pod['metadata']['name']} ran on {pod['spec']['nodeName']}"
+        )
+        assert ray_container(pod)["containerID"].startswith("containerd://")
+    [head_name] = [p["metadata"]["name"] for p in pods if node_type(p) == "head"]
+    node_ips = {n["node_id"]: n["node_ip"] for n in ray_list(namespace, head_name, "nodes")}
+    actors = ray_list(namespace, head_name, "actors")
+    workers = [a for a in actors if "RayTrainWorker" in a.get("class_name", "") and a.get("node_id")]
+    worker_ips = {node_ips[a["node_id"]] for a in workers}
+    assert worker_ips == {p["status"]["podIP"] for p in pods if node_type(p) == "worker"}, workers
     # The digest in the status is the one containerd reports for the image every container ran.
-    image_ids = {ray_container(p)["imageID"] for p in pods_of(namespace, run)}
+    image_ids = {ray_container(p)["imageID"] for p in pods}
     assert len(image_ids) == 1, image_ids
     assert finished["status"]["image"]["digest"] == image_ids.pop()
     assert_in_sync(namespace, manifest)
