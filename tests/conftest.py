@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 
 from tests import reliability as reliability_table
@@ -153,6 +154,16 @@ def s3_endpoint() -> Iterator[str]:
         if server is not None:
             server.terminate()
             server.wait(timeout=30)
+
+
+@pytest.fixture
+def s3_storage(s3_endpoint: str) -> str:
+    """A storagePath of a new bucket of its own on the test S3 server."""
+    bucket = f"t-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3").create_bucket(
+        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
+    )
+    return f"s3://{bucket}/runs"
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,6 @@ import stat
 import struct
 import threading
 import time
-import uuid
 import zlib
 from pathlib import Path
 from typing import Any
@@ -65,15 +64,6 @@ def run_object(storage: str, phase: str = "Running", attempt: int = 2) -> dict[s
     return run.model_dump(mode="json", by_alias=True, exclude_none=True)
 
 
-@pytest.fixture
-def storage(s3_endpoint: str) -> str:
-    bucket = f"plugin-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(
-        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
-    )
-    return f"s3://{bucket}/runs"
-
-
 def options(*argv: str) -> argparse.Namespace:
     return kubectl_plugin.build_parser().parse_args(argv)
 
@@ -88,10 +78,10 @@ def test_kubectls_options_are_taken_before_or_after_the_command() -> None:
 
 
 def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_when_the_run_ends(
-    storage: str,
+    s3_storage: str,
 ) -> None:
-    run = run_object(storage)
-    target = Location.parse(f"{storage}/team-a/tiny").child(rank_log_name(2, 1))
+    run = run_object(s3_storage)
+    target = Location.parse(f"{s3_storage}/team-a/tiny").child(rank_log_name(2, 1))
     writer = runlog.RankLog(target, runlog.Redactor([]), upload_seconds=1.0)
     emitted: dict[str, float] = {}
     printed: list[str] = []
@@ -132,8 +122,8 @@ def test_following_a_capped_log_continues_after_the_last_line_printed() -> None:
     assert kubectl_plugin.new_output(printed, printed + "a 4\n") == "a 4\n"
 
 
-def test_describe_shows_the_whole_run_on_one_screen(storage: str) -> None:
-    text = kubectl_plugin.describe(run_object(storage))
+def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
+    text = kubectl_plugin.describe(run_object(s3_storage))
     assert len(text.splitlines()) <= 40
     for expected in (
         "team-a/tiny",
@@ -143,10 +133,10 @@ def test_describe_shows_the_whole_run_on_one_screen(storage: str) -> None:
         "loss 2.5000",
         "eval loss 2.7500",
         "1,234 tok/s",
-        f"{storage}/team-a/tiny/checkpoint_1",
+        f"{s3_storage}/team-a/tiny/checkpoint_1",
         "WorkerLost  resumed from step 30  pod gone",
-        f"{storage}/team-a/tiny/run.json",
-        f"{storage}/team-a/tiny/logs",
+        f"{s3_storage}/team-a/tiny/run.json",
+        f"{s3_storage}/team-a/tiny/logs",
     ):
         assert expected in text, expected
 
@@ -190,10 +180,10 @@ def kubectl_stand_in(tmp_path: Path, run: dict[str, Any]) -> Path:
 
 
 def test_plot_draws_both_curves_of_every_attempt_and_marks_the_restart(
-    storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    s3_storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    put_metrics(storage)
-    args = kubectl_stand_in(tmp_path, run_object(storage, phase="Succeeded"))
+    put_metrics(s3_storage)
+    args = kubectl_stand_in(tmp_path, run_object(s3_storage, phase="Succeeded"))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
     assert kubectl_plugin.main(["plot", "tiny", "-n", "team-a", "--context", "lab"]) == 0
@@ -228,16 +218,16 @@ def decode_png(data: bytes) -> tuple[int, int, bytes]:
 
 
 def test_describe_and_logs_need_no_more_than_kubectl_and_the_users_s3_access(
-    storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    s3_storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    kubectl_stand_in(tmp_path, run_object(storage, phase="Failed", attempt=1))
+    kubectl_stand_in(tmp_path, run_object(s3_storage, phase="Failed", attempt=1))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     assert kubectl_plugin.main(["describe", "tiny"]) == 0
     assert "Phase:         Failed" in capsys.readouterr().out
 
     assert kubectl_plugin.main(["logs", "tiny"]) == 1
     assert "no log at" in capsys.readouterr().err
-    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    bucket, prefix = s3_storage.removeprefix("s3://").split("/", 1)
     boto3.client("s3").put_object(
         Bucket=bucket, Key=f"{prefix}/team-a/tiny/logs/attempt-1/driver.log", Body=b"driver says hi\n"
     )
@@ -245,9 +235,9 @@ def test_describe_and_logs_need_no_more_than_kubectl_and_the_users_s3_access(
     assert capsys.readouterr().out == "driver says hi\n"
 
 
-def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(storage: str) -> None:
-    run = run_object(storage, attempt=1)
-    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(s3_storage: str) -> None:
+    run = run_object(s3_storage, attempt=1)
+    bucket, prefix = s3_storage.removeprefix("s3://").split("/", 1)
     s3 = boto3.client("s3")
 
     def put(attempt: int, text: str) -> None:

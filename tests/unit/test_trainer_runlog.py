@@ -10,7 +10,6 @@ import time
 import uuid
 import warnings
 
-import boto3
 import pytest
 
 from fsdp_trainer import runlog
@@ -21,15 +20,6 @@ from fsdp_trainer.storage import Location
 from tests.unit.test_trainer_setup import TINY_QWEN2, config
 
 TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00 [A-Z]+ ")
-
-
-@pytest.fixture
-def s3_storage(s3_endpoint: str) -> str:
-    bucket = f"runlog-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(
-        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
-    )
-    return f"s3://{bucket}/runs"
 
 
 def test_a_failed_rank_leaves_its_whole_log_in_s3_without_the_secret(
