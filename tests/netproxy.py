@@ -217,7 +217,8 @@ class BlackHoleProxy:
         connection: _Connection, source: asyncio.StreamReader, sink: asyncio.StreamWriter
     ) -> None:
         """Copies source to sink until end of stream, an error, or the connection is swallowed."""
-        with contextlib.suppress(ConnectionError):
+        # OSError, not only ConnectionError: a peer gone before write_eof's shutdown() is ENOTCONN.
+        with contextlib.suppress(OSError):
             while data := await source.read(_CHUNK):
                 if connection.black_holed:
                     return
