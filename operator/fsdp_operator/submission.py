@@ -15,7 +15,7 @@ from typing import Any
 import fsdp_trainer
 from fsdp_operator import api
 from fsdp_operator.builder import RunRef, ray_cluster_name
-from fsdp_trainer.contract import TrainerConfig
+from fsdp_trainer.contract import AttemptInfo, TrackingConfig, TrainerConfig
 
 TRAINER_PACKAGE = Path(fsdp_trainer.__file__).resolve().parent
 
@@ -41,14 +41,18 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         data=spec.data,
         checkpoint=spec.checkpoint,
         network=spec.network,
+        tracking=TrackingConfig(mlflow=spec.tracking.mlflow.trainer_view()) if spec.tracking.mlflow else None,
     )
 
 
-def entrypoint(config: TrainerConfig, submission: str) -> str:
-    return (
+def entrypoint(config: TrainerConfig, submission: str, attempt: AttemptInfo | None = None) -> str:
+    command = (
         f"python -m fsdp_trainer --config {shlex.quote(config.to_json())} "
         f"--submission-id {shlex.quote(submission)}"
     )
+    if attempt is not None:
+        command += f" --attempt-info {shlex.quote(attempt.to_json())}"
+    return command
 
 
 def runtime_env(spec: api.FSDPTrainingRunSpec, package: Path = TRAINER_PACKAGE) -> dict[str, Any]:

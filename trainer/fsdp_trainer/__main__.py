@@ -39,11 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     if direct:
         from fsdp_trainer.loop import LoopInput, train_loop
 
-        train_loop(LoopInput(trainer=config, submission_id=submission_id).model_dump(mode="json"))
+        loop_input = LoopInput(trainer=config, submission_id=submission_id, attempt=args.attempt_info)
+        train_loop(loop_input.model_dump(mode="json"))
         return 0
     from fsdp_trainer.driver import run_with_ray
 
-    return run_with_ray(config, submission_id)
+    return run_with_ray(config, submission_id, args.attempt_info)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from fsdp_trainer.contract import EfaPolicy, Precision, TrainerConfig
+from fsdp_trainer.contract import AttemptInfo, EfaPolicy, Precision, TrainerConfig
 from fsdp_trainer.errors import ConfigError
 
 DESCRIPTION = """FSDP2 fine-tuning on Ray Train.
@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Identifies this submission in checkpoint manifests (checkpoint.resume=never ignores other "
         "submissions' checkpoints); default: a random id",
+    )
+    parser.add_argument(
+        "--attempt-info",
+        type=AttemptInfo.model_validate_json,
+        default=AttemptInfo(),
+        metavar="JSON",
+        help="What the operator knows of this attempt (attempt, imageDigest, trainerPackageSha256), for "
+        "the tracking run's tags",
     )
     parser.add_argument(
         "--launcher",
