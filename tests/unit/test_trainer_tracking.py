@@ -60,6 +60,8 @@ def test_a_later_attempt_continues_the_recorded_mlflow_run_unless_it_starts_afre
 def test_the_model_goes_through_the_servers_artifact_api_only_when_the_server_serves_artifacts() -> None:
     assert proxied_artifact_path("mlflow-artifacts:/3/abc/artifacts") == "3/abc/artifacts"
     assert proxied_artifact_path("mlflow-artifacts://host:5000/3/abc/artifacts") == "3/abc/artifacts"
+    served = "https://mlflow.example.com/api/2.0/mlflow-artifacts/artifacts/3/abc/artifacts"
+    assert proxied_artifact_path(served) == "3/abc/artifacts"
     assert proxied_artifact_path("s3://bucket/3/abc/artifacts") is None
 
 

@@ -42,6 +42,7 @@ from fsdp_trainer.storage import Location
 log = logging.getLogger(__name__)
 
 TAG_PREFIX = "fsdp.training.dev/"
+ARTIFACT_ROUTE = "/api/2.0/mlflow-artifacts/artifacts/"
 REQUEST_TIMEOUT_SECONDS = 10.0
 ARTIFACT_TIMEOUT_SECONDS = 60.0  # per socket operation of an upload, not for the whole file
 FLUSH_INTERVAL_SECONDS = 2.0  # metrics wait at most this long for their batch
@@ -117,11 +118,14 @@ def experiment_name(config: TrainerConfig, mlflow: MlflowConfig) -> str:
 
 def proxied_artifact_path(artifact_uri: str) -> str | None:
     """The path below /api/2.0/mlflow-artifacts/artifacts/ of a run's artifact root, when the tracking
-    server serves it (mlflow-artifacts:/<experiment>/<run>/artifacts); None for any other store."""
+    server serves it (mlflow-artifacts:/<experiment>/<run>/artifacts, or that route's http(s) URL); None
+    for any other store."""
     parsed = urllib.parse.urlparse(artifact_uri)
-    if parsed.scheme != "mlflow-artifacts":
-        return None
-    return parsed.path.strip("/")
+    if parsed.scheme == "mlflow-artifacts":
+        return parsed.path.strip("/")
+    if parsed.scheme in ("http", "https") and ARTIFACT_ROUTE in parsed.path:
+        return parsed.path.split(ARTIFACT_ROUTE, 1)[1].strip("/")
+    return None
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ class MlflowClient:
 
     def upload_artifact(self, path: str, stream: Any, size: int) -> None:
         """PUT through the server's proxied artifact API, streaming the file."""
-        url = f"{self.base}/api/2.0/mlflow-artifacts/artifacts/{urllib.parse.quote(path)}"
+        url = f"{self.base}{ARTIFACT_ROUTE}{urllib.parse.quote(path)}"
         headers = {**self.headers, "Content-Type": "application/octet-stream", "Content-Length": str(size)}
         request = urllib.request.Request(url, data=stream, method="PUT", headers=headers)
         self._send(request, ARTIFACT_TIMEOUT_SECONDS)
