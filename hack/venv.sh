@@ -5,7 +5,7 @@
 # - the DLC's (Python 3.13, the Ray Train DLC's interpreter; pyenv's on these machines, or FSDP_PYTHON313):
 #   hack/dlc/requirements.lock and the test tools, for the local Ray head and the trainer's tests;
 # - the MLflow tracking server's (Python 3.11): hack/mlflow/requirements.lock, for the tracking tests and
-#   bench/trainer_mlflow.py (mlflow pins pyarrow below the DLC's version, so it cannot share the operator's).
+#   bench/trainer_mlflow.py (mlflow pins pyarrow below the operator's 26.0.1, so it cannot share that venv).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)

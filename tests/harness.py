@@ -400,7 +400,9 @@ def mlflow_server(home: Path, artifacts: str, env: dict[str, str] | None = None)
             [mlflow, "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
              "--artifacts-destination", artifacts, "--host", "127.0.0.1", "--port", str(port),
              "--workers", "1"],
-            env={**os.environ, **(env or {})}, cwd=home, stdout=out, stderr=subprocess.STDOUT,
+            # No job runner (GenAI jobs: seven worker processes a tracking server needs none of).
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}, cwd=home,
+            stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     try:

@@ -5,8 +5,8 @@ documented HTTP API that the standard library speaks.
 Rank 0 alone tracks. The training loop only appends to an in-memory buffer (`log_metrics`); a background
 thread finds or creates the MLflow run, logs the params and tags, sends the metrics in batches, and at the
 end uploads the exported model through the server's proxied artifact API. Every request has a timeout, and
-a server that is down or refuses a request costs a warning, never the training: the buffer is bounded (the
-oldest metrics go first) and the end waits for at most one failed request.
+a server that is down or refuses a request costs a warning, never the training: the buffer is bounded (values
+beyond it are dropped, with a warning) and the end waits for at most one failed request.
 
 One MLflow run per training run: its id is stored in mlflow.json beside the checkpoints, and every later
 attempt (a restart, a Ray Train retry) continues that run, so the steps of all attempts form one history.
@@ -47,7 +47,7 @@ REQUEST_TIMEOUT_SECONDS = 10.0
 ARTIFACT_TIMEOUT_SECONDS = 60.0  # per socket operation of an upload, not for the whole file
 FLUSH_INTERVAL_SECONDS = 2.0  # metrics wait at most this long for their batch
 RETRY_SECONDS = 30.0  # after a failed request, the next try (the buffer keeps filling meanwhile)
-MAX_BUFFERED_METRICS = 100_000  # about 10 MB; beyond it the oldest are dropped
+MAX_BUFFERED_METRICS = 100_000  # about 10 MB; values beyond it are dropped (the history keeps its start)
 # MLflow's LogBatch limits (1000 items in all per request).
 MAX_METRICS_PER_BATCH = 1000
 MAX_PARAMS_PER_BATCH = 100
@@ -296,13 +296,15 @@ class MlflowTracker:
         self.tags = run_tags(config, attempt, submission_id, data_fingerprint)
         self.client = client or MlflowClient(self.mlflow.tracking_uri)
         self.run: TrackedRun | None = None
-        self._metrics: collections.deque[Metric] = collections.deque(maxlen=MAX_BUFFERED_METRICS)
+        self._metrics: collections.deque[Metric] = collections.deque()
         self._dropped = 0
         self._model: Location | None = None
         self._end_status: str | None = None
         self._flush_requested = False
         self._lock = threading.Condition()
         self._healthy = True  # the last request succeeded: the next failure is worth a warning
+        self.sent = 0  # metric values the server took
+        self.thread_cpu_seconds = 0.0  # the thread's CPU time, once it has ended
         self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
         self._thread.start()
 
@@ -313,8 +315,9 @@ class MlflowTracker:
             for key, value in values.items():
                 if value is None or not math.isfinite(value):
                     continue
-                if len(self._metrics) == self._metrics.maxlen:
+                if len(self._metrics) >= MAX_BUFFERED_METRICS:
                     self._dropped += 1
+                    continue
                 self._metrics.append(Metric(key, float(value), step, timestamp))
 
     def flush(self) -> None:
@@ -358,6 +361,12 @@ class MlflowTracker:
                 self._failed(error)
                 next_try = time.monotonic() + RETRY_SECONDS
             if closing:
+                self.thread_cpu_seconds = time.thread_time()
+                log.info(
+                    "mlflow: %d metric values sent; the tracker's thread used %.3f s of CPU",
+                    self.sent,
+                    self.thread_cpu_seconds,
+                )
                 return
 
     def _open_run(self) -> TrackedRun:
@@ -414,10 +423,11 @@ class MlflowTracker:
                 batch = [self._metrics[i] for i in range(min(MAX_METRICS_PER_BATCH, len(self._metrics)))]
                 dropped, self._dropped = self._dropped, 0
             if dropped:
-                log.warning("mlflow: %d metric values dropped while the server could not be reached", dropped)
+                log.warning("mlflow: %d metric values dropped: the server fell behind the training", dropped)
             if not batch:
                 return
             self.client.log_batch(run.run_id, metrics=batch)
+            self.sent += len(batch)
             with self._lock:  # only now: a failed batch stays buffered for the next try
                 for _ in batch:
                     self._metrics.popleft()
