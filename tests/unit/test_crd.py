@@ -107,6 +107,7 @@ def test_pydantic_refuses_what_the_apiserver_refuses() -> None:
         {"runtimeEnv": {"env": {"HF_TOKEN": "x"}, "secretEnv": {"HF_TOKEN": {"name": "s", "key": "k"}}}},
         {"runtimeEnv": {"secretEnv": {"HF_TOKEN": {"name": "Bad_Name", "key": "k"}}}},
         {"tracking": {"mlflow": {"trackingUri": "file:///tmp/mlruns"}}},
+        {"tracking": {"mlflow": {"trackingUri": "https://user:secret@mlflow.example.com"}}},
         {
             "tracking": {
                 "mlflow": {"trackingUri": "http://m", "credentials": {"username": {"name": "s", "key": "u"}}}

@@ -258,8 +258,9 @@ class NetworkSpec(ContractModel):
 class MlflowConfig(ContractModel):
     tracking_uri: str = Field(
         max_length=MAX_URI,
-        pattern=r"^https?://[^\s]+$",
-        description="The MLflow tracking server (http:// or https://), reached through its REST API. "
+        pattern=r"^https?://[^\s/@]+(/\S*)?$",
+        description="The MLflow tracking server (http:// or https://, without user:password@: the URI is "
+        "recorded in run.json and logged as a param), reached through its REST API. "
         "Credentials, if the server needs them, come from the environment as for MLflow's own client "
         "(MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD).",
     )
