@@ -25,7 +25,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,9 +151,9 @@ def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 class MlflowClient:
     """The MLflow REST endpoints the tracker uses, each request bounded by a timeout."""
 
-    def __init__(self, tracking_uri: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self, tracking_uri: str) -> None:
         self.base = tracking_uri.rstrip("/")
-        self.headers = auth_headers(os.environ if env is None else env)
+        self.headers = auth_headers(os.environ)
 
     def call(self, method: str, endpoint: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         url = f"{self.base}/api/2.0/mlflow/{endpoint}"
@@ -247,7 +247,7 @@ class MlflowClient:
         self.call("POST", "runs/update", body)
 
 
-def auth_headers(env: Any) -> dict[str, str]:
+def auth_headers(env: Mapping[str, str]) -> dict[str, str]:
     """MLflow's own client's variables: a bearer token, or a user name and password."""
     if env.get("MLFLOW_TRACKING_TOKEN"):
         return {"Authorization": f"Bearer {env['MLFLOW_TRACKING_TOKEN']}"}
@@ -286,7 +286,6 @@ class MlflowTracker:
         submission_id: str,
         run: Location,
         data_fingerprint: str,
-        client: MlflowClient | None = None,
     ) -> None:
         assert config.tracking is not None and config.tracking.mlflow is not None
         self.config, self.mlflow = config, config.tracking.mlflow
@@ -294,7 +293,7 @@ class MlflowTracker:
         self.record = run.child(MLFLOW_RUN_FILE)
         self.params = config_params(config)
         self.tags = run_tags(config, attempt, submission_id, data_fingerprint)
-        self.client = client or MlflowClient(self.mlflow.tracking_uri)
+        self.client = MlflowClient(self.mlflow.tracking_uri)
         self.run: TrackedRun | None = None
         self._metrics: collections.deque[Metric] = collections.deque()
         self._dropped = 0
