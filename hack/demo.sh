@@ -89,25 +89,10 @@ done
 echo
 kubectl get trainingruns -n "$NAMESPACE" "$RUN" -o wide
 echo
-kubectl get trainingruns -n "$NAMESPACE" "$RUN" -o json | "$PY" -c '
-import json, sys
-status = json.load(sys.stdin)["status"]
-print("phase:            ", status["phase"], "-", status.get("message", ""))
-print("image requested:  ", status["image"].get("requested"))
-print("image digest ran: ", status["image"].get("digest"))
-print("trainer sha256:   ", status["record"].get("packageSha256"))
-print("versions:         ", status["record"].get("versions"))
-print("transport:        ", (status.get("transport") or {}).get("observed"))
-p = status.get("progress", {})
-print("progress:          step %s/%s loss %s eval loss %s tokens/s %s" % (
-    p.get("step"), p.get("maxSteps"), p.get("loss"), p.get("evalLoss"), p.get("tokensPerSecond")))
-print("checkpoints:")
-for c in status.get("checkpoints", {}).get("recent", []):
-    print("   step %5d  %s  %s" % (c["step"], c["time"], c["uri"]))
-print("restarts:          %d" % status.get("restarts", {}).get("count", 0))
-for r in status.get("restarts", {}).get("history", []):
-    print("   %s  %s  resumed from step %s  %s" % (r["time"], r["reason"], r.get("resumedFromStep"), r.get("message", "")))
-print("exported model:   ", status["record"].get("exportedModelUri"))
-print("run record:       ", status["record"].get("uri"))
-'
+# The plugin's summary (installed as `kubectl trainingrun`; here from the source tree), then rank 0's log tail.
+plugin=(env PYTHONPATH="$root/operator:$root/trainer" "$PY" -m fsdp_operator.kubectl_plugin)
+"${plugin[@]}" describe -n "$NAMESPACE" "$RUN"
+echo
+log "the last lines of rank 0's log, from S3 (kubectl trainingrun logs -n $NAMESPACE $RUN)"
+"${plugin[@]}" logs -n "$NAMESPACE" "$RUN" | tail -n 5
 [[ $(kubectl get trainingruns -n "$NAMESPACE" "$RUN" -o jsonpath='{.status.phase}') == Succeeded ]]

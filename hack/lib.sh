@@ -55,6 +55,10 @@ SERVICE_CIDR=198.19.$INSTANCE.0/24
 NODE_DIR=$STATE/node
 HOST_LINK=fsdpnode$INSTANCE # the host's end of the veth pair into the node's network namespace
 NODE_CGROUP=fsdp-node-$INSTANCE # the kubelet's cgroupRoot, in every cgroup hierarchy
+# Its CPU weight: as much under contention as four busy host processes (each of which weighs 1024 beside it).
+# At the default, one process's worth, a loaded host leaves all the node's pods a tenth of a CPU, and Ray's
+# head dies starting (its client server gives the raylet 30 s to register, a bound Ray does not expose).
+NODE_CPU_SHARES=4096
 # Only pods that tolerate it run on the real node: the KWOK-node tests' runs, which train on the shared Ray
 # head, must never start real containers (nor count the node's fake GPUs in preflight).
 REAL_NODE_TAINT=fsdp.training.dev/real-node=true:NoSchedule

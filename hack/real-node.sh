@@ -176,6 +176,11 @@ start() {
       cat /sys/fs/cgroup/cpuset/cpuset.cpus >"$dir/cpuset.cpus"
       cat /sys/fs/cgroup/cpuset/cpuset.mems >"$dir/cpuset.mems"
     fi
+    if [[ -f $dir/cpu.shares ]]; then
+      echo "$NODE_CPU_SHARES" >"$dir/cpu.shares"
+    elif [[ -f $dir/cpu.weight ]]; then # cgroup v2: weight 100 is the default, as 1024 shares are in v1
+      echo $((NODE_CPU_SHARES * 100 / 1024)) >"$dir/cpu.weight"
+    fi
   done < <(cgroup_dirs)
 
   # The forwarders pods and the node's processes reach the host's loopback servers through.

@@ -492,6 +492,12 @@ class RestartsStatus(ContractModel):
 
 class RecordStatus(ContractModel):
     uri: str | None = Field(default=None, description="Where run.json is written.")
+    logs_uri: str | None = Field(
+        default=None,
+        description="Where the logs are: attempt-<n>/rank-<k>.log (each rank's log lines and Python "
+        "warnings, streamed) and attempt-<n>/driver.log (the Ray job's log, when the job ends); "
+        "`kubectl trainingrun logs` reads them.",
+    )
     package_sha256: str | None = Field(default=None, description="sha256 of the trainer package submitted.")
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None

@@ -35,7 +35,7 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from fsdp_operator import api, builder, conditions, kopfsession, kueue, metrics, preflight, submission
-from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
+from fsdp_operator.jobs import ENDED_JOB_STATUSES, DashboardAuth, JobObservation, Jobs, dashboard_url
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
 from fsdp_operator.reconcile import (
     ClusterObservation,
@@ -52,7 +52,15 @@ from fsdp_operator.reconcile import (
 from fsdp_operator.records import RunStorage
 from fsdp_operator.settings import DashboardAddressMode, Settings
 from fsdp_operator.statuspatch import merge_patch
-from fsdp_trainer.contract import AttemptInfo, CheckpointRef, RunRecord, run_prefix
+from fsdp_trainer.contract import (
+    LOGS_DIR,
+    RUN_RECORD_FILE,
+    AttemptInfo,
+    CheckpointRef,
+    RunRecord,
+    driver_log_name,
+    run_prefix,
+)
 
 log = logging.getLogger("fsdp_operator")
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
@@ -383,6 +391,7 @@ class Context:
     job_clients: dict[tuple[str, DashboardAuth | None], Jobs] = field(default_factory=dict)
     storages: dict[str, RunStorage] = field(default_factory=dict)  # run uid -> its S3 prefix (manifest cache)
     written_records: dict[str, RunRecord] = field(default_factory=dict)  # run uid -> run.json as last written
+    archived_driver_log: dict[str, str] = field(default_factory=dict)  # run uid -> last job whose log is kept
     action_errors: dict[str, str] = field(default_factory=dict)  # run uid -> why the last action failed
     admission_lock: threading.Lock = field(default_factory=threading.Lock)
     admitted: dict[str, tuple[float, preflight.Competitor]] = field(default_factory=dict)  # uid -> when, what
@@ -520,7 +529,8 @@ class Context:
     def forget(self, uid: str) -> None:
         self.written.pop(uid, None)
         self.created.pop(uid, None)
-        for memory in (self.storages, self.written_records, self.action_errors, self.admitted, self.specs):
+        memories = (self.storages, self.written_records, self.archived_driver_log, self.action_errors)
+        for memory in (*memories, self.admitted, self.specs):
             memory.pop(uid, None)
 
 
@@ -756,6 +766,8 @@ def _observe(
             job = ctx.jobs(run.namespace, cluster_name).observe(watched)
         except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
             dashboard_error = f"{type(error).__name__}: {error}"[:500]
+    if job is not None and job.status in ENDED_JOB_STATUSES:
+        _archive_driver_log(ctx, run, spec, job, status.attempt)
     progress, latest_fingerprint, storage_error = None, None, None
     checkpoints: tuple[CheckpointRef, ...] = ()
     storage = ctx.storage(spec, run) if active else None
@@ -817,6 +829,30 @@ def _observe_workload(ctx: Context, run: builder.RunRef, indexes: Indexes) -> Wo
     return observe_workload(newest) if newest is not None else None
 
 
+def _archive_driver_log(
+    ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, job: JobObservation, attempt: int
+) -> None:
+    """The ended job's driver log next to its ranks' logs, before this pass may delete the cluster that has
+    it; once per job. A failure is logged and tried again on the next pass while the head is there."""
+    if ctx.archived_driver_log.get(run.uid) == job.submission_id or not job.driver_node_id:
+        return
+    try:
+        text = ctx.jobs(run.namespace, builder.ray_cluster_name(run.name)).driver_log(
+            job.submission_id, job.driver_node_id
+        )
+        ctx.storage(spec, run).write_text(driver_log_name(attempt), text)
+    except Exception as error:
+        log.warning(
+            "%s/%s: could not keep the driver log of %s: %s",
+            run.namespace,
+            run.name,
+            job.submission_id,
+            error,
+        )
+        return
+    ctx.archived_driver_log[run.uid] = job.submission_id
+
+
 def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision:
     body = kopf.Body(cast(Any, stored))  # what Events point at
     meta = stored["metadata"]
@@ -830,7 +866,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     cluster_name = builder.ray_cluster_name(run.name)
     if decision.create_cluster or obs.cluster is not None:
         new.ray_cluster_name = cluster_name
-    new.record.uri = f"{ctx.storage(spec, run).uri}/run.json"
+    new.record.uri = f"{ctx.storage(spec, run).uri}/{RUN_RECORD_FILE}"
+    new.record.logs_uri = f"{ctx.storage(spec, run).uri}/{LOGS_DIR}"
     if decision.submit_attempt is not None:
         new.record.package_sha256 = ctx.package_sha256
 
@@ -955,6 +992,7 @@ def _write_run_record(
             checkpoints=list(reversed(status.checkpoints.recent)),
             restarts=restarts,
             transport=status.transport,
+            logs_uri=status.record.logs_uri,
         )
         if previous == record:
             return  # progress alone changed: run.json holds no progress, so it stays as written

@@ -12,6 +12,10 @@ from fsdp_operator.settings import DashboardAddressMode, Settings
 DASHBOARD_PORT = 8265
 LOG_TAIL_CHARS = 4000
 LOG_TAIL_LINES = 60
+# The driver log kept in S3 when a job ends: its newest lines, within these bounds.
+DRIVER_LOG_LINES = 50_000
+MAX_DRIVER_LOG_BYTES = 8 << 20
+ENDED_JOB_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
 # (connect, read) seconds for every dashboard request: a head that accepts and never answers costs its own
 # run at most this per call, and never blocks a worker thread for good.
 REQUEST_TIMEOUT = (5.0, 15.0)
@@ -24,6 +28,7 @@ class JobObservation:
     message: str = ""
     logs_tail: str = ""
     start_time: dt.datetime | None = None
+    driver_node_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,7 +90,9 @@ class Jobs:
         logs = self.logs_tail(submission_id, info.get("driver_node_id")) if ended else ""
         started = info.get("start_time")
         start_time = dt.datetime.fromtimestamp(started / 1000, dt.UTC) if started else None
-        return JobObservation(submission_id, status, info.get("message") or "", logs, start_time)
+        return JobObservation(
+            submission_id, status, info.get("message") or "", logs, start_time, info.get("driver_node_id")
+        )
 
     def logs_tail(self, submission_id: str, node_id: str | None = None) -> str:
         """The driver log's last lines, from the dashboard's log API (it reads only the tail), never the
@@ -100,6 +107,11 @@ class Jobs:
         except Exception:  # the tail is evidence for classification, never a reason to fail the pass
             return ""
         return response.text[-LOG_TAIL_CHARS:] if response.status == 200 else ""
+
+    def driver_log(self, submission_id: str, node_id: str) -> str:
+        """The driver log's newest lines, at most DRIVER_LOG_LINES and MAX_DRIVER_LOG_BYTES of them."""
+        response = self.client.log_tail(submission_id, node_id, DRIVER_LOG_LINES, MAX_DRIVER_LOG_BYTES)
+        return self.client.ok(response).text
 
     def submit(
         self, submission_id: str, entrypoint: str, runtime_env: dict[str, Any], metadata: dict[str, str]

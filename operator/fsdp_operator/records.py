@@ -104,6 +104,11 @@ class RunStorage:
         except ValidationError:
             return None
 
+    def write_text(self, name: str, text: str) -> str:
+        """An object below the run's prefix; returns its URI."""
+        self.s3.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=text.encode())
+        return f"{self.uri}/{name}"
+
     def write_run_record(self, record: RunRecord) -> str:
         key = self.prefix + RUN_RECORD_FILE
         self.s3.put_object(

@@ -42,17 +42,15 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         checkpoint=spec.checkpoint,
         network=spec.network,
         tracking=TrackingConfig(mlflow=spec.tracking.mlflow.trainer_view()) if spec.tracking.mlflow else None,
+        secret_env_names=sorted(spec.runtime_env.secret_env),
     )
 
 
-def entrypoint(config: TrainerConfig, submission: str, attempt: AttemptInfo | None = None) -> str:
-    command = (
+def entrypoint(config: TrainerConfig, submission: str, attempt: AttemptInfo) -> str:
+    return (
         f"python -m fsdp_trainer --config {shlex.quote(config.to_json())} "
-        f"--submission-id {shlex.quote(submission)}"
+        f"--submission-id {shlex.quote(submission)} --attempt-info {shlex.quote(attempt.to_json())}"
     )
-    if attempt is not None:
-        command += f" --attempt-info {shlex.quote(attempt.to_json())}"
-    return command
 
 
 def runtime_env(spec: api.FSDPTrainingRunSpec, package: Path = TRAINER_PACKAGE) -> dict[str, Any]:

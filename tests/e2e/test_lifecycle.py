@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from tests.e2e.demo import (
     wait_for_step,
 )
 from tests.harness import (
+    REPO,
     LocalCluster,
     OperatorProcess,
     conditions_of,
@@ -40,7 +44,7 @@ EVERY_STEPS = example("cpu-demo")["spec"]["checkpoint"]["everySteps"]
 
 
 def test_run_goes_from_preflight_to_succeeded_with_its_record(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
+    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
 ) -> None:
     name = demo_run(namespace, cleanupPolicy="KeepCluster")
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
@@ -85,6 +89,36 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     assert record.versions.python and record.versions.python.startswith("3.13")
     assert [c.step for c in record.checkpoints][-1] == 40
     assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{namespace}/{name}/model"
+    # The logs outlive the cluster, where the status and run.json say.
+    logs = f"s3://{BUCKET}/runs/{namespace}/{name}/logs"
+    assert status["record"]["logsUri"] == record.logs_uri == logs
+    assert "step 40/40" in s3_log(s3, namespace, name, "attempt-1/rank-0.log")
+    assert s3_log(s3, namespace, name, "attempt-1/driver.log")
+    summary = trainingrun("describe", name, "-n", namespace)
+    assert "Succeeded" in summary and status["image"]["digest"] in summary and logs in summary
+    assert "step 40/40" in trainingrun("logs", name, "-n", namespace, "-f")  # ends: the run has
+    trainingrun("plot", name, "-n", namespace, "-o", str(tmp_path / "loss.png"))
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+
+
+def trainingrun(*args: str) -> str:
+    """`kubectl trainingrun ARGS` as a user runs it: kubectl on PATH, the session's kubeconfig, S3 access."""
+    path = f"{REPO / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_operator.kubectl_plugin", *args],
+        env={**os.environ, "PATH": path, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}{REPO / 'trainer'}"},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def s3_log(s3: Any, namespace: str, name: str, log: str) -> str:
+    key = f"runs/{namespace}/{name}/logs/{log}"
+    return str(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode())
 
 
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
@@ -113,6 +147,12 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
     assert "Restarting" in {e["reason"] for e in events["items"]}
     assert run_record(s3, namespace, name).restarts[0].resumed_from_step == restart["resumedFromStep"]
+    # Each attempt has its own logs, the failed one's driver log too. The killed rank's process exits at once
+    # (os._exit): its log holds what was stored before, at most 15 s behind.
+    assert "step 40/40" in s3_log(s3, namespace, name, "attempt-2/rank-0.log")
+    assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")
+    assert s3_log(s3, namespace, name, "attempt-1/driver.log")
+    assert "restart (from step" in trainingrun("plot", name, "-n", namespace)
     reliability.record(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",

@@ -240,6 +240,9 @@ def step_of(namespace: str, run: str) -> int:
     return int((run_of(namespace, run).get("status", {}).get("progress") or {}).get("step") or 0)
 
 
+# Three starts of Ray in pods (the run's, the killed head's, the run's restart) on the node's 2 CPUs: more
+# than the suite's per-test bound.
+@pytest.mark.timeout(1500)
 def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives_killed_containers(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:

@@ -41,8 +41,12 @@ def test_a_secret_for_the_pods_env_is_passed_by_reference_and_its_value_is_recor
         "the operator's log": lifecycle_operator.log.read_text(),
         "run.json": s3_text("run.json"),
         "progress.json": s3_text("progress.json"),
+        # The job's processes have the value in their environment: the logs they leave must not carry it.
+        "rank 0's log": s3_text("logs/attempt-1/rank-0.log"),
+        "the driver log": s3_text("logs/attempt-1/driver.log"),
     }
     assert [where for where, text in records.items() if value in text] == []
+    assert "step" in records["rank 0's log"] and run_of(namespace, name)["status"]["record"]["logsUri"]
     # The operator's own Secret requests: it creates the run's Ray token Secret, and reads (or makes) its key;
     # it never reads another Secret, the run's least of all.
     audit = AuditLog.of_local_cluster()

@@ -173,8 +173,9 @@ def test_the_entrypoint_hands_hostile_strings_to_the_trainer_verbatim() -> None:
         {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, "data": {"source": hostile}}
     )
     config = submission.trainer_config(spec, RUN, cpu_only=False)
-    argv = shlex.split(submission.entrypoint(config, "run-1"))
-    assert argv[:3] == ["python", "-m", "fsdp_trainer"] and argv[-2:] == ["--submission-id", "run-1"]
+    argv = shlex.split(submission.entrypoint(config, "run-1", AttemptInfo(attempt=1)))
+    assert argv[:3] == ["python", "-m", "fsdp_trainer"]
+    assert argv[-4:-1] == ["--submission-id", "run-1", "--attempt-info"]
     assert json.loads(argv[4])["data"]["source"] == hostile
 
 
@@ -233,7 +234,7 @@ def test_the_operators_own_aws_identity_reaches_neither_the_pods_nor_the_job(
             [
                 builder.build_raycluster(spec, RUN, IMAGE, "us-west-2a"),
                 submission.runtime_env(spec),
-                submission.entrypoint(config, "run-1"),
+                submission.entrypoint(config, "run-1", AttemptInfo(attempt=1)),
             ]
         )
         leaked = [name for name, value in operator_identity.items() if name in made or value in made]

@@ -216,3 +216,36 @@ def test_the_operator_never_imports_ray() -> None:
         env={**os.environ, "PYTHONPATH": path},
     )
     assert found.stdout.strip() == "False"
+
+
+def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded(
+    dashboard: Dashboard, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    from fsdp_operator import api, handlers, jobs
+    from fsdp_operator.builder import RunRef
+    from fsdp_operator.settings import Settings
+
+    bucket = f"driver-{os.urandom(4).hex()}"
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
+    settings = Settings(dashboard_address_mode="override", dashboard_url=dashboard.url)
+    kube: Any = type("Kube", (), {"configuration": type("Configuration", (), {"host": "unused"})})
+    ctx = handlers.Context(settings=settings, kube=kube, s3=s3, ec2=lambda: None, package_sha256="x")
+    run = RunRef(name="tiny", namespace="team-a", uid="0123456789")
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": f"s3://{bucket}/runs"}}
+    )
+    dashboard.jobs["tiny-01234567-2"] = {"status": "SUCCEEDED", "driver_node_id": "n1"}
+    monkeypatch.setattr(jobs, "MAX_DRIVER_LOG_BYTES", 200)
+
+    job = ctx.jobs("team-a", "tiny").observe("tiny-01234567-2")
+    handlers._archive_driver_log(ctx, run, spec, job, attempt=2)
+    handlers._archive_driver_log(ctx, run, spec, job, attempt=2)
+
+    key = "runs/team-a/tiny/logs/attempt-2/driver.log"
+    stored = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+    assert stored.startswith("line 0\n") and len(stored) == 200
+    log_reads = [path for _, path, _, _ in dashboard.seen if path.startswith("/api/v0/logs/file")]
+    assert log_reads == ["/api/v0/logs/file?node_id=n1&submission_id=tiny-01234567-2&lines=50000"]

@@ -26,7 +26,7 @@ TINY_QWEN2 = {
 }
 
 
-def config(storage: Path, seed: int = 3, max_steps: int = 4) -> TrainerConfig:
+def config(storage: Path | str, seed: int = 3, max_steps: int = 4) -> TrainerConfig:
     return TrainerConfig.model_validate(
         {
             "runName": "tiny",

@@ -43,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         train_loop(loop_input.model_dump(mode="json"))
         return 0
     from fsdp_trainer.driver import run_with_ray
+    from fsdp_trainer.runlog import install_redaction
 
+    install_redaction(config.secret_env_names)  # the driver's output is the job's log
     return run_with_ray(config, submission_id, args.attempt_info)
 
 

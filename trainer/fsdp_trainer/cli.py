@@ -120,8 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=AttemptInfo.model_validate_json,
         default=AttemptInfo(),
         metavar="JSON",
-        help="What the operator knows of this attempt (attempt, imageDigest, trainerPackageSha256), for "
-        "the tracking run's tags",
+        help="What the operator knows of this attempt (attempt, imageDigest, trainerPackageSha256): each "
+        "rank's log goes to <run>/logs/attempt-<attempt>/rank-<k>.log (attempt 1 when unset), and the "
+        "tracking run's tags",
     )
     parser.add_argument(
         "--launcher",

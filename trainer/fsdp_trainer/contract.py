@@ -9,6 +9,8 @@ Storage layout under `<checkpoint.storagePath>/<namespace>/<runName>/` (the name
 in two namespaces apart):
     progress.json                       latest ProgressRecord (rank 0, every logging interval)
     metrics/<attempt>.jsonl             ProgressRecord history of one attempt (flushed at checkpoints, end)
+    logs/attempt-<n>/rank-<k>.log       each rank's log lines of operator attempt n (trainer, runlog.py)
+    logs/attempt-<n>/driver.log         the Ray job's driver log of attempt n (operator, when the job ends)
     model/                              consolidated Hugging Face model exported at the end (safetensors)
     mlflow.json                         MlflowRunRef: the MLflow run every attempt logs to (tracking on)
     run.json                            RunRecord (operator)
@@ -32,6 +34,8 @@ PROGRESS_FILE = "progress.json"
 RUN_RECORD_FILE = "run.json"
 MANIFEST_FILE = "fsdp_manifest.json"
 METRICS_DIR = "metrics"
+LOGS_DIR = "logs"
+DRIVER_LOG_FILE = "driver.log"
 MODEL_DIR = "model"
 MLFLOW_RUN_FILE = "mlflow.json"
 DCP_METADATA_FILE = ".metadata"
@@ -306,6 +310,11 @@ class TrainerConfig(ContractModel):
     checkpoint: CheckpointSpec
     network: NetworkSpec = Field(default_factory=NetworkSpec)
     tracking: TrackingConfig | None = Field(default=None, description="Experiment tracking (MLflow).")
+    secret_env_names: list[str] = Field(
+        default_factory=list,
+        description="Environment variables holding secrets (spec.runtimeEnv.secretEnv): their values are "
+        "redacted from the logs the trainer writes.",
+    )
 
     def run_uri(self) -> str:
         """The run's storage prefix: checkpoints, progress, metrics, the exported model and run.json."""
@@ -491,6 +500,9 @@ class RunRecord(ContractModel):
     restarts: list[RestartEntry] = Field(default_factory=list)
     final_progress: ProgressRecord | None = None
     transport: TransportReport | None = None
+    logs_uri: str | None = Field(
+        default=None, description="Where the run's logs are: logs/attempt-<n>/rank-<k>.log and driver.log."
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -499,6 +511,19 @@ class RunRecord(ContractModel):
 
 def run_prefix(storage_path: str, namespace: str, run_name: str) -> str:
     return f"{storage_path.rstrip('/')}/{namespace}/{run_name}"
+
+
+def attempt_logs_dir(attempt: int) -> str:
+    """The logs of one operator attempt, relative to the run's prefix."""
+    return f"{LOGS_DIR}/attempt-{attempt}"
+
+
+def rank_log_name(attempt: int, rank: int) -> str:
+    return f"{attempt_logs_dir(attempt)}/rank-{rank}.log"
+
+
+def driver_log_name(attempt: int) -> str:
+    return f"{attempt_logs_dir(attempt)}/{DRIVER_LOG_FILE}"
 
 
 def checkpoint_is_complete(manifest: CheckpointManifest | None, listing: dict[str, int]) -> bool:

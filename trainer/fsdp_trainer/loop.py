@@ -21,7 +21,17 @@ import torch.distributed as dist
 from pydantic import BaseModel, Field
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer import checkpoint, chunked_loss, data, distributed, model, optim, parallelize, transport
+from fsdp_trainer import (
+    checkpoint,
+    chunked_loss,
+    data,
+    distributed,
+    model,
+    optim,
+    parallelize,
+    runlog,
+    transport,
+)
 from fsdp_trainer.checkpoint_manager import CheckpointManager
 from fsdp_trainer.contract import AttemptInfo, Precision, SetupStage, TrainerConfig
 from fsdp_trainer.errors import ConfigError, ModelError, classify
@@ -61,12 +71,16 @@ def train_loop(config: dict[str, Any]) -> None:
         socket_interface = transport.choose_socket_interface()  # on the worker: its own pod's interfaces
     runtime = distributed.start(use_gpu=use_gpu)
     run = Location.parse(loop_input.trainer.run_uri())
+    rank_log = runlog.start_rank_log(
+        run, loop_input.attempt.attempt or 1, runtime.rank, loop_input.trainer.secret_env_names
+    )
     trainer = Trainer(loop_input, runtime, run, socket_interface)
     tracking_status = "FAILED"
     try:
         trainer.run()
         tracking_status = "FINISHED"
     except BaseException as error:
+        log.exception("rank %d failed", runtime.rank)
         # Under Ray the driver records the failure with every worker's error; elsewhere rank 0 does.
         if runtime.launcher != "ray" and runtime.is_main and trainer.progress is not None:
             trainer.progress.write(
@@ -75,13 +89,16 @@ def train_loop(config: dict[str, Any]) -> None:
             trainer.progress.flush_history()
         raise
     finally:
-        if trainer.checkpoints is not None:
-            trainer.checkpoints.close()
-        if trainer.progress is not None:
-            trainer.progress.close()
-        if trainer.tracker is not None:
-            trainer.tracker.close(tracking_status)
-        distributed.stop(runtime)
+        try:
+            if trainer.checkpoints is not None:
+                trainer.checkpoints.close()
+            if trainer.progress is not None:
+                trainer.progress.close()
+            if trainer.tracker is not None:
+                trainer.tracker.close(tracking_status)
+            distributed.stop(runtime)
+        finally:
+            runlog.stop_rank_log(rank_log)  # last: it keeps what closing the rest logged
 
 
 @dataclass

@@ -1,0 +1,314 @@
+"""kubectl-trainingrun: `kubectl trainingrun logs|describe|plot RUN` for the people who train.
+
+kubectl finds this program on PATH and hands it the arguments after `trainingrun`. The run is read through
+kubectl itself (`kubectl get -o json`), so -n, --context, --kubeconfig, the kubeconfig's namespace and its
+credential plugins behave as they do for every kubectl command. S3 is read with boto3's default credential
+chain: the user's own AWS identity, never the operator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from botocore.exceptions import BotoCoreError, ClientError
+
+from fsdp_operator import api, plot
+from fsdp_operator.records import split_s3_uri
+from fsdp_trainer.contract import (
+    METRICS_DIR,
+    ProgressRecord,
+    driver_log_name,
+    rank_log_name,
+    run_prefix,
+)
+
+RESOURCE = f"{api.PLURAL}.{api.GROUP}"
+KUBECTL_TIMEOUT_SECONDS = 30
+S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 3}}
+FOLLOW_POLL_SECONDS = 2.0  # S3 reads while following; the trainer stores a rank's log every 15 s
+FOLLOW_RUN_POLL_SECONDS = 10.0  # kubectl reads of the run while following: is it still active?
+ENDED_PHASES = (api.Phase.SUCCEEDED, api.Phase.FAILED)
+
+
+class PluginError(RuntimeError):
+    """Said to the user on stderr, without a traceback."""
+
+
+# -- reading the run and its storage ----------------------------------------------------------------------
+
+
+def kubectl_args(options: argparse.Namespace) -> list[str]:
+    """The kubectl options the user gave, passed on unchanged."""
+    args = []
+    for flag in ("namespace", "context", "kubeconfig"):
+        value = getattr(options, flag, None)
+        if value:
+            args += [f"--{flag}", value]
+    return args
+
+
+def get_run(options: argparse.Namespace) -> dict[str, Any]:
+    command = ["kubectl", "get", RESOURCE, options.run, "-o", "json", "--request-timeout=15s"]
+    try:
+        done = subprocess.run(
+            command + kubectl_args(options), capture_output=True, text=True, timeout=KUBECTL_TIMEOUT_SECONDS
+        )
+    except FileNotFoundError as error:
+        raise PluginError("kubectl is not on PATH") from error
+    except subprocess.TimeoutExpired as error:
+        raise PluginError(f"kubectl get took longer than {KUBECTL_TIMEOUT_SECONDS}s") from error
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()
+        raise PluginError(said[-1] if said else f"kubectl exited {done.returncode}")  # the last line says why
+    run: dict[str, Any] = json.loads(done.stdout)
+    return run
+
+
+def storage_prefix(run: dict[str, Any]) -> str:
+    """The run's prefix in S3, from its spec: known before the operator has written any status."""
+    storage = run["spec"]["checkpoint"]["storagePath"]
+    return run_prefix(storage, run["metadata"]["namespace"], run["metadata"]["name"])
+
+
+def s3_client() -> Any:
+    import boto3
+    from botocore.config import Config
+
+    bounded = Config(**S3_TIMEOUTS)  # type: ignore[arg-type]
+    return boto3.client("s3", config=bounded)
+
+
+class RunObjects:
+    """Objects below one run's prefix."""
+
+    def __init__(self, s3: Any, prefix: str) -> None:
+        self.s3 = s3
+        self.bucket, key_prefix = split_s3_uri(prefix)
+        self.prefix = key_prefix.rstrip("/") + "/"
+
+    def text(self, name: str) -> str | None:
+        try:
+            body = self.s3.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
+        except self.s3.exceptions.NoSuchKey:
+            return None
+        return str(body.decode(errors="replace"))
+
+    def names(self, below: str) -> list[str]:
+        """Object names (relative to the run) below a directory of the run, in name order."""
+        found = []
+        paginator = self.s3.get_paginator("list_objects_v2")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{below.rstrip('/')}/"):
+            found += [obj["Key"][len(self.prefix) :] for obj in page.get("Contents", [])]
+        return sorted(found)
+
+
+# -- logs -------------------------------------------------------------------------------------------------
+
+
+def new_output(printed: str, current: str) -> str:
+    """What of `current` (the log as stored now) follows what has been printed. A capped log drops lines
+    from its middle, so the continuation is found after the last line printed."""
+    if current.startswith(printed):
+        return current[len(printed) :]
+    last_line = printed.rstrip("\n").rsplit("\n", 1)[-1]
+    at = current.rfind(last_line) if last_line else -1
+    if at < 0:
+        return current
+    return current[at + len(last_line) :].lstrip("\n")
+
+
+def log_name(run: dict[str, Any], options: argparse.Namespace) -> str:
+    attempt = options.attempt or (run.get("status") or {}).get("attempt") or 1
+    return driver_log_name(attempt) if options.driver else rank_log_name(attempt, options.rank)
+
+
+def run_is_active(run: dict[str, Any]) -> bool:
+    return (run.get("status") or {}).get("phase") not in ENDED_PHASES
+
+
+def logs(
+    options: argparse.Namespace,
+    run: dict[str, Any],
+    objects: RunObjects,
+    write: Callable[[str], None],
+    refresh_run: Callable[[], dict[str, Any]],
+    sleep: Callable[[float], None] = time.sleep,
+) -> None:
+    """Prints the log; with --follow, prints what is added until the run has ended and its last lines are
+    read. Without --attempt, following moves on to the next attempt's log when the run restarts."""
+    name = log_name(run, options)
+    text = objects.text(name)
+    if text is None and not options.follow:
+        raise PluginError(f"no log at {objects.bucket}/{objects.prefix}{name} (yet)")
+    printed = text or ""
+    write(printed)
+    checked = time.monotonic()
+    while options.follow:
+        ended = not run_is_active(run)
+        sleep(FOLLOW_POLL_SECONDS)
+        if time.monotonic() - checked >= FOLLOW_RUN_POLL_SECONDS or ended:
+            run, checked = refresh_run(), time.monotonic()
+        current_name = log_name(run, options)
+        if current_name != name:  # a restart: the old attempt's last lines, then the new one's log
+            write(new_output(printed, objects.text(name) or printed))
+            write(f"\n[--- {current_name} ---]\n")
+            name, printed = current_name, ""
+        current = objects.text(name)
+        if current is not None:  # not stored yet (a new attempt's first 15 s): nothing to print
+            write(new_output(printed, current))
+            printed = current
+        if ended:
+            return
+
+
+# -- describe ---------------------------------------------------------------------------------------------
+
+
+def _number(value: Any, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def describe(run: dict[str, Any]) -> str:
+    """The run at a glance: what ran, how far it got, where everything is."""
+    meta, spec, status = run["metadata"], run["spec"], run.get("status") or {}
+    image, record, progress = (
+        status.get("image") or {},
+        status.get("record") or {},
+        status.get("progress") or {},
+    )
+    restarts, checkpoints = status.get("restarts") or {}, status.get("checkpoints") or {}
+    transport = status.get("transport") or {}
+    versions = ", ".join(f"{k} {v}" for k, v in (record.get("versions") or {}).items())
+    rate = progress.get("tokensPerSecond")
+    lines = [
+        f"Name:          {meta['namespace']}/{meta['name']}",
+        f"Phase:         {status.get('phase', '-')}  {status.get('message', '')}".rstrip(),
+        f"Attempt:       {status.get('attempt', 0)}  (job {status.get('jobSubmissionId', '-')})",
+        f"Started:       {status.get('startTime', '-')}   Completed: {status.get('completionTime', '-')}",
+        f"Model:         {spec['model'].get('source') or 'fromConfig'}",
+        f"Image:         {image.get('requested', '-')}",
+        f"  ran digest:  {image.get('digest', '-')}",
+        f"Trainer:       sha256 {record.get('packageSha256', '-')}",
+        f"Versions:      {versions or '-'}",
+        f"Cluster:       {status.get('rayClusterName', '-')}  zone {status.get('zone', '-')}  "
+        f"{spec.get('cluster', {}).get('workers', 1)} worker(s)",
+        f"Transport:     {transport.get('observed', '-')}  bus bandwidth "
+        f"{_number(transport.get('busBandwidthGbps'), '.2f')} GB/s",
+        f"Progress:      step {progress.get('step', '-')}/{progress.get('maxSteps', '-')}  "
+        f"loss {_number(progress.get('loss'))}  eval loss {_number(progress.get('evalLoss'))}  "
+        f"{_number(rate, ',.0f')} tok/s  MFU {_number(progress.get('mfu'), '.1%')}",
+        f"Checkpoints:   {len(checkpoints.get('recent') or [])} recent",
+    ]
+    lines += [f"  step {c['step']:>6}  {c['time']}  {c['uri']}" for c in checkpoints.get("recent") or []]
+    lines.append(f"Restarts:      {restarts.get('count', 0)}  preemptions {restarts.get('preemptions', 0)}")
+    for entry in restarts.get("history") or []:
+        resumed = entry.get("resumedFromStep")
+        lines.append(
+            f"  {entry['time']}  {entry['reason']}  resumed from step {'-' if resumed is None else resumed}"
+            f"  {entry.get('message', '')}".rstrip()
+        )
+    failing = [c for c in status.get("conditions") or [] if c["type"] in ("Failed", "TransportDegraded")]
+    lines += [
+        f"Condition:     {c['type']}={c['status']} {c['reason']}: {c.get('message', '')}" for c in failing
+    ]
+    lines += [
+        f"Exported model: {record.get('exportedModelUri', '-')}",
+        f"Run record:    {record.get('uri', '-')}",
+        f"Logs:          {record.get('logsUri') or storage_prefix(run) + '/logs'}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# -- plot -------------------------------------------------------------------------------------------------
+
+
+def metric_histories(objects: RunObjects) -> list[list[ProgressRecord]]:
+    """Each trainer attempt's records, in the order the attempts ran (their files are named by start time)."""
+    histories = []
+    for name in objects.names(METRICS_DIR):
+        text = objects.text(name) or ""
+        histories.append([ProgressRecord.model_validate_json(line) for line in text.splitlines() if line])
+    return [history for history in histories if history]
+
+
+def plot_command(options: argparse.Namespace, objects: RunObjects, write: Callable[[str], None]) -> None:
+    curves = plot.curves(metric_histories(objects))
+    if not curves.loss:
+        raise PluginError(f"no training metrics in {objects.bucket}/{objects.prefix}{METRICS_DIR}/ yet")
+    if options.output:
+        with open(options.output, "wb") as file:
+            file.write(plot.png(curves))
+        write(f"wrote {options.output}\n")
+    else:
+        write(plot.text(curves, width=options.width, height=options.height))
+
+
+# -- command line -----------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: given before the command or after it, an option is kept (a subparser's default would undo it).
+    common.add_argument("-n", "--namespace", default=argparse.SUPPRESS, help="the run's namespace")
+    common.add_argument("--context", default=argparse.SUPPRESS, help="the kubeconfig context to use")
+    common.add_argument("--kubeconfig", default=argparse.SUPPRESS, help="path to the kubeconfig file")
+    parser = argparse.ArgumentParser(
+        prog="kubectl trainingrun",
+        description="Logs, summary and loss curves of an FSDPTrainingRun, read from its S3 prefix with your "
+        "own AWS credentials.",
+        parents=[common],
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    logs_parser = commands.add_parser("logs", parents=[common], help="a rank's log (or the driver's) from S3")
+    logs_parser.add_argument("run")
+    logs_parser.add_argument(
+        "-f", "--follow", action="store_true", help="keep printing while the run is active"
+    )
+    logs_parser.add_argument("--rank", type=int, default=0, help="the worker rank (default 0)")
+    logs_parser.add_argument("--attempt", type=int, default=None, help="the attempt (default: the latest)")
+    logs_parser.add_argument("--driver", action="store_true", help="the Ray job's driver log instead")
+    describe_parser = commands.add_parser("describe", parents=[common], help="the run at a glance")
+    describe_parser.add_argument("run")
+    plot_parser = commands.add_parser("plot", parents=[common], help="loss and eval-loss curves")
+    plot_parser.add_argument("run")
+    plot_parser.add_argument(
+        "-o", "--output", help="write a PNG to this file instead of drawing in the terminal"
+    )
+    plot_parser.add_argument("--width", type=int, default=plot.TEXT_WIDTH, help="terminal plot columns")
+    plot_parser.add_argument("--height", type=int, default=plot.TEXT_HEIGHT, help="terminal plot rows")
+    return parser
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = build_parser().parse_args(argv)
+    try:
+        run = get_run(options)
+        if options.command == "describe":
+            _write(describe(run))
+            return 0
+        objects = RunObjects(s3_client(), storage_prefix(run))
+        if options.command == "logs":
+            logs(options, run, objects, _write, lambda: get_run(options))
+        else:
+            plot_command(options, objects, _write)
+    except (PluginError, BotoCoreError, ClientError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,273 @@
+"""`kubectl trainingrun`: logs followed from S3 as the trainer streams them, the run at a glance, and the
+loss curves, against the test S3 server and a kubectl stand-in that answers with a run object."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import logging
+import os
+import stat
+import struct
+import threading
+import time
+import uuid
+import zlib
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+
+from fsdp_operator import api, kubectl_plugin, plot
+from fsdp_trainer import runlog
+from fsdp_trainer.contract import ProgressRecord, rank_log_name
+from fsdp_trainer.storage import Location
+
+NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
+
+
+def run_object(storage: str, phase: str = "Running", attempt: int = 2) -> dict[str, Any]:
+    run = api.FSDPTrainingRun.model_validate(
+        {
+            "metadata": {"name": "tiny", "namespace": "team-a"},
+            "spec": {"model": {"source": "Qwen/Qwen3-0.6B"}, "checkpoint": {"storagePath": storage}},
+            "status": {
+                "phase": phase,
+                "attempt": attempt,
+                "jobSubmissionId": f"tiny-1234abcd-{attempt}",
+                "image": {"requested": "dlc:2.58", "digest": "dlc@sha256:" + "a" * 64},
+                "progress": {
+                    "step": 40,
+                    "maxSteps": 100,
+                    "loss": 2.5,
+                    "evalLoss": 2.75,
+                    "tokensPerSecond": 1234.5,
+                },
+                "transport": {"observed": "gloo"},
+                "checkpoints": {
+                    "recent": [{"uri": f"{storage}/team-a/tiny/checkpoint_1", "step": 30, "time": NOW}]
+                },
+                "restarts": {
+                    "count": 1,
+                    "history": [
+                        {"time": NOW, "reason": "WorkerLost", "message": "pod gone", "resumedFromStep": 30}
+                    ],
+                },
+                "record": {
+                    "uri": f"{storage}/team-a/tiny/run.json",
+                    "logsUri": f"{storage}/team-a/tiny/logs",
+                },
+            },
+        }
+    )
+    return run.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+@pytest.fixture
+def storage(s3_endpoint: str) -> str:
+    bucket = f"plugin-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(
+        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
+    )
+    return f"s3://{bucket}/runs"
+
+
+def options(*argv: str) -> argparse.Namespace:
+    return kubectl_plugin.build_parser().parse_args(argv)
+
+
+def test_kubectls_options_are_taken_before_or_after_the_command() -> None:
+    before = options("-n", "team-a", "--context", "prod", "logs", "tiny", "-f", "--rank", "3")
+    after = options("logs", "tiny", "--namespace", "team-a", "--context", "prod", "--attempt", "2")
+    for parsed in (before, after):
+        assert kubectl_plugin.kubectl_args(parsed) == ["--namespace", "team-a", "--context", "prod"]
+    assert (before.follow, before.rank, before.attempt) == (True, 3, None)
+    assert (after.follow, after.rank, after.attempt) == (False, 0, 2)
+
+
+def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_when_the_run_ends(
+    storage: str,
+) -> None:
+    run = run_object(storage)
+    target = Location.parse(f"{storage}/team-a/tiny").child(rank_log_name(2, 1))
+    writer = runlog.RankLog(target, runlog.Redactor([]), upload_seconds=1.0)
+    emitted: dict[str, float] = {}
+    printed: list[str] = []
+    seen: dict[str, float] = {}
+
+    def write(text: str) -> None:
+        printed.append(text)
+        for line in text.splitlines():
+            seen.setdefault(line.rsplit(": ", 1)[-1], time.monotonic())
+
+    def train() -> None:
+        for step in range(1, 9):
+            emitted[f"step {step}"] = time.monotonic()
+            writer.emit(
+                logging.LogRecord("fsdp_trainer", logging.INFO, __file__, 1, f"step {step}", None, None)
+            )
+            time.sleep(0.5)
+        writer.close()
+        run["status"]["phase"] = "Succeeded"
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    objects = kubectl_plugin.RunObjects(boto3.client("s3"), kubectl_plugin.storage_prefix(run))
+    kubectl_plugin.logs(options("logs", "tiny", "-f", "--rank", "1"), run, objects, write, lambda: run)
+    trainer.join()
+
+    lines = "".join(printed).splitlines()
+    assert [line.rsplit(": ", 1)[-1] for line in lines] == [f"step {step}" for step in range(1, 9)]
+    delays = [seen[line] - emitted[line] for line in emitted]
+    # The trainer stores every second here (15 s in a run); the plugin reads every 2 s.
+    assert max(delays) < 1.0 + kubectl_plugin.FOLLOW_POLL_SECONDS + 2.0, delays
+
+
+def test_following_a_capped_log_continues_after_the_last_line_printed() -> None:
+    printed = "a 1\na 2\na 3\n"
+    capped = "a 1\n[... 1 lines left out ...]\na 3\na 4\n"
+    assert kubectl_plugin.new_output(printed, capped) == "a 4\n"
+    assert kubectl_plugin.new_output(printed, printed + "a 4\n") == "a 4\n"
+
+
+def test_describe_shows_the_whole_run_on_one_screen(storage: str) -> None:
+    text = kubectl_plugin.describe(run_object(storage))
+    assert len(text.splitlines()) <= 40
+    for expected in (
+        "team-a/tiny",
+        "Running",
+        "dlc@sha256:" + "a" * 64,
+        "step 40/100",
+        "loss 2.5000",
+        "eval loss 2.7500",
+        "1,234 tok/s",
+        f"{storage}/team-a/tiny/checkpoint_1",
+        "WorkerLost  resumed from step 30  pod gone",
+        f"{storage}/team-a/tiny/run.json",
+        f"{storage}/team-a/tiny/logs",
+    ):
+        assert expected in text, expected
+
+
+def history(steps: range, loss: float, resumed: int | None = None, eval_at: int | None = None) -> str:
+    records = []
+    for step in steps:
+        record = ProgressRecord(
+            run_name="tiny",
+            phase="training",
+            step=step,
+            max_steps=20,
+            loss=loss - step * 0.1,
+            resumed_from_step=resumed,
+            eval_loss=loss if eval_at is not None and step >= eval_at else None,
+            updated_at=NOW,
+        )
+        records.append(record.to_json())
+    return "\n".join(records) + "\n"
+
+
+def put_metrics(storage: str) -> None:
+    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3")
+    s3.put_object(
+        Bucket=bucket,
+        Key=f"{prefix}/team-a/tiny/metrics/20261201T1000.jsonl",
+        Body=history(range(1, 13), 4.0),
+    )
+    second = history(range(11, 21), 3.5, resumed=10, eval_at=20)
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/team-a/tiny/metrics/20261201T1100.jsonl", Body=second)
+
+
+def kubectl_stand_in(tmp_path: Path, run: dict[str, Any]) -> Path:
+    """A `kubectl` that prints the run and records the arguments it was given."""
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    script = tmp_path / "kubectl"
+    script.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/args\ncat {tmp_path}/run.json\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "args"
+
+
+def test_plot_draws_both_curves_of_every_attempt_and_marks_the_restart(
+    storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    put_metrics(storage)
+    args = kubectl_stand_in(tmp_path, run_object(storage, phase="Succeeded"))
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+    assert kubectl_plugin.main(["plot", "tiny", "-n", "team-a", "--context", "lab"]) == 0
+    assert args.read_text().split()[-4:] == ["--namespace", "team-a", "--context", "lab"]
+    drawing = capsys.readouterr().out
+    assert plot.LOSS_MARK in drawing and plot.EVAL_MARK in drawing and plot.RESTART_MARK in drawing
+    assert "restart (from step 10)" in drawing
+
+    image = tmp_path / "loss.png"
+    assert kubectl_plugin.main(["plot", "tiny", "-o", str(image)]) == 0
+    width, height, pixels = decode_png(image.read_bytes())
+    assert (width, height) == (plot.WIDTH, plot.HEIGHT)
+    for colour in (plot.LOSS_COLOUR, plot.EVAL_COLOUR, plot.RESTART_COLOUR):
+        assert bytes(colour) in {pixels[i : i + 3] for i in range(0, len(pixels), 3)}, colour
+
+
+def decode_png(data: bytes) -> tuple[int, int, bytes]:
+    """Width, height and RGB pixels of an 8-bit RGB PNG with filter 0 rows (what plot.png writes)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    chunks, at = {}, 8
+    while at < len(data):
+        (length,) = struct.unpack(">I", data[at : at + 4])
+        kind = data[at + 4 : at + 8]
+        body = data[at + 8 : at + 8 + length]
+        assert zlib.crc32(kind + body) == struct.unpack(">I", data[at + 8 + length : at + 12 + length])[0]
+        chunks[kind] = body
+        at += 12 + length
+    rows = zlib.decompress(chunks[b"IDAT"])
+    stride = 3 * width + 1
+    return width, height, b"".join(rows[y * stride + 1 : (y + 1) * stride] for y in range(height))
+
+
+def test_describe_and_logs_need_no_more_than_kubectl_and_the_users_s3_access(
+    storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    kubectl_stand_in(tmp_path, run_object(storage, phase="Failed", attempt=1))
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert kubectl_plugin.main(["describe", "tiny"]) == 0
+    assert "Phase:         Failed" in capsys.readouterr().out
+
+    assert kubectl_plugin.main(["logs", "tiny"]) == 1
+    assert "no log at" in capsys.readouterr().err
+    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    boto3.client("s3").put_object(
+        Bucket=bucket, Key=f"{prefix}/team-a/tiny/logs/attempt-1/driver.log", Body=b"driver says hi\n"
+    )
+    assert kubectl_plugin.main(["logs", "tiny", "--driver", "-f"]) == 0
+    assert capsys.readouterr().out == "driver says hi\n"
+
+
+def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(storage: str) -> None:
+    run = run_object(storage, attempt=1)
+    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    s3 = boto3.client("s3")
+
+    def put(attempt: int, text: str) -> None:
+        s3.put_object(Bucket=bucket, Key=f"{prefix}/team-a/tiny/logs/attempt-{attempt}/rank-0.log", Body=text)
+
+    put(1, "one\n")
+    printed: list[str] = []
+
+    def restart() -> None:
+        time.sleep(1)
+        put(1, "one\nlast words\n")
+        run["status"]["attempt"] = 2
+        time.sleep(3)
+        put(2, "resumed\n")
+        time.sleep(3)
+        run["status"]["phase"] = "Succeeded"
+
+    thread = threading.Thread(target=restart)
+    thread.start()
+    objects = kubectl_plugin.RunObjects(s3, kubectl_plugin.storage_prefix(run))
+    kubectl_plugin.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
+    thread.join()
+    assert "".join(printed) == "one\nlast words\n\n[--- logs/attempt-2/rank-0.log ---]\nresumed\n"
