@@ -69,6 +69,7 @@ bench: venv tools ## benchmarks (never in CI): control plane on the local cluste
 	$(PY) bench/control_plane.py
 	$(PY) bench/trainer_cpu.py
 	$(PY) bench/trainer_checkpoint.py
+	$(PY) bench/trainer_mlflow.py
 	$(PY) bench/load.py
 
 .PHONY: bench-load

@@ -8,6 +8,7 @@ VENV=${FSDP_VENV:-$CACHE/venv}
 # The DLC's environment (hack/dlc/requirements.lock, Python 3.13): the local Ray head and the trainer's tests
 # run in it, as the trainer runs in the Ray Train DLC in production.
 DLC_VENV=${FSDP_DLC_VENV:-$CACHE/dlc-venv}
+MLFLOW_VENV=${FSDP_MLFLOW_VENV:-$CACHE/mlflow-venv}
 # FSDP_CLUSTER_INSTANCE=N runs another cluster beside the first from the same checkout (the suite's second
 # pytest worker uses 1): its own state dir, Ray temp dir and cluster name, and every port moved up by N x 1000.
 INSTANCE=${FSDP_CLUSTER_INSTANCE:-0}

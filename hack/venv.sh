@@ -3,7 +3,9 @@
 # lock has not changed since the last install:
 # - the operator's (Python 3.11): requirements.lock;
 # - the DLC's (Python 3.13, the Ray Train DLC's interpreter; pyenv's on these machines, or FSDP_PYTHON313):
-#   hack/dlc/requirements.lock and the test tools, for the local Ray head and the trainer's tests.
+#   hack/dlc/requirements.lock and the test tools, for the local Ray head and the trainer's tests;
+# - the MLflow tracking server's (Python 3.11): hack/mlflow/requirements.lock, for the tracking tests and
+#   bench/trainer_mlflow.py (mlflow pins pyarrow below the operator's 26.0.1, so it cannot share that venv).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -44,3 +46,4 @@ python313() {
 
 install "$VENV" python3 "$root/requirements.lock"
 install "$DLC_VENV" "$(python313)" "$root/hack/dlc/requirements.lock" "$root/hack/dlc/test-requirements.txt"
+install "$MLFLOW_VENV" python3 "$root/hack/mlflow/requirements.lock"

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -378,3 +380,35 @@ def wait_established(*crds: str) -> None:
         ),
         timeout=60,
     )
+
+
+MLFLOW_VENV = Path(cluster_settings("MLFLOW_VENV")[0])  # hack/venv.sh installs the MLflow server there
+
+
+@contextlib.contextmanager
+def mlflow_server(home: Path, artifacts: str, env: dict[str, str] | None = None) -> Iterator[str]:
+    """A real MLflow tracking server on a free loopback port (SQLite in `home`, artifacts served by the
+    server from `artifacts`: a directory or s3:// prefix), in a process group of its own, stopped by its pid
+    at the end; yields its URL."""
+    mlflow = MLFLOW_VENV / "bin" / "mlflow"
+    assert mlflow.exists(), f"{mlflow} missing: hack/venv.sh installs the MLflow server's venv"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = home / "mlflow-server.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{home}/mlflow.db",
+             "--artifacts-destination", artifacts, "--host", "127.0.0.1", "--port", str(port),
+             "--workers", "1"],
+            # No job runner (GenAI jobs: seven worker processes a tracking server needs none of).
+            env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **(env or {})}, cwd=home,
+            stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_until(f"the MLflow server at {url}", lambda: answers(f"{url}/health"), timeout=180)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=60)
+        print(f"--- MLflow server log ({log}) ---\n{log.read_text()[-3000:]}")

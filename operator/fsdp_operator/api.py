@@ -20,6 +20,7 @@ from fsdp_trainer.contract import (
     ContractModel,
     DataSpec,
     FsdpSpec,
+    MlflowConfig,
     ModelSpec,
     NetworkSpec,
     RestartEntry,
@@ -314,6 +315,59 @@ class RuntimeEnvSpec(ContractModel):
         return self
 
 
+# The variables MLflow's own client reads its credentials from; the trainer's client reads the same.
+MLFLOW_ENV_PREFIX = "MLFLOW_TRACKING_"
+MLFLOW_CREDENTIAL_ENV = {
+    "token": "MLFLOW_TRACKING_TOKEN",
+    "username": "MLFLOW_TRACKING_USERNAME",
+    "password": "MLFLOW_TRACKING_PASSWORD",
+}
+
+
+class MlflowCredentials(ContractModel):
+    token: SecretKeyRef | None = Field(
+        default=None, description="A bearer token (MLFLOW_TRACKING_TOKEN in the Ray pods)."
+    )
+    username: SecretKeyRef | None = Field(
+        default=None, description="HTTP basic user name (MLFLOW_TRACKING_USERNAME); needs password."
+    )
+    password: SecretKeyRef | None = Field(
+        default=None, description="HTTP basic password (MLFLOW_TRACKING_PASSWORD); needs username."
+    )
+
+    @model_validator(mode="after")
+    def _basic_auth_in_pairs(self) -> MlflowCredentials:
+        if (self.username is None) != (self.password is None):
+            raise ValueError("username and password go together")
+        return self
+
+    def env(self) -> dict[str, SecretKeyRef]:
+        """The credentials as environment variables from Secrets."""
+        refs = {"token": self.token, "username": self.username, "password": self.password}
+        return {MLFLOW_CREDENTIAL_ENV[field]: ref for field, ref in refs.items() if ref is not None}
+
+
+class MlflowSpec(MlflowConfig):
+    credentials: MlflowCredentials = Field(
+        default_factory=MlflowCredentials,
+        description="Secrets in the run's namespace holding the tracking server's credentials, set in the "
+        "Ray pods by Kubernetes as secretEnv is: the operator never reads them.",
+    )
+
+    def trainer_view(self) -> MlflowConfig:
+        return MlflowConfig.model_validate(self.model_dump(exclude={"credentials"}))
+
+
+class TrackingSpec(ContractModel):
+    mlflow: MlflowSpec | None = Field(
+        default=None,
+        description="Log params (every resolved config field), metrics (loss, eval loss, learning rate, "
+        "tokens/s, MFU per logged step), tags (run, attempt, image digest, trainer package sha256, data "
+        "fingerprint) and the exported model to an MLflow tracking server: one MLflow run per training "
+        "run, continued by every restart. A server that is down costs a warning, never the training.",
+    )
+
+
 class CleanupPolicy(StrEnum):
     DELETE_CLUSTER = "DeleteCluster"
     KEEP_CLUSTER = "KeepCluster"
@@ -341,6 +395,7 @@ class FSDPTrainingRunSpec(ContractModel):
     runtime_env: RuntimeEnvSpec = Field(
         default_factory=RuntimeEnvSpec, description="Extra pip packages and environment for the trainer job."
     )
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="Experiment tracking (MLflow).")
     suspend: bool = Field(
         default=False, description="Tear the cluster down and keep checkpoints; false again resumes."
     )
@@ -355,6 +410,17 @@ class FSDPTrainingRunSpec(ContractModel):
         description="After the run finishes: DeleteCluster frees the GPUs (the CR and run.json remain); "
         "KeepCluster leaves the RayCluster for inspection.",
     )
+
+    @model_validator(mode="after")
+    def _mlflow_credentials_in_one_place(self) -> FSDPTrainingRunSpec:
+        if self.tracking.mlflow is not None:
+            names = [*self.runtime_env.env, *self.runtime_env.secret_env]
+            if any(name.startswith(MLFLOW_ENV_PREFIX) for name in names):
+                raise ValueError(
+                    f"runtimeEnv: with tracking.mlflow, {MLFLOW_ENV_PREFIX}* credentials go in "
+                    "tracking.mlflow.credentials"
+                )
+        return self
 
 
 # ----------------------------------------------------------------------------------------------------------

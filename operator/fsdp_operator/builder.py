@@ -138,9 +138,11 @@ def efa_environment(spec: api.FSDPTrainingRunSpec) -> dict[str, str]:
 
 def _secret_env(spec: api.FSDPTrainingRunSpec) -> list[dict[str, Any]]:
     """Kubernetes resolves these in the pods; the operator passes references and never reads a Secret."""
+    mlflow = spec.tracking.mlflow
+    refs = {**spec.runtime_env.secret_env, **(mlflow.credentials.env() if mlflow else {})}
     return [
         {"name": name, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}
-        for name, ref in spec.runtime_env.secret_env.items()
+        for name, ref in refs.items()
     ]
 
 

@@ -76,6 +76,23 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         ".network.ncclEnv",
     ),
     (
+        "!has(self.tracking) || !has(self.tracking.mlflow) || !has(self.tracking.mlflow.credentials)"
+        " || has(self.tracking.mlflow.credentials.username)"
+        " == has(self.tracking.mlflow.credentials.password)",
+        "spec.tracking.mlflow.credentials username and password go together",
+        ".tracking.mlflow.credentials",
+    ),
+    *(
+        (
+            f"!has(self.tracking) || !has(self.tracking.mlflow) || !has(self.runtimeEnv.{field})"
+            f" || !self.runtimeEnv.{field}.exists(k, k.startsWith('{api.MLFLOW_ENV_PREFIX}'))",
+            f"spec.runtimeEnv.{field}: with spec.tracking.mlflow, {api.MLFLOW_ENV_PREFIX}* credentials go in "
+            "spec.tracking.mlflow.credentials",
+            f".runtimeEnv.{field}",
+        )
+        for field in ("env", "secretEnv")
+    ),
+    (
         "self.fsdp.mixedPrecision != 'fp16'",
         "spec.fsdp.mixedPrecision fp16 is not supported: it needs loss scaling, which the trainer does "
         "not do (fp16 gradients underflow); use bf16 or fp32",

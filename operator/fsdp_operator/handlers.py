@@ -55,6 +55,7 @@ from fsdp_operator.statuspatch import merge_patch
 from fsdp_trainer.contract import (
     LOGS_DIR,
     RUN_RECORD_FILE,
+    AttemptInfo,
     CheckpointRef,
     RunRecord,
     driver_log_name,
@@ -948,9 +949,14 @@ def _submit(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, de
     submission_id = decision.status.job_submission_id
     assert submission_id is not None and decision.submit_attempt is not None
     config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+    attempt = AttemptInfo(
+        attempt=decision.submit_attempt,
+        image_digest=decision.status.image.digest,
+        trainer_package_sha256=ctx.package_sha256,
+    )
     ctx.jobs(run.namespace, builder.ray_cluster_name(run.name)).submit(
         submission_id,
-        submission.entrypoint(config, submission_id, decision.submit_attempt),
+        submission.entrypoint(config, submission_id, attempt),
         submission.runtime_env(spec),
         metadata={"run": run.name, "namespace": run.namespace, "attempt": str(decision.submit_attempt)},
     )

@@ -15,7 +15,7 @@ from typing import Any
 import fsdp_trainer
 from fsdp_operator import api
 from fsdp_operator.builder import RunRef, ray_cluster_name
-from fsdp_trainer.contract import TrainerConfig
+from fsdp_trainer.contract import AttemptInfo, TrackingConfig, TrainerConfig
 
 TRAINER_PACKAGE = Path(fsdp_trainer.__file__).resolve().parent
 
@@ -41,14 +41,15 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         data=spec.data,
         checkpoint=spec.checkpoint,
         network=spec.network,
+        tracking=TrackingConfig(mlflow=spec.tracking.mlflow.trainer_view()) if spec.tracking.mlflow else None,
         secret_env_names=sorted(spec.runtime_env.secret_env),
     )
 
 
-def entrypoint(config: TrainerConfig, submission: str, attempt: int) -> str:
+def entrypoint(config: TrainerConfig, submission: str, attempt: AttemptInfo) -> str:
     return (
         f"python -m fsdp_trainer --config {shlex.quote(config.to_json())} "
-        f"--submission-id {shlex.quote(submission)} --attempt {attempt}"
+        f"--submission-id {shlex.quote(submission)} --attempt-info {shlex.quote(attempt.to_json())}"
     )
 
 

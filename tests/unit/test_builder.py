@@ -12,6 +12,8 @@ import pytest
 import yaml
 
 from fsdp_operator import api, builder, submission
+from fsdp_trainer import cli
+from fsdp_trainer.contract import AttemptInfo
 from tests.harness import example
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -171,9 +173,9 @@ def test_the_entrypoint_hands_hostile_strings_to_the_trainer_verbatim() -> None:
         {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, "data": {"source": hostile}}
     )
     config = submission.trainer_config(spec, RUN, cpu_only=False)
-    argv = shlex.split(submission.entrypoint(config, "run-1", 1))
+    argv = shlex.split(submission.entrypoint(config, "run-1", AttemptInfo(attempt=1)))
     assert argv[:3] == ["python", "-m", "fsdp_trainer"]
-    assert argv[-4:] == ["--submission-id", "run-1", "--attempt", "1"]
+    assert argv[-4:-1] == ["--submission-id", "run-1", "--attempt-info"]
     assert json.loads(argv[4])["data"]["source"] == hostile
 
 
@@ -184,6 +186,34 @@ def test_secret_env_reaches_head_and_workers_as_references_only() -> None:
     for group in _groups(builder.build_raycluster(spec, RUN, IMAGE, None)):
         [container] = group["template"]["spec"]["containers"]
         assert reference in container["env"], container["name"]
+
+
+def test_mlflow_credentials_reach_the_pods_as_secret_references_and_the_trainer_sees_no_secret() -> None:
+    spec = CASES["aws-sample"].model_copy(deep=True)
+    spec.tracking = api.TrackingSpec.model_validate(
+        {
+            "mlflow": {
+                "trackingUri": "https://mlflow.example.com",
+                "experimentName": "qwen-sft",
+                "credentials": {"token": {"name": "mlflow", "key": "token"}},
+            }
+        }
+    )
+    reference = {
+        "name": "MLFLOW_TRACKING_TOKEN",
+        "valueFrom": {"secretKeyRef": {"name": "mlflow", "key": "token"}},
+    }
+    for group in _groups(builder.build_raycluster(spec, RUN, IMAGE, None)):
+        [container] = group["template"]["spec"]["containers"]
+        assert reference in container["env"], container["name"]
+    config = submission.trainer_config(spec, RUN, cpu_only=False)
+    assert config.tracking is not None and config.tracking.mlflow is not None
+    assert config.tracking.mlflow.tracking_uri == "https://mlflow.example.com"
+    assert "credentials" not in config.to_json() and "mlflow" in config.to_json()
+    attempt = AttemptInfo(attempt=3, image_digest="repo@sha256:" + "0" * 64, trainer_package_sha256="f" * 64)
+    argv = shlex.split(submission.entrypoint(config, "run-3", attempt))
+    args = cli.build_parser().parse_args(argv[3:])
+    assert args.attempt_info == attempt and cli.resolve_config(args).tracking == config.tracking
 
 
 def test_the_operators_own_aws_identity_reaches_neither_the_pods_nor_the_job(
@@ -204,7 +234,7 @@ def test_the_operators_own_aws_identity_reaches_neither_the_pods_nor_the_job(
             [
                 builder.build_raycluster(spec, RUN, IMAGE, "us-west-2a"),
                 submission.runtime_env(spec),
-                submission.entrypoint(config, "run-1", 1),
+                submission.entrypoint(config, "run-1", AttemptInfo(attempt=1)),
             ]
         )
         leaked = [name for name, value in operator_identity.items() if name in made or value in made]

@@ -106,6 +106,17 @@ def test_pydantic_refuses_what_the_apiserver_refuses() -> None:
         {"runtimeEnv": {"secretEnv": {"LD_PRELOAD": {"name": "s", "key": "k"}}}},
         {"runtimeEnv": {"env": {"HF_TOKEN": "x"}, "secretEnv": {"HF_TOKEN": {"name": "s", "key": "k"}}}},
         {"runtimeEnv": {"secretEnv": {"HF_TOKEN": {"name": "Bad_Name", "key": "k"}}}},
+        {"tracking": {"mlflow": {"trackingUri": "file:///tmp/mlruns"}}},
+        {"tracking": {"mlflow": {"trackingUri": "https://user:secret@mlflow.example.com"}}},
+        {
+            "tracking": {
+                "mlflow": {"trackingUri": "http://m", "credentials": {"username": {"name": "s", "key": "u"}}}
+            }
+        },
+        {
+            "tracking": {"mlflow": {"trackingUri": "http://m"}},
+            "runtimeEnv": {"secretEnv": {"MLFLOW_TRACKING_TOKEN": {"name": "s", "key": "k"}}},
+        },
     ]
     for change in refused:
         try:

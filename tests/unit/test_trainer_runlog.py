@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from fsdp_trainer import runlog
-from fsdp_trainer.contract import TrainerConfig, rank_log_name
+from fsdp_trainer.contract import AttemptInfo, TrainerConfig, rank_log_name
 from fsdp_trainer.errors import DataError
 from fsdp_trainer.loop import LoopInput, train_loop
 from fsdp_trainer.storage import Location
@@ -40,7 +40,11 @@ def test_a_failed_rank_leaves_its_whole_log_in_s3_without_the_secret(
         }
     )
     with pytest.raises(DataError):
-        train_loop(LoopInput(trainer=trainer, submission_id="job-3", attempt=3).model_dump(mode="json"))
+        train_loop(
+            LoopInput(trainer=trainer, submission_id="job-3", attempt=AttemptInfo(attempt=3)).model_dump(
+                mode="json"
+            )
+        )
 
     text = Location.parse(trainer.run_uri()).child(rank_log_name(3, 0)).read_text()
     assert secret not in text

@@ -72,7 +72,7 @@ def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
     for n in range(1, 4):
         step(metrics, clock, n)
     clock.now += 30.0  # an evaluation and a checkpoint stall
-    metrics.evaluated(EvalResult(loss=3.0, perplexity=20.1, seconds=20.0))
+    metrics.evaluated(EvalResult(loss=3.0, perplexity=20.1, seconds=20.0), 10)
     metrics.checkpoint_staged(blocked_seconds=10.0)
     record = step(metrics, clock, 4)
     writer.close()

@@ -39,14 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     if direct:
         from fsdp_trainer.loop import LoopInput, train_loop
 
-        loop_input = LoopInput(trainer=config, submission_id=submission_id, attempt=args.attempt)
+        loop_input = LoopInput(trainer=config, submission_id=submission_id, attempt=args.attempt_info)
         train_loop(loop_input.model_dump(mode="json"))
         return 0
     from fsdp_trainer.driver import run_with_ray
     from fsdp_trainer.runlog import install_redaction
 
     install_redaction(config.secret_env_names)  # the driver's output is the job's log
-    return run_with_ray(config, submission_id, args.attempt)
+    return run_with_ray(config, submission_id, args.attempt_info)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from fsdp_trainer.contract import EfaPolicy, Precision, TrainerConfig
+from fsdp_trainer.contract import AttemptInfo, EfaPolicy, Precision, TrainerConfig
 from fsdp_trainer.errors import ConfigError
 
 DESCRIPTION = """FSDP2 fine-tuning on Ray Train.
@@ -116,11 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
         "submissions' checkpoints); default: a random id",
     )
     parser.add_argument(
-        "--attempt",
-        type=int,
-        default=1,
-        help="The operator's attempt number: each rank's log goes to <run>/logs/attempt-<n>/rank-<k>.log "
-        "(default: 1)",
+        "--attempt-info",
+        type=AttemptInfo.model_validate_json,
+        default=AttemptInfo(),
+        metavar="JSON",
+        help="What the operator knows of this attempt (attempt, imageDigest, trainerPackageSha256): each "
+        "rank's log goes to <run>/logs/attempt-<attempt>/rank-<k>.log (attempt 1 when unset), and the "
+        "tracking run's tags",
     )
     parser.add_argument(
         "--launcher",

@@ -12,6 +12,7 @@ in two namespaces apart):
     logs/attempt-<n>/rank-<k>.log       each rank's log lines of operator attempt n (trainer, runlog.py)
     logs/attempt-<n>/driver.log         the Ray job's driver log of attempt n (operator, when the job ends)
     model/                              consolidated Hugging Face model exported at the end (safetensors)
+    mlflow.json                         MlflowRunRef: the MLflow run every attempt logs to (tracking on)
     run.json                            RunRecord (operator)
     checkpoint_<...>/                   Ray Train checkpoint directories (DCP shards + .metadata)
         fsdp_manifest.json              CheckpointManifest, written last: no manifest, no checkpoint
@@ -36,6 +37,7 @@ METRICS_DIR = "metrics"
 LOGS_DIR = "logs"
 DRIVER_LOG_FILE = "driver.log"
 MODEL_DIR = "model"
+MLFLOW_RUN_FILE = "mlflow.json"
 DCP_METADATA_FILE = ".metadata"
 SCHEMA_VERSION = 1
 # Text a person types (sources, paths, URIs, env values): without control characters or bidirectional
@@ -257,6 +259,33 @@ class NetworkSpec(ContractModel):
     )
 
 
+class MlflowConfig(ContractModel):
+    tracking_uri: str = Field(
+        max_length=MAX_URI,
+        pattern=r"^https?://[^\s/@]+(/\S*)?$",
+        description="The MLflow tracking server (http:// or https://, without user:password@: the URI is "
+        "recorded in run.json and logged as a param), reached through its REST API. "
+        "Credentials, if the server needs them, come from the environment as for MLflow's own client "
+        "(MLFLOW_TRACKING_TOKEN, or MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD).",
+    )
+    experiment_name: str | None = Field(
+        default=None,
+        max_length=500,
+        pattern=PLAIN_TEXT,
+        description="The MLflow experiment the run is logged in, created if missing; default: the run's "
+        "namespace.",
+    )
+
+
+class TrackingConfig(ContractModel):
+    mlflow: MlflowConfig | None = Field(
+        default=None,
+        description="Log params, metrics, tags and the exported model to MLflow: one MLflow run per "
+        "training run, continued by every restart. A tracking server that cannot be reached costs a "
+        "warning, never the training.",
+    )
+
+
 class TrainerConfig(ContractModel):
     """Everything the trainer needs; the operator builds it from the FSDPTrainingRun spec."""
 
@@ -280,6 +309,7 @@ class TrainerConfig(ContractModel):
     data: DataSpec = Field(default_factory=DataSpec)
     checkpoint: CheckpointSpec
     network: NetworkSpec = Field(default_factory=NetworkSpec)
+    tracking: TrackingConfig | None = Field(default=None, description="Experiment tracking (MLflow).")
     secret_env_names: list[str] = Field(
         default_factory=list,
         description="Environment variables holding secrets (spec.runtimeEnv.secretEnv): their values are "
@@ -419,6 +449,23 @@ class CheckpointManifest(ContractModel):
         description="Hash of the packed training samples it was trained on: the saved data position means "
         "the same samples only while this matches (the trainer checks it; the operator cannot).",
     )
+
+
+class AttemptInfo(ContractModel):
+    """What the operator knows of an attempt and the trainer cannot see: tags of its tracking run."""
+
+    attempt: int | None = None
+    image_digest: str | None = None
+    trainer_package_sha256: str | None = None
+
+
+class MlflowRunRef(ContractModel):
+    """mlflow.json: the MLflow run a training run logs to, so that every later attempt continues it."""
+
+    tracking_uri: str
+    experiment_id: str
+    run_id: str
+    submission_id: str = Field(description="The submission that created the MLflow run.")
 
 
 class CheckpointRef(ContractModel):

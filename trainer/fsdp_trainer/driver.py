@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Any
 
-from fsdp_trainer.contract import PROGRESS_FILE, ErrorKind, ProgressRecord, TrainerConfig
+from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import classify
 from fsdp_trainer.loop import LoopInput, train_loop
 from fsdp_trainer.progress import read_progress, utc_now
@@ -26,7 +26,7 @@ def worker_environment(config: TrainerConfig) -> dict[str, str]:
     return env
 
 
-def run_with_ray(config: TrainerConfig, submission_id: str, attempt: int = 1) -> int:
+def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo | None = None) -> int:
     """Trains to the end (Ray Train restarts the workers up to maxFailures times, resuming from the latest
     checkpoint); returns the process exit code."""
     import ray
@@ -53,9 +53,9 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: int = 1) ->
     )
     trainer = TorchTrainer(
         train_loop,
-        train_loop_config=LoopInput(trainer=config, submission_id=submission_id, attempt=attempt).model_dump(
-            mode="json"
-        ),
+        train_loop_config=LoopInput(
+            trainer=config, submission_id=submission_id, attempt=attempt or AttemptInfo()
+        ).model_dump(mode="json"),
         scaling_config=scaling,
         run_config=run_config,
     )

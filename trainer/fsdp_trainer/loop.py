@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer import (
@@ -33,12 +33,13 @@ from fsdp_trainer import (
     transport,
 )
 from fsdp_trainer.checkpoint_manager import CheckpointManager
-from fsdp_trainer.contract import Precision, SetupStage, TrainerConfig
+from fsdp_trainer.contract import AttemptInfo, Precision, SetupStage, TrainerConfig
 from fsdp_trainer.errors import ConfigError, ModelError, classify
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
 from fsdp_trainer.storage import Location
 from fsdp_trainer.telemetry import MetricsProcessor, Throughput
+from fsdp_trainer.tracking import MlflowTracker, start_tracking
 from fsdp_trainer.validate import Validator
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class LoopInput(BaseModel):
 
     trainer: TrainerConfig
     submission_id: str
-    attempt: int = 1  # the operator's attempt: logs/attempt-<n>/
+    attempt: AttemptInfo = Field(default_factory=AttemptInfo)
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -71,11 +72,13 @@ def train_loop(config: dict[str, Any]) -> None:
     runtime = distributed.start(use_gpu=use_gpu)
     run = Location.parse(loop_input.trainer.run_uri())
     rank_log = runlog.start_rank_log(
-        run, loop_input.attempt, runtime.rank, loop_input.trainer.secret_env_names
+        run, loop_input.attempt.attempt or 1, runtime.rank, loop_input.trainer.secret_env_names
     )
     trainer = Trainer(loop_input, runtime, run, socket_interface)
+    tracking_status = "FAILED"
     try:
         trainer.run()
+        tracking_status = "FINISHED"
     except BaseException as error:
         log.exception("rank %d failed", runtime.rank)
         # Under Ray the driver records the failure with every worker's error; elsewhere rank 0 does.
@@ -91,6 +94,8 @@ def train_loop(config: dict[str, Any]) -> None:
                 trainer.checkpoints.close()
             if trainer.progress is not None:
                 trainer.progress.close()
+            if trainer.tracker is not None:
+                trainer.tracker.close(tracking_status)
             distributed.stop(runtime)
         finally:
             runlog.stop_rank_log(rank_log)  # last: it keeps what closing the rest logged
@@ -133,11 +138,13 @@ class Trainer:
         self.config = loop_input.trainer
         self.socket_interface = socket_interface
         self.submission_id = loop_input.submission_id
+        self.attempt = loop_input.attempt
         self.runtime = runtime
         self.run_location = run
         self.progress: ProgressWriter | None = None  # rank 0 only
         self.versions = versions()
         self.checkpoints: CheckpointManager | None = None  # closed by train_loop, however setup ends
+        self.tracker: MlflowTracker | None = None  # rank 0 only, closed by train_loop
 
     def run(self) -> None:
         session = self.setup()
@@ -195,6 +202,10 @@ class Trainer:
             config, self.submission_id, runtime, self.run_location, datasets.fingerprint, self.versions
         )
         self.checkpoints = checkpoints
+        if runtime.is_main:  # it finds or creates its MLflow run while the model is built
+            self.tracker = start_tracking(
+                config, self.attempt, self.submission_id, self.run_location, datasets.fingerprint
+            )
         resume_from = checkpoints.find()
         self.stage(SetupStage.DOWNLOADING_MODEL)
         lm = model.empty_model(model_config)
@@ -257,7 +268,12 @@ class Trainer:
             app_state=app_state,
             checkpoints=checkpoints,
             metrics=MetricsProcessor(
-                runtime, self.progress, throughput, training.log_every, training.max_steps
+                runtime,
+                self.progress,
+                throughput,
+                training.log_every,
+                training.max_steps,
+                tracker=self.tracker,
             ),
         )
 
@@ -294,7 +310,7 @@ class Trainer:
                     metrics.training_started()
                 metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
                 if config.data.eval_every and step % config.data.eval_every == 0:
-                    metrics.evaluated(session.validator.validate(session.lm, step))
+                    metrics.evaluated(session.validator.validate(session.lm, step), step)
                 if checkpoints.due(step):
                     checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
 
@@ -327,10 +343,12 @@ class Trainer:
         self.checkpoint_staged(session)
         checkpoints.wait()  # the last checkpoint is complete before the run says it finished
         if session.validator.evaluated_at_step != step:
-            session.metrics.evaluated(session.validator.validate(session.lm, step))
+            session.metrics.evaluated(session.validator.validate(session.lm, step), step)
         exported = None
         if self.config.checkpoint.export_model:
             exported = checkpoints.export(session.lm, session.model_config, session.tokenizer, session.dtype)
+            if self.tracker is not None:
+                self.tracker.log_model(Location.parse(exported))
         session.metrics.finished(step, exported)
 
 

@@ -17,6 +17,7 @@ from fsdp_trainer import distributed
 from fsdp_trainer.contract import ProgressRecord
 from fsdp_trainer.metrics import model_flops_utilisation, peak_flops
 from fsdp_trainer.progress import ProgressWriter
+from fsdp_trainer.tracking import MlflowTracker
 from fsdp_trainer.validate import EvalResult
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,10 @@ class MetricsProcessor:
         log_every: int,
         max_steps: int,
         clock: Callable[[], float] = time.perf_counter,
+        tracker: MlflowTracker | None = None,
     ) -> None:
         self.runtime, self.progress, self.throughput = runtime, progress, throughput
+        self.tracker = tracker
         self.log_every, self.max_steps, self.clock = log_every, max_steps, clock
         self.interval_start = clock()
         self.interval_steps = 0
@@ -92,6 +95,20 @@ class MetricsProcessor:
                 checkpoint_blocked_seconds=self.checkpoint_blocked_seconds,
             )
             log.info("%s", summary(record))
+            if self.tracker is not None:
+                self.tracker.log_metrics(
+                    step,
+                    {
+                        "loss": record.loss,
+                        "learning_rate": record.learning_rate,
+                        "grad_norm": record.grad_norm,
+                        "tokens_per_second": record.tokens_per_second,
+                        "tokens_per_second_per_device": record.tokens_per_second_per_device,
+                        "step_time_seconds": record.step_time_seconds,
+                        "mfu": record.mfu,
+                        "tokens_seen": record.tokens_seen,
+                    },
+                )
         _reset_peak_memory(device)
         self.interval_start, self.interval_steps = self.clock(), 0
         return record
@@ -105,13 +122,15 @@ class MetricsProcessor:
         if self.progress is not None:
             self.progress.write(phase="training", stage=None)
 
-    def evaluated(self, result: EvalResult | None) -> None:
+    def evaluated(self, result: EvalResult | None, step: int) -> None:
         if result is None:
             return
         self.exclude(result.seconds)
         if self.progress is not None:
             log.info("eval loss %.4f perplexity %.2f", result.loss, result.perplexity)
             self.progress.update(eval_loss=result.loss, eval_perplexity=result.perplexity)
+        if self.tracker is not None:
+            self.tracker.log_metrics(step, {"eval_loss": result.loss, "eval_perplexity": result.perplexity})
 
     def checkpoint_staged(self, blocked_seconds: float) -> None:
         """A save has its copy of the state, having held training up for `blocked_seconds`. The figure goes
@@ -121,6 +140,8 @@ class MetricsProcessor:
         self.checkpoint_blocked_seconds = blocked_seconds
         if self.progress is not None:
             self.progress.flush_history()
+        if self.tracker is not None:
+            self.tracker.flush()
 
     def finished(self, step: int, exported_model_uri: str | None) -> None:
         if self.progress is not None:
