@@ -108,16 +108,9 @@ def mlflow(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield MlflowServer(url, bucket)
 
 
-@pytest.fixture
-def storage(s3_endpoint: str) -> str:
-    bucket = f"runs-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(
-        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
-    )
-    return f"s3://{bucket}/runs"
-
-
-def run_spec(storage: str, tracking_uri: str, experiment: str) -> api.FSDPTrainingRunSpec:
+def run_spec(
+    storage: str, tracking_uri: str, experiment: str, registered_model: str | None = None
+) -> api.FSDPTrainingRunSpec:
     return api.FSDPTrainingRunSpec.model_validate(
         {
             "model": {"fromConfig": TINY_QWEN2, "tokenizer": "byte-level"},
@@ -132,7 +125,13 @@ def run_spec(storage: str, tracking_uri: str, experiment: str) -> api.FSDPTraini
             "data": {"source": "synthetic", "evalEvery": 8, "evalBatches": 2},
             "checkpoint": {"storagePath": storage, "everySteps": CHECKPOINT_EVERY},
             "network": {"bandwidthProbeMb": 0},
-            "tracking": {"mlflow": {"trackingUri": tracking_uri, "experimentName": experiment}},
+            "tracking": {
+                "mlflow": {
+                    "trackingUri": tracking_uri,
+                    "experimentName": experiment,
+                    "registeredModelName": registered_model,
+                }
+            },
         }
     )
 
@@ -171,10 +170,11 @@ def read_s3(uri: str) -> str:
 
 
 def test_a_run_that_restarts_once_is_one_mlflow_run_with_every_step_its_params_tags_and_model(
-    mlflow: MlflowServer, storage: str, tmp_path: Path
+    mlflow: MlflowServer, s3_storage: str, tmp_path: Path
 ) -> None:
     experiment = f"restart-{uuid.uuid4().hex[:6]}"
-    spec = run_spec(storage, mlflow.url, experiment)
+    registered_model = f"tiny-qwen2-{experiment}"
+    spec = run_spec(s3_storage, mlflow.url, experiment, registered_model)
     run = RunRef(name="tiny-restart", namespace="team-a", uid=uuid.uuid4().hex)
     # The first attempt stops making progress at step 11 (after the checkpoint of step 8) and is killed
     # once MLflow shows its step 10, as a lost node is: no cleanup, no last flush.
@@ -221,11 +221,13 @@ def test_a_run_that_restarts_once_is_one_mlflow_run_with_every_step_its_params_t
     assert params["training.learningRate"] == "0.003"
     assert params["model.fromConfig.hidden_size"] == "32"
     assert params["tracking.mlflow.trackingUri"] == mlflow.url
-    assert params["checkpoint.storagePath"] == storage
+    assert params["checkpoint.storagePath"] == s3_storage
 
     tags = {t["key"]: t["value"] for t in data["tags"]}
-    manifests = [k for k in _keys(storage) if k.endswith("fsdp_manifest.json")]
-    data_fingerprint = json.loads(read_s3(f"s3://{storage.split('/')[2]}/{manifests[0]}"))["dataFingerprint"]
+    manifests = [k for k in _keys(s3_storage) if k.endswith("fsdp_manifest.json")]
+    data_fingerprint = json.loads(read_s3(f"s3://{s3_storage.split('/')[2]}/{manifests[0]}"))[
+        "dataFingerprint"
+    ]
     assert tags[TAG + "run"] == "team-a/tiny-restart"
     assert tags[TAG + "attempt"] == "2"  # the latest attempt
     assert tags[TAG + "image-digest"] == IMAGE_DIGEST
@@ -239,13 +241,22 @@ def test_a_run_that_restarts_once_is_one_mlflow_run_with_every_step_its_params_t
     )
     names = {f["path"] for f in listing.get("files", [])}
     assert {"config.json", "model.safetensors"} <= names, names
-    exported = {k.rsplit("/", 1)[-1]: k for k in _keys(storage) if "/model/" in k}
+    exported = {k.rsplit("/", 1)[-1]: k for k in _keys(s3_storage) if "/model/" in k}
     with urllib.request.urlopen(
         f"{mlflow.url}/api/2.0/mlflow-artifacts/artifacts/{info['experiment_id']}/{info['run_id']}"
         "/artifacts/model/config.json",
         timeout=10,
     ) as response:
-        assert response.read().decode() == read_s3(f"s3://{storage.split('/')[2]}/{exported['config.json']}")
+        assert response.read().decode() == read_s3(
+            f"s3://{s3_storage.split('/')[2]}/{exported['config.json']}"
+        )
+
+    # Registered, as asked: one version, made from this run's model/ artifacts.
+    found = mlflow.get("mlflow/model-versions/search", filter=f"name='{registered_model}'")
+    [version] = found["model_versions"]
+    assert version["run_id"] == info["run_id"]
+    assert version["source"] == f"{info['artifact_uri']}/model"
+    assert tags[TAG + "registered-model"] == f"{registered_model}/{version['version']}"
 
 
 def _keys(storage: str) -> list[str]:
@@ -268,9 +279,9 @@ def down_server(request: pytest.FixtureRequest) -> Iterator[str]:
 
 
 def test_a_tracking_server_that_is_down_costs_a_warning_not_the_training(
-    down_server: str, storage: str, tmp_path: Path
+    down_server: str, s3_storage: str, tmp_path: Path
 ) -> None:
-    spec = run_spec(storage, down_server, "never-reached")
+    spec = run_spec(s3_storage, down_server, "never-reached")
     run = RunRef(name="tiny-down", namespace="team-a", uid=uuid.uuid4().hex)
     started = time.monotonic()
     log = run_attempt(spec, run, 1, tmp_path / "attempt-1.log")

@@ -275,6 +275,14 @@ class MlflowConfig(ContractModel):
         description="The MLflow experiment the run is logged in, created if missing; default: the run's "
         "namespace.",
     )
+    registered_model_name: str | None = Field(
+        default=None,
+        max_length=256,
+        pattern=PLAIN_TEXT,
+        description="Register the exported model, once uploaded as the run's model/ artifacts, as a new "
+        "version of this registered model (created if missing); its version number is tagged on the run. "
+        "Unset: the model is an artifact only.",
+    )
 
 
 class TrackingConfig(ContractModel):

@@ -240,6 +240,16 @@ class MlflowClient:
             body["tags"] = [{"key": k, "value": v} for k, v in tags.items()]
         self.call("POST", "runs/log-batch", body)
 
+    def create_model_version(self, name: str, source: str, run_id: str) -> str:
+        """A new version of the registered model `name` (created when missing), from the run's artifacts."""
+        try:
+            self.call("POST", "registered-models/create", {"name": name})
+        except MlflowError as error:
+            if error.error_code != "RESOURCE_ALREADY_EXISTS":
+                raise
+        body = {"name": name, "source": source, "run_id": run_id}
+        return str(self.call("POST", "model-versions/create", body)["model_version"]["version"])
+
     def update_run(self, run_id: str, status: str, end: bool) -> None:
         body: dict[str, Any] = {"run_id": run_id, "status": status}
         if end:
@@ -455,6 +465,15 @@ class MlflowTracker:
             with model.fs.open_input_stream(model.child(name).path) as stream:
                 self.client.upload_artifact(f"{root}/{MODEL_DIR}/{name}", stream, size)
         log.info("mlflow: uploaded the model (%d files) to run %s", len(files), run.run_id)
+        registered = self.mlflow.registered_model_name
+        if registered is not None:
+            version = self.client.create_model_version(
+                registered, f"{run.artifact_uri}/{MODEL_DIR}", run.run_id
+            )
+            self.client.log_batch(
+                run.run_id, tags={TAG_PREFIX + "registered-model": f"{registered}/{version}"}
+            )
+            log.info("mlflow: registered the model as %s version %s", registered, version)
 
     def _succeeded(self) -> None:
         if not self._healthy:
