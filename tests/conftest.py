@@ -19,12 +19,14 @@ from tests.harness import (
     INSTANCE,
     REPO,
     LocalCluster,
+    MlflowServer,
     OperatorProcess,
     answers,
     apply_crd,
     delete_namespace,
     free_port,
     kubectl,
+    mlflow_server,
     wait_until,
 )
 
@@ -164,6 +166,17 @@ def s3_storage(s3_endpoint: str) -> str:
         Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
     )
     return f"s3://{bucket}/runs"
+
+
+@pytest.fixture(scope="module")
+def mlflow(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
+    bucket = f"mlflow-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3").create_bucket(
+        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
+    )
+    home = tmp_path_factory.mktemp("mlflow")
+    with mlflow_server(home, f"s3://{bucket}/artifacts", {"MLFLOW_S3_ENDPOINT_URL": s3_endpoint}) as url:
+        yield MlflowServer(url, bucket)
 
 
 @pytest.fixture(scope="session")

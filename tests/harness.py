@@ -11,6 +11,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -380,6 +382,49 @@ def wait_established(*crds: str) -> None:
         ),
         timeout=60,
     )
+
+
+@dataclass(frozen=True)
+class MlflowServer:
+    url: str
+    bucket: str
+
+    def get(self, endpoint: str, **query: str) -> dict[str, Any]:
+        url = f"{self.url}/api/2.0/{endpoint}?{urllib.parse.urlencode(query)}"
+        with urllib.request.urlopen(url, timeout=10) as response:
+            result: dict[str, Any] = json.loads(response.read())
+        return result
+
+    def post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
+        request = urllib.request.Request(
+            f"{self.url}/api/2.0/{endpoint}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=10) as response:
+            result: dict[str, Any] = json.loads(response.read())
+        return result
+
+    def runs(self, experiment: str) -> list[dict[str, Any]]:
+        found = self.get("mlflow/experiments/get-by-name", experiment_name=experiment)["experiment"]
+        runs: list[dict[str, Any]] = self.post(
+            "mlflow/runs/search", {"experiment_ids": [found["experiment_id"]]}
+        ).get("runs", [])
+        return runs
+
+    def logged_steps(self, experiment: str, metric: str) -> list[int]:
+        """The steps of the metric in the experiment's runs, so far (none while it has no run)."""
+        try:
+            runs = self.runs(experiment)
+        except urllib.error.HTTPError:  # no experiment yet
+            return []
+        return [m["step"] for r in runs for m in self.history(r["info"]["run_id"], metric)]
+
+    def history(self, run_id: str, metric: str) -> list[dict[str, Any]]:
+        found: list[dict[str, Any]] = self.get(
+            "mlflow/metrics/get-history", run_id=run_id, metric_key=metric, max_results="25000"
+        ).get("metrics", [])
+        return found
 
 
 MLFLOW_VENV = Path(cluster_settings("MLFLOW_VENV")[0])  # hack/venv.sh installs the MLflow server there

@@ -21,6 +21,7 @@ from fsdp_trainer.contract import (
     DataSpec,
     FsdpSpec,
     MlflowConfig,
+    MlflowRunRef,
     ModelSpec,
     NetworkSpec,
     RestartEntry,
@@ -490,6 +491,23 @@ class RestartsStatus(ContractModel):
     )
 
 
+class MlflowRunStatus(ContractModel):
+    tracking_uri: str = Field(description="The tracking server.")
+    experiment_id: str
+    run_id: str = Field(description="The MLflow run every attempt of this training run logs to.")
+    url: str = Field(description="The run's page in the MLflow UI.")
+
+    @classmethod
+    def of(cls, ref: MlflowRunRef) -> MlflowRunStatus:
+        base = ref.tracking_uri.rstrip("/")
+        return cls(
+            tracking_uri=ref.tracking_uri,
+            experiment_id=ref.experiment_id,
+            run_id=ref.run_id,
+            url=f"{base}/#/experiments/{ref.experiment_id}/runs/{ref.run_id}",
+        )
+
+
 class RecordStatus(ContractModel):
     uri: str | None = Field(default=None, description="Where run.json is written.")
     logs_uri: str | None = Field(
@@ -501,6 +519,11 @@ class RecordStatus(ContractModel):
     package_sha256: str | None = Field(default=None, description="sha256 of the trainer package submitted.")
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None
+    mlflow_run: MlflowRunStatus | None = Field(
+        default=None,
+        description="With tracking.mlflow: the MLflow run the trainer logs to (from mlflow.json beside the "
+        "checkpoints), once the trainer has created it.",
+    )
 
 
 class FSDPTrainingRunStatus(ContractModel):

@@ -768,12 +768,14 @@ def _observe(
             dashboard_error = f"{type(error).__name__}: {error}"[:500]
     if job is not None and job.status in ENDED_JOB_STATUSES:
         _archive_driver_log(ctx, run, spec, job, status.attempt)
-    progress, latest_fingerprint, storage_error = None, None, None
+    progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None
     checkpoints: tuple[CheckpointRef, ...] = ()
     storage = ctx.storage(spec, run) if active else None
     if storage is not None:
         try:
             progress = storage.progress()
+            if spec.tracking.mlflow is not None:
+                mlflow_run = storage.mlflow_run()
             stored = storage.complete_checkpoints()
             checkpoints = tuple(s.ref for s in stored)
             latest_fingerprint = stored[-1].fingerprint if stored else None
@@ -813,6 +815,7 @@ def _observe(
         action_error=ctx.action_errors.pop(run.uid, None),
         workload=workload,
         disruption=ctx.disruption_since(run.namespace, cluster_name, status.attempt_time),
+        mlflow_run=mlflow_run,
     )
 
 
@@ -868,6 +871,8 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
         new.ray_cluster_name = cluster_name
     new.record.uri = f"{ctx.storage(spec, run).uri}/{RUN_RECORD_FILE}"
     new.record.logs_uri = f"{ctx.storage(spec, run).uri}/{LOGS_DIR}"
+    if obs.mlflow_run is not None:
+        new.record.mlflow_run = api.MlflowRunStatus.of(obs.mlflow_run)
     if decision.submit_attempt is not None:
         new.record.package_sha256 = ctx.package_sha256
 

@@ -222,6 +222,8 @@ def describe(run: dict[str, Any]) -> str:
         f"Run record:    {record.get('uri', '-')}",
         f"Logs:          {record.get('logsUri') or storage_prefix(run) + '/logs'}",
     ]
+    if spec.get("tracking", {}).get("mlflow"):
+        lines.append(f"MLflow run:    {(record.get('mlflowRun') or {}).get('url', '- (not created yet)')}")
     return "\n".join(lines) + "\n"
 
 

@@ -35,7 +35,7 @@ from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry, Transport
+from fsdp_trainer.contract import CheckpointRef, MlflowRunRef, ProgressRecord, RestartEntry, Transport
 
 RECENT_CHECKPOINTS = 5
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
@@ -95,6 +95,7 @@ class Observation:
     # A head or worker pod of this attempt taken away (condition DisruptionTarget: preempted, evicted,
     # drained), as "pod <name> (<reason>: <message>)".
     disruption: str | None = None
+    mlflow_run: MlflowRunRef | None = None  # mlflow.json, read while active with tracking on
 
 
 @dataclass(frozen=True)

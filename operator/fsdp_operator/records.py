@@ -16,10 +16,12 @@ from pydantic import ValidationError
 
 from fsdp_trainer.contract import (
     MANIFEST_FILE,
+    MLFLOW_RUN_FILE,
     PROGRESS_FILE,
     RUN_RECORD_FILE,
     CheckpointManifest,
     CheckpointRef,
+    MlflowRunRef,
     ProgressRecord,
     RunRecord,
     checkpoint_is_complete,
@@ -65,6 +67,14 @@ class RunStorage:
             return None if raw is None else ProgressRecord.model_validate(raw)
         except ValidationError:
             return None  # written by an incompatible trainer; the status says no progress rather than lie
+
+    def mlflow_run(self) -> MlflowRunRef | None:
+        """The MLflow run the trainer logs to (tracking on), once it has created one."""
+        raw = self._get_json(self.prefix + MLFLOW_RUN_FILE)
+        try:
+            return None if raw is None else MlflowRunRef.model_validate(raw)
+        except ValidationError:
+            return None
 
     def _manifest(self, directory: str) -> CheckpointManifest | None:
         if directory not in self._manifests:

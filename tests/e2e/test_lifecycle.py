@@ -25,6 +25,7 @@ from tests.e2e.demo import (
 from tests.harness import (
     REPO,
     LocalCluster,
+    MlflowServer,
     OperatorProcess,
     conditions_of,
     drift,
@@ -122,13 +123,25 @@ def s3_log(s3: Any, namespace: str, name: str, log: str) -> str:
 
 
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path, reliability: Recorder
+    namespace: str,
+    lifecycle_operator: OperatorProcess,
+    s3: Any,
+    mlflow: MlflowServer,
+    tmp_path: Path,
+    reliability: Recorder,
 ) -> None:
     # Rank 1 dies at step 25, once; with no in-job retries the whole job fails. Checkpoints are asynchronous:
     # by step 25 the one of step 10 is complete (a save waits for the one before), that of step 20 may be.
+    # Tracked in a real MLflow server, as an ML engineer would: both attempts are one MLflow run.
     fault = f"rank=1,step=25,marker={tmp_path / 'killed'}"
+    experiment = f"e2e-{namespace}"
     name = demo_run(
-        namespace, **{"recovery.inJobMaxFailures": 0, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}}
+        namespace,
+        **{
+            "recovery.inJobMaxFailures": 0,
+            "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}},
+            "tracking": {"mlflow": {"trackingUri": mlflow.url, "experimentName": experiment}},
+        },
     )
     run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = run["status"]
@@ -153,6 +166,19 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")
     assert s3_log(s3, namespace, name, "attempt-1/driver.log")
     assert "restart (from step" in trainingrun("plot", name, "-n", namespace)
+    # One MLflow run for both attempts, every step in it, and the status says which run it is.
+    [tracked] = mlflow.runs(experiment)
+    info = tracked["info"]
+    assert info["status"] == "FINISHED" and info["run_name"] == f"{namespace}/{name}"
+    assert status["record"]["mlflowRun"] == {
+        "trackingUri": mlflow.url,
+        "experimentId": info["experiment_id"],
+        "runId": info["run_id"],
+        "url": f"{mlflow.url}/#/experiments/{info['experiment_id']}/runs/{info['run_id']}",
+    }
+    assert {m["step"] for m in mlflow.history(info["run_id"], "loss")} == set(range(2, 41, 2))  # logEvery 2
+    assert {t["key"]: t["value"] for t in tracked["data"]["tags"]}["fsdp.training.dev/attempt"] == "2"
+    assert status["record"]["mlflowRun"]["url"] in trainingrun("describe", name, "-n", namespace)
     reliability.record(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",

@@ -21,7 +21,7 @@ import pytest
 
 from fsdp_operator import api, kubectl_plugin, plot
 from fsdp_trainer import runlog
-from fsdp_trainer.contract import ProgressRecord, rank_log_name
+from fsdp_trainer.contract import MlflowRunRef, ProgressRecord, rank_log_name
 from fsdp_trainer.storage import Location
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -139,6 +139,18 @@ def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
         f"{s3_storage}/team-a/tiny/logs",
     ):
         assert expected in text, expected
+    assert "MLflow" not in text  # tracking off
+
+
+def test_describe_links_the_mlflow_run_once_the_trainer_has_created_it(s3_storage: str) -> None:
+    run = run_object(s3_storage)
+    run["spec"]["tracking"] = {"mlflow": {"trackingUri": "https://mlflow.example.com/"}}
+    assert "MLflow run:    - (not created yet)" in kubectl_plugin.describe(run)
+    ref = MlflowRunRef(
+        tracking_uri="https://mlflow.example.com/", experiment_id="7", run_id="r1", submission_id="s"
+    )
+    run["status"]["record"]["mlflowRun"] = api.MlflowRunStatus.of(ref).model_dump(mode="json", by_alias=True)
+    assert "MLflow run:    https://mlflow.example.com/#/experiments/7/runs/r1" in kubectl_plugin.describe(run)
 
 
 def history(steps: range, loss: float, resumed: int | None = None, eval_at: int | None = None) -> str:

@@ -23,9 +23,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import boto3
 import pytest
@@ -33,7 +31,7 @@ import pytest
 from fsdp_operator import api, submission
 from fsdp_operator.builder import RunRef
 from fsdp_trainer.contract import MLFLOW_RUN_FILE, AttemptInfo, MlflowRunRef, ProgressRecord
-from tests.harness import REPO, free_port, mlflow_server, wait_until
+from tests.harness import REPO, MlflowServer, free_port, wait_until
 
 TINY_QWEN2 = {
     "model_type": "qwen2",
@@ -52,60 +50,6 @@ FAULT_STEP = 11  # after the checkpoint of step 8: the second attempt resumes at
 IMAGE_DIGEST = "registry.test/dlc@sha256:" + "ab" * 32
 TAG = "fsdp.training.dev/"
 RUN_TIMEOUT_S = 300
-
-
-@dataclass(frozen=True)
-class MlflowServer:
-    url: str
-    bucket: str
-
-    def get(self, endpoint: str, **query: str) -> dict[str, Any]:
-        url = f"{self.url}/api/2.0/{endpoint}?{urllib.parse.urlencode(query)}"
-        with urllib.request.urlopen(url, timeout=10) as response:
-            result: dict[str, Any] = json.loads(response.read())
-        return result
-
-    def post(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
-        request = urllib.request.Request(
-            f"{self.url}/api/2.0/{endpoint}",
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as response:
-            result: dict[str, Any] = json.loads(response.read())
-        return result
-
-    def runs(self, experiment: str) -> list[dict[str, Any]]:
-        found = self.get("mlflow/experiments/get-by-name", experiment_name=experiment)["experiment"]
-        runs: list[dict[str, Any]] = self.post(
-            "mlflow/runs/search", {"experiment_ids": [found["experiment_id"]]}
-        ).get("runs", [])
-        return runs
-
-    def logged_steps(self, experiment: str, metric: str) -> list[int]:
-        """The steps of the metric in the experiment's runs, so far (none while it has no run)."""
-        try:
-            runs = self.runs(experiment)
-        except urllib.error.HTTPError:  # no experiment yet
-            return []
-        return [m["step"] for r in runs for m in self.history(r["info"]["run_id"], metric)]
-
-    def history(self, run_id: str, metric: str) -> list[dict[str, Any]]:
-        found: list[dict[str, Any]] = self.get(
-            "mlflow/metrics/get-history", run_id=run_id, metric_key=metric, max_results="25000"
-        ).get("metrics", [])
-        return found
-
-
-@pytest.fixture(scope="module")
-def mlflow(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MlflowServer]:
-    bucket = f"mlflow-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3").create_bucket(
-        Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}
-    )
-    home = tmp_path_factory.mktemp("mlflow")
-    with mlflow_server(home, f"s3://{bucket}/artifacts", {"MLFLOW_S3_ENDPOINT_URL": s3_endpoint}) as url:
-        yield MlflowServer(url, bucket)
 
 
 def run_spec(
