@@ -138,9 +138,14 @@ def pod_container_command(
         [f"--memory={limits['memory'].replace('Gi', 'g').replace('Mi', 'm')}"] if "memory" in limits else []
     )
     command = ["--entrypoint", container["command"][0]] if container.get("command") else []
+    # A Deployment's pods restart their containers (restartPolicy Always): an operator that exits on a lost
+    # lease comes back as the kubelet would bring it back.
+    policy = pod.get("restartPolicy", "Always")
+    restart = {"Always": "always", "OnFailure": "on-failure", "Never": "no"}[policy]
     args = [*container.get("command", [])[1:], *container.get("args", [])]
     return [
         "run", "--detach", "--name", name, "--hostname", name, "--network", "host", f"--pull={pull}",
+        f"--restart={restart}",
         *_security(pod, container, image_user),
         *_volumes(pod, container),
         "--volume", f"{token_dir}:{SERVICE_ACCOUNT_DIR}:ro",
