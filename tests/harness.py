@@ -384,6 +384,22 @@ def wait_established(*crds: str) -> None:
     )
 
 
+def tiny_qwen2(**sizes: Any) -> dict[str, Any]:
+    """A Qwen2 config (model.fromConfig) small enough to train in seconds on a CPU; `sizes` override."""
+    return {
+        "model_type": "qwen2",
+        "vocab_size": 320,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": True,
+        **sizes,
+    }
+
+
 @dataclass(frozen=True)
 class MlflowServer:
     url: str

@@ -38,7 +38,7 @@ from fsdp_trainer.contract import (
     ProgressRecord,
     TrainerConfig,
 )
-from tests.harness import REPO, free_port, wait_until
+from tests.harness import REPO, free_port, tiny_qwen2, wait_until
 
 CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
 TOLERANCE = 1e-4
@@ -48,17 +48,7 @@ RUN_TIMEOUT_S = 300
 # Ray's single-machine switch (named for the platforms where it is the default): the head, its servers and the
 # drivers that join it all use 127.0.0.1 instead of the host's address. Head and driver must agree.
 SINGLE_MACHINE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-TINY_QWEN2 = {
-    "model_type": "qwen2",
-    "vocab_size": 320,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": True,
-}
+TINY_QWEN2 = tiny_qwen2(hidden_size=64, intermediate_size=128, max_position_embeddings=128)
 
 
 def trainer_config(run_name: str, storage: str, **overrides: Any) -> dict[str, Any]:

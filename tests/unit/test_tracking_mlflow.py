@@ -31,19 +31,9 @@ import pytest
 from fsdp_operator import api, submission
 from fsdp_operator.builder import RunRef
 from fsdp_trainer.contract import MLFLOW_RUN_FILE, AttemptInfo, MlflowRunRef, ProgressRecord
-from tests.harness import REPO, MlflowServer, free_port, wait_until
+from tests.harness import REPO, MlflowServer, free_port, tiny_qwen2, wait_until
 
-TINY_QWEN2 = {
-    "model_type": "qwen2",
-    "vocab_size": 320,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TINY_QWEN2 = tiny_qwen2()
 MAX_STEPS = 16
 CHECKPOINT_EVERY = 4
 FAULT_STEP = 11  # after the checkpoint of step 8: the second attempt resumes at step 9

@@ -12,18 +12,9 @@ import pytest
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.loop import LoopInput, collector_skips_setup, train_loop
+from tests.harness import tiny_qwen2
 
-TINY_QWEN2 = {
-    "model_type": "qwen2",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "tie_word_embeddings": True,
-}
+TINY_QWEN2 = tiny_qwen2(vocab_size=64)
 
 
 def config(storage: Path | str, seed: int = 3, max_steps: int = 4) -> TrainerConfig:
