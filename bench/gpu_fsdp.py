@@ -74,7 +74,8 @@ from fsdp_trainer.contract import (  # noqa: E402
     TrainerConfig,
     TrainingSpec,
 )
-from fsdp_trainer.loop import LoopInput, train_loop  # noqa: E402
+from fsdp_trainer.launch import LoopInput  # noqa: E402
+from fsdp_trainer.loop import train_loop  # noqa: E402
 from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
 from fsdp_trainer.model import AutoModelForCausalLM  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +100,22 @@ def test_inconsistent_configs_are_config_errors(argv: list[str], message: str) -
 def test_unknown_fields_are_rejected() -> None:
     with pytest.raises(ValidationError):
         resolve("--config", json.dumps({**BASE, "trainig": {}}))
+
+
+def test_the_ray_driver_leaves_the_model_code_to_the_workers() -> None:
+    """The job's driver only launches Ray Train, on the head: the training loop and transformers load in the
+    workers that train, not in every attempt's driver as well (about 5 CPU-seconds and 180 MB each)."""
+    probe = (
+        "import sys, fsdp_trainer.driver; "
+        "print([m for m in ('fsdp_trainer.loop', 'transformers') if m in sys.modules])"
+    )
+    trainer = Path(__file__).resolve().parents[2] / "trainer"
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "PYTHONPATH": str(trainer)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert done.stdout.strip() == "[]", done.stdout

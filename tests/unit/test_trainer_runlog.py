@@ -15,7 +15,8 @@ import pytest
 from fsdp_trainer import runlog
 from fsdp_trainer.contract import AttemptInfo, TrainerConfig, rank_log_name
 from fsdp_trainer.errors import DataError
-from fsdp_trainer.loop import LoopInput, train_loop
+from fsdp_trainer.launch import LoopInput
+from fsdp_trainer.loop import train_loop
 from fsdp_trainer.storage import Location
 from tests.unit.test_trainer_setup import TINY_QWEN2, config
 

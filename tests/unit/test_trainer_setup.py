@@ -11,7 +11,8 @@ import pytest
 
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import ConfigError
-from fsdp_trainer.loop import LoopInput, collector_skips_setup, train_loop
+from fsdp_trainer.launch import LoopInput
+from fsdp_trainer.loop import collector_skips_setup, train_loop
 from tests.harness import tiny_qwen2
 
 TINY_QWEN2 = tiny_qwen2(vocab_size=64)

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     direct = args.launcher == "direct" or (args.launcher == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
     if direct:
-        from fsdp_trainer.loop import LoopInput, train_loop
+        from fsdp_trainer.launch import LoopInput
+        from fsdp_trainer.loop import train_loop
 
         loop_input = LoopInput(trainer=config, submission_id=submission_id, attempt=args.attempt_info)
         train_loop(loop_input.model_dump(mode="json"))

@@ -8,7 +8,7 @@ from typing import Any
 
 from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import classify
-from fsdp_trainer.loop import LoopInput, train_loop
+from fsdp_trainer.launch import LoopInput, ray_train_worker
 from fsdp_trainer.progress import read_progress, utc_now
 from fsdp_trainer.storage import Location
 from fsdp_trainer.transport import worker_env
@@ -52,7 +52,7 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         worker_runtime_env={"env_vars": worker_environment(config)},
     )
     trainer = TorchTrainer(
-        train_loop,
+        ray_train_worker,
         train_loop_config=LoopInput(
             trainer=config, submission_id=submission_id, attempt=attempt or AttemptInfo()
         ).model_dump(mode="json"),

@@ -18,7 +18,6 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import BaseModel, Field
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer import (
@@ -33,8 +32,9 @@ from fsdp_trainer import (
     transport,
 )
 from fsdp_trainer.checkpoint_manager import CheckpointManager
-from fsdp_trainer.contract import AttemptInfo, Precision, SetupStage, TrainerConfig
+from fsdp_trainer.contract import Precision, SetupStage
 from fsdp_trainer.errors import ConfigError, ModelError, classify
+from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
 from fsdp_trainer.storage import Location
@@ -45,14 +45,6 @@ from fsdp_trainer.validate import Validator
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "FSDP_TRAINER_FAULT"  # test hook, see Fault
-
-
-class LoopInput(BaseModel):
-    """What the launcher hands every worker."""
-
-    trainer: TrainerConfig
-    submission_id: str
-    attempt: AttemptInfo = Field(default_factory=AttemptInfo)
 
 
 def train_loop(config: dict[str, Any]) -> None:
