@@ -86,8 +86,9 @@ def _start_cluster(attempts: int = 2) -> None:
         if up.returncode == 0:
             return
         subprocess.run([REPO / "hack" / "cluster-down.sh"], check=False)
-        _cluster_up_failures.append(up.stdout + up.stderr[-12000:])
-    steps = [line for line in up.stderr.splitlines() if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+        # Its steps first: the logs' tails it prints at the end would push the failed step out of the window.
+        steps = [line for line in up.stderr.splitlines() if re.match(r"\[\d\d:\d\d:\d\d\] ", line)]
+        _cluster_up_failures.append("\n".join(steps) + "\n" + up.stdout + up.stderr[-12000:])
     reason = " / ".join(steps[-2:]) or up.stderr.strip()[-300:]
     pytest.fail(f"the local cluster did not start in {attempts} attempts: {reason}", pytrace=False)
 
