@@ -1,6 +1,6 @@
 """What a launcher (Ray's driver, torchrun, plain `python`) hands every worker's loop, and the entry point Ray
 Train pickles by reference. Light on purpose: the driver imports this, not the loop, so the Ray job's driver
-process never imports transformers (about 5 CPU-seconds and 300 MB at each attempt's start); only the
+process never imports transformers (about 5 CPU-seconds and 180 MB at each attempt's start); only the
 workers that train do."""
 
 from __future__ import annotations
