@@ -15,6 +15,7 @@ from pydantic import BaseModel, ValidationError
 from fsdp_trainer.cli import build_parser, check, resolve_config
 from fsdp_trainer.contract import TrainerConfig
 from fsdp_trainer.errors import ConfigError
+from tests.harness import REPO
 
 BASE: dict[str, Any] = {
     "runName": "demo",
@@ -109,10 +110,9 @@ def test_the_ray_driver_leaves_the_model_code_to_the_workers() -> None:
         "import sys, fsdp_trainer.driver; "
         "print([m for m in ('fsdp_trainer.loop', 'transformers') if m in sys.modules])"
     )
-    trainer = Path(__file__).resolve().parents[2] / "trainer"
     done = subprocess.run(
         [sys.executable, "-c", probe],
-        env={**os.environ, "PYTHONPATH": str(trainer)},
+        env={**os.environ, "PYTHONPATH": str(REPO / "trainer")},
         capture_output=True,
         text=True,
         timeout=120,
