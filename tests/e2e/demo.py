@@ -13,7 +13,8 @@ BUCKET = "fsdp-e2e"
 CORPUS = "data/stdlib-docstrings.jsonl"
 RUN_TIMEOUT = 300
 # One GPU worker, no EFA and a one-CPU head: several such runs fit the fake nodes at once (the system node
-# takes only two default heads).
+# takes only two default heads), and each trains on one Ray Train worker, not two. The tests about what the
+# operator does use it: a worker process is about a quarter of an attempt's CPU (41-50 vs 59 CPU-s here).
 SMALL = {
     "cluster.workers": 1,
     "cluster.gpusPerWorker": 1,

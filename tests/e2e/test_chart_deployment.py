@@ -21,7 +21,7 @@ import yaml
 
 from tests.apiserver_audit import AuditLog
 from tests.chart import CHART, Rendered, render
-from tests.e2e.demo import RUN_TIMEOUT, demo_run, wait_for_step
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, wait_for_step
 from tests.harness import (
     LocalCluster,
     free_port,
@@ -199,14 +199,14 @@ def test_chart_deployment_runs_the_demo_with_only_the_charts_rbac(
 
     suspend = not chart_operator.scoped  # suspend and resume once, in the cluster-wide case
     if suspend:
-        name = demo_run(namespace, **{"training.maxSteps": 60})
+        name = demo_run(namespace, **SMALL, **{"training.maxSteps": 60})
         wait_for_step(namespace, name, 10)
         set_suspend(namespace, name, True)
         wait_for_phase(namespace, name, "Suspended", timeout=60)
         wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
         set_suspend(namespace, name, False)
     else:
-        name = demo_run(namespace)
+        name = demo_run(namespace, **SMALL)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     assert run["status"]["attempt"] == (2 if suspend else 1)
     assert answers(f"{chart_operator.health}/healthz") and answers(f"{chart_operator.health}/readyz")

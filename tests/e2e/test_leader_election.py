@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
 from tests.harness import (
     LocalCluster,
     OperatorProcess,
@@ -124,7 +124,7 @@ def elected(namespace: str, replicas: list[Replica]) -> tuple[Replica, Replica]:
 def demo_run(namespace: str) -> str:
     name = f"e2e-{uuid.uuid4().hex[:6]}"
     # KeepCluster, so that the test can count RayClusters after success.
-    apply(namespace, demo_manifest(name, cleanupPolicy="KeepCluster"))
+    apply(namespace, demo_manifest(name, cleanupPolicy="KeepCluster", **SMALL))
     return name
 
 

@@ -1,6 +1,8 @@
 """The whole product on the local cluster: operator + KubeRay + local Ray head + local S3 + the trainer.
 
-Each run is the CPU demo (tiny Qwen2, byte tokenizer, real text): 40 steps, a checkpoint every 10.
+Each run is the CPU demo (tiny Qwen2, byte tokenizer, real text): 40 steps, a checkpoint every 10. The first
+trains on two Ray Train workers, as the demo does; the rest, about what the operator does, on one (SMALL):
+each worker is a process importing torch and transformers, a quarter of an attempt's CPU.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from tests.e2e.demo import (
     BUCKET,
     RUN_TIMEOUT,
+    SMALL,
     checkpoint_steps_in_s3,
     demo_manifest,
     demo_run,
@@ -94,6 +97,7 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     logs = f"s3://{BUCKET}/runs/{namespace}/{name}/logs"
     assert status["record"]["logsUri"] == record.logs_uri == logs
     assert "step 40/40" in s3_log(s3, namespace, name, "attempt-1/rank-0.log")
+    assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")  # each rank's own log
     assert s3_log(s3, namespace, name, "attempt-1/driver.log")
     summary = trainingrun("describe", name, "-n", namespace)
     assert "Succeeded" in summary and status["image"]["digest"] in summary and logs in summary
@@ -130,13 +134,14 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     tmp_path: Path,
     reliability: Recorder,
 ) -> None:
-    # Rank 1 dies at step 25, once; with no in-job retries the whole job fails. Checkpoints are asynchronous:
+    # The rank dies at step 25, once; with no in-job retries the whole job fails. Checkpoints are async:
     # by step 25 the one of step 10 is complete (a save waits for the one before), that of step 20 may be.
     # Tracked in a real MLflow server, as an ML engineer would: both attempts are one MLflow run.
-    fault = f"rank=1,step=25,marker={tmp_path / 'killed'}"
+    fault = f"rank=0,step=25,marker={tmp_path / 'killed'}"
     experiment = f"e2e-{namespace}"
     name = demo_run(
         namespace,
+        **SMALL,
         **{
             "recovery.inJobMaxFailures": 0,
             "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}},
@@ -163,7 +168,7 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     # Each attempt has its own logs, the failed one's driver log too. The killed rank's process exits at once
     # (os._exit): its log holds what was stored before, at most 15 s behind.
     assert "step 40/40" in s3_log(s3, namespace, name, "attempt-2/rank-0.log")
-    assert "rank 1/2" in s3_log(s3, namespace, name, "attempt-1/rank-1.log")
+    assert "rank 0/1" in s3_log(s3, namespace, name, "attempt-1/rank-0.log")
     assert s3_log(s3, namespace, name, "attempt-1/driver.log")
     assert "restart (from step" in trainingrun("plot", name, "-n", namespace)
     # One MLflow run for both attempts, every step in it, and the status says which run it is.
@@ -195,11 +200,12 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     tmp_path: Path,
     reliability: Recorder,
 ) -> None:
-    # Rank 1 stops making progress at step 15 while every process stays alive: Ray sees a RUNNING job, so only
+    # The rank stops making progress at step 15, its process alive: Ray sees a RUNNING job, so only
     # the operator's hang timeout (60 s, the smallest allowed) can end it.
-    fault = f"rank=1,step=15,marker={tmp_path / 'hung'},action=hang"
+    fault = f"rank=0,step=15,marker={tmp_path / 'hung'},action=hang"
     name = demo_run(
         namespace,
+        **SMALL,
         **{"recovery.hangTimeoutSeconds": 60, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}},
     )
     first = wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)["status"]["jobSubmissionId"]
@@ -224,7 +230,7 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
 def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
-    name = demo_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 80})
+    name = demo_run(namespace, cleanupPolicy="KeepCluster", **SMALL, **{"training.maxSteps": 80})
     run = wait_for_step(namespace, name, 10)
     [lost] = rayclusters(namespace)
     step_at_loss = run["status"]["progress"]["step"]
@@ -252,7 +258,7 @@ def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
 def test_ray_head_killed_mid_run_is_job_lost_and_training_resumes_from_the_checkpoint(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
-    name = demo_run(namespace, **{"training.maxSteps": 80})
+    name = demo_run(namespace, **SMALL, **{"training.maxSteps": 80})
     wait_for_step(namespace, name, 10)
     ray_head("kill")  # the job's processes die with the head
     # The steps reached at least: the last progress record (written in the background, so it may lag) or the
@@ -284,7 +290,7 @@ def test_ray_head_killed_mid_run_is_job_lost_and_training_resumes_from_the_check
 def test_permanent_error_fails_without_using_up_restarts(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
-    name = demo_run(namespace, **{"data.source": f"s3://{BUCKET}/data/no-such-file.jsonl"})
+    name = demo_run(namespace, **SMALL, **{"data.source": f"s3://{BUCKET}/data/no-such-file.jsonl"})
     run = wait_for_phase(namespace, name, "Failed", timeout=RUN_TIMEOUT)
     failed = conditions_of(run)["Failed"]
     assert failed["reason"] == "DataError", failed
@@ -301,10 +307,11 @@ def test_permanent_error_fails_without_using_up_restarts(
 def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
-    # Rank 1 dies at step 12 in every attempt (no marker): one restart is allowed, the second failure ends it.
-    fault = "rank=1,step=12"
+    # The rank dies at step 12 in every attempt (no marker): one restart allowed, the second failure ends it.
+    fault = "rank=0,step=12"
     name = demo_run(
         namespace,
+        **SMALL,
         **{
             "recovery.maxRestarts": 1,
             "recovery.inJobMaxFailures": 0,
@@ -328,7 +335,7 @@ def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
 def test_suspend_then_unsuspend_continues_from_the_checkpoint(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any
 ) -> None:
-    name = demo_run(namespace, **{"training.maxSteps": 80})
+    name = demo_run(namespace, **SMALL, **{"training.maxSteps": 80})
     wait_for_step(namespace, name, 10)
     set_suspend(namespace, name, True)
     suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
@@ -349,7 +356,7 @@ def test_suspend_then_unsuspend_continues_from_the_checkpoint(
 def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, local_cluster: LocalCluster
 ) -> None:
-    name = demo_run(namespace, **{"training.maxSteps": 200})
+    name = demo_run(namespace, **SMALL, **{"training.maxSteps": 200})
     run = wait_for_step(namespace, name, 10)
     submission = run["status"]["jobSubmissionId"]
     kubectl("delete", "fsdptrainingrun", name, "-n", namespace, "--timeout=60s")
@@ -369,9 +376,9 @@ def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_rest
 ) -> None:
     # maxRestarts 0: a counted restart would fail the run. A worker pod is evicted through the Eviction API
     # (the apiserver marks it DisruptionTarget: EvictionByEvictionAPI, as a drain does) and, as with a lost
-    # node, its rank dies: rank 1 at step 30, once.
-    fault = f"rank=1,step=30,marker={tmp_path / 'killed'}"
-    changes = {"recovery.maxRestarts": 0, "recovery.inJobMaxFailures": 0}
+    # node, its rank dies: at step 30, once.
+    fault = f"rank=0,step=30,marker={tmp_path / 'killed'}"
+    changes = {**SMALL, "recovery.maxRestarts": 0, "recovery.inJobMaxFailures": 0}
     name = demo_run(namespace, **changes, runtimeEnv={"env": {"FSDP_TRAINER_FAULT": fault}})
     cluster = wait_for_step(namespace, name, 10)["status"]["rayClusterName"]
     selector = f"ray.io/cluster={cluster},ray.io/node-type=worker"

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.demo import RUN_TIMEOUT, demo_run, lifecycle_env
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
 from tests.harness import (
     REPO,
     LocalCluster,
@@ -65,10 +65,12 @@ def test_prometheus_sees_phases_progress_restarts_and_every_dashboard_query(
         "the operator to report itself leader", lambda: prometheus.value("fsdp_operator_leader"), 30
     )
 
-    # Rank 1 dies at step 25, once: the job fails, the operator restarts it from the latest checkpoint.
-    fault = f"rank=1,step=25,marker={tmp_path / 'killed'}"
+    # The rank dies at step 25, once: the job fails, the operator restarts it from the latest checkpoint.
+    fault = f"rank=0,step=25,marker={tmp_path / 'killed'}"
     name = demo_run(
-        namespace, **{"recovery.inJobMaxFailures": 0, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}}
+        namespace,
+        **SMALL,
+        **{"recovery.inJobMaxFailures": 0, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}},
     )
     run = f'namespace="{namespace}", name="{name}"'
     in_namespace = f'namespace="{namespace}"'

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.e2e.demo import RUN_TIMEOUT, demo_manifest, lifecycle_env
+from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, rayclusters, wait_for_phase
 from tests.reliability import Recorder
 
@@ -42,9 +42,9 @@ def test_operator_killed_after_a_submission_submits_nothing_twice(
     reliability: Recorder,
 ) -> None:
     name = f"fault-{uuid.uuid4().hex[:6]}"
-    changes: dict[str, Any] = {"recovery.inJobMaxFailures": 0}
-    if trainer_fault:  # rank 1 dies at step 25 of attempt 1, so attempt 2 is submitted by a restart
-        changes["runtimeEnv"] = {"env": {"FSDP_TRAINER_FAULT": f"rank=1,step=25,marker={tmp_path / 'died'}"}}
+    changes: dict[str, Any] = {**SMALL, "recovery.inJobMaxFailures": 0}
+    if trainer_fault:  # the rank dies at step 25 of attempt 1, so attempt 2 is submitted by a restart
+        changes["runtimeEnv"] = {"env": {"FSDP_TRAINER_FAULT": f"rank=0,step=25,marker={tmp_path / 'died'}"}}
     env = lifecycle_env(local_cluster)
     log = tmp_path / "operator.log"
     proc = OperatorProcess(namespace, {**env, "FSDP_OPERATOR_FAULT_POINT": point}, log).start()

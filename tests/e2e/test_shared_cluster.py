@@ -19,6 +19,7 @@ import pytest
 from tests.e2e.demo import (
     BUCKET,
     RUN_TIMEOUT,
+    SMALL,
     checkpoint_steps_in_s3,
     demo_manifest,
     lifecycle_env,
@@ -84,7 +85,7 @@ def test_one_name_in_two_namespaces_keeps_two_prefixes_and_a_reused_prefix_is_re
     proc = operator_for(namespaces, local_cluster, tmp_path / "operator.log")
     try:
         for ns in namespaces:
-            apply(ns, demo_manifest(name))
+            apply(ns, demo_manifest(name, **SMALL))
         runs = [wait_for_phase(ns, name, "Succeeded", timeout=2 * RUN_TIMEOUT) for ns in namespaces]
         for ns, run in zip(namespaces, runs, strict=True):
             status = run["status"]
@@ -101,7 +102,7 @@ def test_one_name_in_two_namespaces_keeps_two_prefixes_and_a_reused_prefix_is_re
         # Re-created under the same prefix with another configuration: refused before any job, and
         # `kubectl wait` on the terminal condition returns for the failure.
         kubectl("delete", "fsdptrainingrun", name, "-n", namespace, "--timeout=60s")
-        apply(namespace, demo_manifest(name, **{"training.seed": 7}))
+        apply(namespace, demo_manifest(name, **SMALL, **{"training.seed": 7}))
         waited = kubectl(
             "wait",
             f"fsdptrainingrun/{name}",
@@ -180,12 +181,12 @@ def test_a_black_holed_dashboard_slows_only_its_own_run(
         )
         try:
             healthy, held = f"ok-{uuid.uuid4().hex[:6]}", f"held-{uuid.uuid4().hex[:6]}"
-            held_changes = {"training.maxSteps": 60, "recovery.hangTimeoutSeconds": HANG_BOUND}
+            held_changes = {**SMALL, "training.maxSteps": 60, "recovery.hangTimeoutSeconds": HANG_BOUND}
             apply(second_namespace, demo_manifest(held, **held_changes))
             wait_for_phase(second_namespace, held, "Running", timeout=RUN_TIMEOUT)
             proxy.black_hole()
             black_holed_at = time.monotonic()
-            apply(namespace, demo_manifest(healthy))
+            apply(namespace, demo_manifest(healthy, **SMALL))
 
             def unknown() -> dict[str, Any] | None:
                 found = conditions_of(run_of(second_namespace, held)).get("JobRunning")

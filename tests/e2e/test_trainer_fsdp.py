@@ -96,6 +96,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         "HF_HUB_OFFLINE": "1",
         "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         "RAY_DEDUP_LOGS": "0",
+        "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",  # as on the local cluster's head (hack/ray-head.sh)
         **SINGLE_MACHINE_RAY,
     }
     ray = Path(sys.executable).with_name("ray")

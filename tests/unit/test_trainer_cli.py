@@ -13,9 +13,10 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from fsdp_trainer.cli import build_parser, check, resolve_config
-from fsdp_trainer.contract import TrainerConfig
+from fsdp_trainer.contract import PROGRESS_FILE, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import ConfigError
-from tests.harness import REPO
+from fsdp_trainer.storage import Location
+from tests.harness import REPO, free_port
 
 BASE: dict[str, Any] = {
     "runName": "demo",
@@ -119,3 +120,26 @@ def test_the_ray_driver_leaves_the_model_code_to_the_workers() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_missing_data_source_fails_in_the_driver_before_ray_is_asked_for_workers(
+    s3_storage: str, tmp_path: Path
+) -> None:
+    """The driver checks a URI data source as the workers would read it: a wrong one fails the attempt at
+    once, recorded for the operator as a permanent data error, not after every worker has started and loaded
+    the model. RAY_ADDRESS names a port where nothing listens: reaching Ray at all would hang or fail."""
+    missing = s3_storage.replace("/runs", "/data/no-such-corpus.jsonl")
+    config = {**BASE, "data": {"source": missing}, "checkpoint": {"storagePath": s3_storage}}
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_trainer", "--config", json.dumps(config), "--submission-id", "s-1"],
+        env={**os.environ, "PYTHONPATH": str(REPO / "trainer"), "RAY_ADDRESS": f"127.0.0.1:{free_port()}"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1, done.stderr
+    record = ProgressRecord.model_validate_json(
+        Location.parse(s3_storage).child(f"default/demo/{PROGRESS_FILE}").read_text()
+    )
+    assert record.phase == "failed" and record.error_kind == ErrorKind.DATA and record.submission_id == "s-1"
+    assert record.error and "no-such-corpus.jsonl" in record.error, record.error

@@ -19,19 +19,16 @@ from fsdp_trainer.data import (
     BatchLayout,
     BatchLoader,
     Datasets,
-    Shard,
     ShardPacker,
     SyntheticSamples,
     build_datasets,
     eval_batch_indices,
-    list_shards,
     merge_rank_states,
     pack,
-    read_shard,
-    split_shards,
 )
 from fsdp_trainer.errors import DataError
 from fsdp_trainer.model import byte_level_tokenizer
+from fsdp_trainer.shards import Shard, list_shards, read_shard, split_shards
 from fsdp_trainer.storage import Location
 
 CORPUS = Path(__file__).resolve().parents[2] / "examples" / "data" / "stdlib-docstrings.jsonl"

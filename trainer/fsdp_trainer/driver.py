@@ -7,9 +7,10 @@ import os
 from typing import Any
 
 from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, ProgressRecord, TrainerConfig
-from fsdp_trainer.errors import classify
+from fsdp_trainer.errors import DataError, classify
 from fsdp_trainer.launch import LoopInput, ray_train_worker
 from fsdp_trainer.progress import read_progress, utc_now
+from fsdp_trainer.shards import SYNTHETIC, source_shards
 from fsdp_trainer.storage import Location
 from fsdp_trainer.transport import worker_env
 
@@ -29,6 +30,12 @@ def worker_environment(config: TrainerConfig) -> dict[str, str]:
 def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo | None = None) -> int:
     """Trains to the end (Ray Train restarts the workers up to maxFailures times, resuming from the latest
     checkpoint); returns the process exit code."""
+    try:
+        check_data(config)
+    except DataError as error:
+        record_failure(config, f"DataError: {error}"[:MAX_ERROR_CHARS], ErrorKind.DATA, submission_id)
+        log.error("training failed (%s): %s", ErrorKind.DATA, error)
+        return 1
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchTrainer
@@ -68,6 +75,16 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         log.error("training failed (%s): %s", kind, error)
         return 1
     return 0
+
+
+def check_data(config: TrainerConfig) -> None:
+    """A URI data source (and evalSource) listed and split as every worker will, before any starts: a wrong
+    URI, an empty source or a missing text field fails the attempt in seconds, not after the workers have
+    started and loaded the model (minutes on GPU nodes). A local path is left to the workers: it is read
+    where they run, which may be a volume the driver's machine lacks."""
+    sources = [config.data.source, config.data.eval_source or ""]
+    if all("://" in source for source in sources if source) and config.data.source != SYNTHETIC:
+        source_shards(config.data, config.training.sequence_length, config.training.seed)
 
 
 def root_cause(error: BaseException) -> tuple[ErrorKind, BaseException]:
