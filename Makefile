@@ -70,6 +70,7 @@ bench: venv tools ## benchmarks (never in CI): control plane on the local cluste
 	$(PY) bench/trainer_cpu.py
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/trainer_mlflow.py
+	$(DLC_PY) bench/attempt_cpu.py
 	$(PY) bench/load.py
 
 .PHONY: bench-load

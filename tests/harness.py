@@ -266,10 +266,17 @@ def rayclusters(namespace: str) -> list[dict[str, Any]]:
 def drift(namespace: str, manifest: dict[str, Any], field_manager: str | None) -> str:
     """What `kubectl diff` shows for re-applying the manifest the way it was applied (server-side with the
     field manager, or client-side with None): empty when the live run is as the manifest says, which is what a
-    GitOps tool compares before it syncs."""
+    GitOps tool compares before it syncs. kubectl diff reads the live run, then dry-runs the apply: a status
+    write by the operator in between shows as a changed resourceVersion and status. A drift persists, so a
+    diff is taken up to three times and any empty one means in sync."""
     side = ["--server-side", f"--field-manager={field_manager}"] if field_manager else []
-    diff = kubectl("diff", *side, "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
-    assert diff.returncode in (0, 1), f"kubectl diff failed: {diff.stderr}"
+    for attempt in range(3):
+        if attempt:
+            time.sleep(1)
+        diff = kubectl("diff", *side, "-n", namespace, "-f", "-", input=json.dumps(manifest), check=False)
+        assert diff.returncode in (0, 1), f"kubectl diff failed: {diff.stderr}"
+        if not diff.stdout:
+            break
     return diff.stdout
 
 
@@ -312,8 +319,10 @@ def gitops_sync(namespace: str, manifest: dict[str, Any]) -> None:
 
 def assert_in_sync(namespace: str, manifest: dict[str, Any]) -> None:
     """The live run is as the synced manifest says, and no one but the GitOps tool owns what it sets."""
-    assert drift(namespace, manifest, GITOPS_APPLIER) == ""
-    assert fields_others_own(namespace, manifest, GITOPS_APPLIER) == []
+    found = drift(namespace, manifest, GITOPS_APPLIER)
+    assert found == "", f"the live run differs from the synced manifest:\n{found}"
+    taken = fields_others_own(namespace, manifest, GITOPS_APPLIER)
+    assert taken == [], f"fields the manifest sets are owned by others too: {taken}"
 
 
 @dataclass(frozen=True)
