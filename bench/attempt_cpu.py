@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,12 +34,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import boto3
-import yaml
-
-from doc_section import publish
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO)]
+
+import boto3  # noqa: E402
+import yaml  # noqa: E402
+from tests.harness import answers, free_port, wait_until  # noqa: E402
+
+from doc_section import publish  # noqa: E402
+
 BIN = Path(sys.executable).parent
 HZ = os.sysconf("SC_CLK_TCK")
 BUCKET = "attempt-cpu"
@@ -50,20 +52,6 @@ VARIANTS: dict[str, tuple[int, dict[str, str]]] = {  # name: (Ray Train workers,
     "no-watcher": (2, NO_WATCHER),
     "one-worker": (1, NO_WATCHER),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def wait_for(what: str, check: Any, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not within {timeout:.0f} s")
-        time.sleep(0.5)
 
 
 class SessionCpu:
@@ -139,7 +127,7 @@ def attempt(variant: str, env: dict[str, str], workdir: Path) -> dict[str, Any]:
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{dashboard}"
-        wait_for(f"the dashboard at {url} (log {log.name})", lambda: answers(f"{url}/api/version"), 120)
+        wait_until(f"the dashboard at {url} (log {log.name})", lambda: answers(f"{url}/api/version"), 120)
         time.sleep(10)  # the head's own start-up settles
         cpu = SessionCpu(head.pid).start()
         started = time.monotonic()
@@ -166,16 +154,6 @@ def attempt(variant: str, env: dict[str, str], workdir: Path) -> dict[str, Any]:
             head.wait(timeout=30)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
-
-
-def answers(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 def table(rounds: list[dict[str, dict[str, Any]]], command: str) -> str:
@@ -233,7 +211,7 @@ def main() -> None:
         "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
     }
     try:
-        wait_for("moto", lambda: answers(f"http://127.0.0.1:{port}/moto-api/"), 30)
+        wait_until("moto", lambda: answers(f"http://127.0.0.1:{port}/moto-api/"), 30)
         s3 = boto3.client("s3", endpoint_url=env["AWS_ENDPOINT_URL"], region_name="us-west-2",
                           aws_access_key_id="testing", aws_secret_access_key="testing")  # fmt: skip
         s3.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
