@@ -41,6 +41,7 @@ def start_rank(rank: int, port: int, output: Path) -> None:
         before = rss_bytes()
         lm = model.empty_model(config)
         full_bytes = sum(p.numel() for p in lm.parameters()) * 4
+        largest_bytes = max(p.numel() for p in lm.parameters()) * 4
         mesh = parallelize.build_mesh(parallelize.MeshShape(1, 2), "cpu")
         parallelize.parallelize(lm, FsdpSpec(), mesh, torch.float32)
         model.materialise(lm, torch.device("cpu"), "initialise", spec, 0, rank, rank, dist.barrier)
@@ -49,6 +50,7 @@ def start_rank(rank: int, port: int, output: Path) -> None:
         inv_freq = lm.model.rotary_emb.inv_freq  # type: ignore[union-attr]
         result = {
             "full_bytes": full_bytes,
+            "largest_bytes": largest_bytes,
             "growth_bytes": peak - before,
             "halves_differ": not torch.equal(query[:512], query[512:]),
             "std": float(query.std()),
@@ -65,8 +67,12 @@ def test_each_rank_holds_only_its_shard_of_a_300m_model_at_start_up(tmp_path: Pa
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, result in enumerate(ranks):
         share = result["growth_bytes"] / result["full_bytes"]
-        print(f"rank {rank}: start-up memory {share:.2f} x the full fp32 model")
-        assert share <= 0.6, f"rank {rank} grew by {share:.2f} x the full fp32 model"
+        # Its half, at most one whole parameter besides (the tied embedding, 0.11 of the model) and 5 % for
+        # the allocator: 0.66. Alone it measures 0.51, beside the suite's other worker up to 0.60; a rank
+        # that held the whole model would be at 1.0 or more.
+        bound = 1 / 2 + result["largest_bytes"] / result["full_bytes"] + 0.05
+        print(f"rank {rank}: start-up memory {share:.2f} x the full fp32 model (bound {bound:.2f})")
+        assert share <= bound, f"rank {rank} grew by {share:.2f} x the full fp32 model (bound {bound:.2f})"
         assert result["halves_differ"], "the two ranks' shards were drawn from different random streams"
         assert 0.015 < result["std"] < 0.025, "initialised like transformers does (normal, std 0.02)"
         assert result["rotary_ok"], "rotary frequencies are recomputed, not left as uninitialised memory"
