@@ -10,7 +10,7 @@ from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, Progres
 from fsdp_trainer.errors import DataError, classify
 from fsdp_trainer.launch import LoopInput, ray_train_worker
 from fsdp_trainer.progress import read_progress, utc_now
-from fsdp_trainer.shards import SYNTHETIC, source_shards
+from fsdp_trainer.shards import source_shards
 from fsdp_trainer.storage import Location
 from fsdp_trainer.transport import worker_env
 
@@ -81,9 +81,8 @@ def check_data(config: TrainerConfig) -> None:
     """A URI data source (and evalSource) listed and split as every worker will, before any starts: a wrong
     URI, an empty source or a missing text field fails the attempt in seconds, not after the workers have
     started and loaded the model (minutes on GPU nodes). A local path is left to the workers: it is read
-    where they run, which may be a volume the driver's machine lacks."""
-    sources = [config.data.source, config.data.eval_source or ""]
-    if all("://" in source for source in sources if source) and config.data.source != SYNTHETIC:
+    where they run, which may be a volume the driver's machine lacks (and "synthetic" is neither)."""
+    if all("://" in source for source in (config.data.source, config.data.eval_source) if source):
         source_shards(config.data, config.training.sequence_length, config.training.seed)
 
 
