@@ -12,26 +12,34 @@ TRAINER_TESTS := $(sort $(wildcard tests/unit/test_trainer_*.py)) tests/e2e/test
 PYTEST_ARGS ?=
 # pytest workers of `make test`, each with a local cluster of its own (hack/lib.sh FSDP_CLUSTER_INSTANCE).
 TEST_WORKERS ?= 2
+# Prerequisites are built side by side: each pip and each Go link is single-threaded, so on a fresh machine
+# the installs, the Go builds and the image builds overlap. Recipes still run in order within a target.
+MAKEFLAGS += --jobs=4
 
 .PHONY: help
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-15s %s\n", $$1, $$2}'
 
-.PHONY: venv
-venv: ## create/update the Python virtualenv from requirements.lock (outside the repo)
-	@hack/venv.sh
+.PHONY: venv venv-operator venv-dlc venv-mlflow
+venv: venv-operator venv-dlc venv-mlflow ## create/update the three Python virtualenvs from their locks (outside the repo)
+venv-operator venv-dlc venv-mlflow:
+	@hack/venv.sh $(@:venv-%=%)
+
+.PHONY: packages
+packages: ## the Debian packages the tools, images and tests need (a no-op when all are there)
+	@hack/packages.sh
 
 .PHONY: tools
-tools: ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached); Debian packages
-	@hack/packages.sh && hack/build-tools.sh
+tools: packages ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached)
+	@hack/build-tools.sh
 
 .PHONY: image
-image: venv ## build the operator image with podman (Dockerfile.operator on a Debian 12 base made here; cached)
-	@hack/packages.sh && hack/image.sh
+image: venv-operator packages ## build the operator image with podman (Dockerfile.operator on a Debian 12 base made here; cached)
+	@hack/image.sh
 
 .PHONY: dlc-image
-dlc-image: venv ## build the DLC stand-in image the real node's Ray pods run (cached by content)
-	@hack/packages.sh && hack/dlc-image.sh >/dev/null
+dlc-image: venv-dlc packages ## build the DLC stand-in image the real node's Ray pods run (cached by content)
+	@hack/dlc-image.sh >/dev/null
 
 .PHONY: cluster-up
 cluster-up: venv ## start the local cluster (control plane, fake GPU nodes, a real node, KubeRay, S3, Ray)
@@ -42,7 +50,7 @@ cluster-down: ## stop everything cluster-up started
 	@hack/cluster-down.sh
 
 .PHONY: lint
-lint: venv ## ruff and mypy
+lint: venv-operator ## ruff and mypy
 	$(VENV)/bin/ruff check operator trainer tests bench
 	$(VENV)/bin/ruff format --check operator trainer tests bench
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
@@ -56,7 +64,7 @@ test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e,
 	  $(TRAINER_TESTS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
-test-unit: venv ## the fast tests only (no servers)
+test-unit: venv-operator venv-dlc ## the fast tests only (no servers)
 	$(PY) -m pytest -m unit $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS)
 	$(DLC_PY) -m pytest -m unit $(filter tests/unit/%,$(TRAINER_TESTS)) $(PYTEST_ARGS)
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates or updates the project's two virtualenvs (outside the repo, shared by clones), each a no-op when its
-# lock has not changed since the last install:
+# Creates or updates the project's virtualenvs named as arguments (operator, dlc, mlflow; all three when none is
+# named), outside the repo and shared by clones, each a no-op when its lock has not changed since the last install.
+# `make` runs the three side by side (each pip is single-threaded):
 # - the operator's (Python 3.11): requirements.lock;
 # - the DLC's (Python 3.13, the Ray Train DLC's interpreter; pyenv's on these machines, or FSDP_PYTHON313):
 #   hack/dlc/requirements.lock and the test tools, for the local Ray head and the trainer's tests;
@@ -44,6 +45,13 @@ python313() {
   echo "$found"
 }
 
-install "$VENV" python3 "$root/requirements.lock"
-install "$DLC_VENV" "$(python313)" "$root/hack/dlc/requirements.lock" "$root/hack/dlc/test-requirements.txt"
-install "$MLFLOW_VENV" python3 "$root/hack/mlflow/requirements.lock"
+names=("$@")
+((${#names[@]})) || names=(operator dlc mlflow)
+for which in "${names[@]}"; do
+  case $which in
+    operator) install "$VENV" python3 "$root/requirements.lock" ;;
+    dlc) install "$DLC_VENV" "$(python313)" "$root/hack/dlc/requirements.lock" "$root/hack/dlc/test-requirements.txt" ;;
+    mlflow) install "$MLFLOW_VENV" python3 "$root/hack/mlflow/requirements.lock" ;;
+    *) log "unknown virtualenv '$which': operator, dlc or mlflow" && exit 2 ;;
+  esac
+done
