@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -39,7 +38,7 @@ sys.path[:0] = [str(REPO)]
 
 import boto3  # noqa: E402
 import yaml  # noqa: E402
-from tests.harness import answers, free_port, wait_until  # noqa: E402
+from tests.harness import answers, free_port, stop_process_group, wait_until  # noqa: E402
 
 from doc_section import publish  # noqa: E402
 
@@ -146,12 +145,7 @@ def attempt(variant: str, env: dict[str, str], workdir: Path) -> dict[str, Any]:
             )
         return {"wall_s": round(wall, 1), "cpu_s": round(sum(by_name.values()), 1), "by_process": by_name}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
+        stop_process_group(head)
         log.close()
         shutil.rmtree(temp, ignore_errors=True)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.harness import REPO, free_port, kubectl, wait_established, wait_until
+from tests.harness import REPO, free_port, kubectl, stop_process_group, wait_established, wait_until
 
 NAMESPACE = "argocd"
 ARGOCD = REPO / "bin" / "argocd"
@@ -290,14 +289,8 @@ class ArgoCD:
         """Stops every process by its process group, the controller first (no action half done after)."""
         for name in ("application-controller", "repo-server", "git-daemon", "redis"):
             process = self.processes.get(name)
-            if process is None or process.poll() is not None:
-                continue
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait(timeout=20)
+            if process is not None and process.poll() is None:
+                stop_process_group(process, timeout=20)
 
     def logs(self, lines: int = 60) -> str:
         out = []

@@ -169,6 +169,20 @@ def stop_process(process: subprocess.Popen[Any] | None) -> None:
         process.wait(timeout=30)
 
 
+def stop_process_group(process: subprocess.Popen[Any], timeout: float = 30) -> None:
+    """SIGTERM to the process group a process started with start_new_session leads (a `ray start --block`
+    and its servers, say), SIGKILL to the group when the leader has not exited `timeout` s later."""
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=timeout)
+
+
 def ray_head(action: str) -> None:
     """hack/ray-head.sh: `kill` every process of the local Ray head at once, as when its pod dies; `start` a
     new one on the same ports (its GCS knows none of the old head's jobs) and wait for its dashboard."""

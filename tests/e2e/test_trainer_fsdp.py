@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,7 +37,7 @@ from fsdp_trainer.contract import (
     ProgressRecord,
     TrainerConfig,
 )
-from tests.harness import REPO, free_port, tiny_qwen2, wait_until
+from tests.harness import REPO, free_port, stop_process_group, tiny_qwen2, wait_until
 
 CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
 TOLERANCE = 1e-4
@@ -115,12 +114,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         )
         yield address
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait(timeout=30)
+        stop_process_group(head)
 
 
 NAMESPACE = "default"  # TrainerConfig.namespace when the config names none
