@@ -51,7 +51,8 @@ render() { # TEMPLATE DEST: the template with this instance's values
   sed -e "s|@NODE_DIR@|$NODE_DIR|g" -e "s|@NODE_IP@|$NODE_IP|g" -e "s|@HOST_POD_ADDRESS@|$HOST_POD_ADDRESS|g" \
     -e "s|@POD_NET_PREFIX@|$POD_NET_PREFIX|g" -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" \
     -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@CNI_BIN@|$CNI_BIN|g" \
-    -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" "$root/hack/node/$1" >"$2"
+    -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" -e "s|@CONTAINERD_ROOT@|$NODE_CONTAINERD_ROOT|g" \
+    "$root/hack/node/$1" >"$2"
 }
 
 # A kubeconfig for the node's processes: they reach the apiserver through the forwarder on the host's end of
@@ -111,7 +112,8 @@ pause_image_archive() {
   echo "$archive"
 }
 
-# import_image ARCHIVE: an OCI archive into the node's containerd, unless an image of that name is there.
+# import_image ARCHIVE: an OCI archive into the node's containerd, unless an image of that name is there;
+# prints the name.
 import_image() {
   local name
   name=$(tar -xOf "$1" index.json | python3 -c 'import json, sys
@@ -120,6 +122,38 @@ print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.im
     log "importing $name into the node's containerd"
     node_ctr images import "$1" >/dev/null
   fi
+  echo "$name"
+}
+
+# The kept root (lib.sh NODE_CONTAINERD_ROOT) serves one node at a time (the lock, held by the node's
+# containerd while it runs), and only with no containers in it: the stop that emptied it leaves the marker.
+# Without the marker (a node killed, not stopped) the node starts from an empty root.
+ROOT_LOCK=$NODE_CONTAINERD_ROOT.lock
+ROOT_EMPTIED=$NODE_CONTAINERD_ROOT.no-containers
+prepare_containerd_root() {
+  mkdir -p "$(dirname "$NODE_CONTAINERD_ROOT")"
+  if ! flock --nonblock "$ROOT_LOCK" true; then
+    log "$NODE_CONTAINERD_ROOT is in use by another real node of instance $INSTANCE (another checkout's" \
+      "cluster?): stop that one, or use FSDP_CLUSTER_INSTANCE or FSDP_CACHE_DIR to keep them apart"
+    exit 1
+  fi
+  if [[ -d $NODE_CONTAINERD_ROOT && ! -e $ROOT_EMPTIED ]]; then
+    log "the kept containerd root was not emptied by a stop: starting from an empty one"
+    rm -rf "$NODE_CONTAINERD_ROOT"
+  fi
+  rm -f "$ROOT_EMPTIED"
+}
+
+# empty_containerd_root: every container and its task out of the running containerd (the kubelet stopped).
+empty_containerd_root() {
+  local id
+  node_ctr version >/dev/null 2>&1 || return 0
+  for id in $(node_ctr containers ls -q); do
+    node_ctr tasks delete --force "$id" >/dev/null 2>&1 || true
+    node_ctr containers delete "$id" >/dev/null 2>&1 || true
+  done
+  [[ -z $(node_ctr containers ls -q) ]] && touch "$ROOT_EMPTIED"
+  return 0
 }
 
 start() {
@@ -129,6 +163,10 @@ start() {
   fi
   case $NODE_DIR/ in /run/* | /var/lib/* | /var/log/*)
     log "NODE_DIR=$NODE_DIR lies under a path the node's mount namespace hides; move the checkout or FSDP_STATE_DIR"
+    exit 1 ;;
+  esac
+  case $NODE_CONTAINERD_ROOT/ in /run/* | /var/lib/* | /var/log/*)
+    log "$NODE_CONTAINERD_ROOT lies under a path the node's mount namespace hides; set FSDP_CACHE_DIR elsewhere"
     exit 1 ;;
   esac
   local command
@@ -198,14 +236,18 @@ start() {
     mkdir -p "$NODE_DIR/containerd/certs.d/$registry"
     cp "$root/hack/node/registry-hosts.toml" "$NODE_DIR/containerd/certs.d/$registry/hosts.toml"
   done
+  prepare_containerd_root
   start_daemon containerd nsenter --target "$(holder_pid)" --net --mount -- \
-    containerd --config "$NODE_DIR/containerd/config.toml"
+    flock --nonblock "$ROOT_LOCK" containerd --config "$NODE_DIR/containerd/config.toml"
   wait_for "containerd" 60 node_ctr version
-  import_image "$(pause_image_archive)"
-  local archive
+  local archive wanted
+  wanted=$(import_image "$(pause_image_archive)")
   for archive in ${FSDP_NODE_IMAGES:-}; do
-    import_image "$archive"
+    wanted+=$'\n'$(import_image "$archive")
   done
+  # Our images of earlier builds (the kept root would grow with each); containerd collects their content.
+  node_ctr images ls -q | grep -E '^localhost/fsdp-operator[^@]*:[^@:]+$' | grep -vxF "$wanted" |
+    xargs -r node_ctr images rm >/dev/null || true
 
   # The kubelet.
   node_certificates
@@ -259,6 +301,7 @@ stop() {
     procs=$(find "$dir" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
     [[ -n $procs ]] && kill -KILL $procs 2>/dev/null
   done < <(cgroup_dirs)
+  [[ -n $holder ]] && empty_containerd_root
   # Then every process in the node's network namespace (containerd, its shims, CoreDNS, kube-router, the
   # holder): when the last one is gone, the namespaces go, and with them the veth pair and every mount.
   if [[ -n $holder ]] && netns=$(readlink "/proc/$holder/ns/net" 2>/dev/null); then
