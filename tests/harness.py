@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
 import signal
@@ -250,8 +251,34 @@ def apply(namespace: str, manifest: dict[str, Any]) -> None:
     kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(manifest))
 
 
+@functools.cache
+def _custom_objects(kubeconfig: str) -> Any:
+    """An in-process client for what the tests poll every second (a run, a namespace's RayClusters): each
+    `kubectl get` is a Go process start, about 0.1 CPU-s, and two workers polling spent minutes of the
+    suite's two cores on them. Keyed by the kubeconfig's content: a restarted cluster has new certificates."""
+    from kubernetes import client, config
+
+    return client.CustomObjectsApi(config.new_client_from_config_dict(yaml.safe_load(kubeconfig)))
+
+
+def _get_custom(what: str, call: Callable[[Any], Any]) -> Any:
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        return call(_custom_objects(Path(os.environ["KUBECONFIG"]).read_text()))
+    except ApiException as error:
+        raise AssertionError(f"GET {what}: {error.status} {error.reason}: {error.body}") from None
+
+
 def run_of(namespace: str, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = kubectl_json("get", "fsdptrainingrun", name, "-n", namespace)
+    from fsdp_operator.api import GROUP, PLURAL, VERSION
+
+    found: dict[str, Any] = _get_custom(
+        f"fsdptrainingrun {namespace}/{name}",
+        lambda api: api.get_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, _request_timeout=30
+        ),
+    )
     return found
 
 
@@ -273,7 +300,12 @@ def set_suspend(namespace: str, name: str, suspend: bool) -> None:
 
 
 def rayclusters(namespace: str) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = kubectl_json("get", "rayclusters", "-n", namespace)["items"]
+    items: list[dict[str, Any]] = _get_custom(
+        f"rayclusters in {namespace}",
+        lambda api: api.list_namespaced_custom_object(
+            "ray.io", "v1", namespace, "rayclusters", _request_timeout=30
+        ),
+    )["items"]
     return items
 
 

@@ -317,10 +317,12 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
 def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
-    # A model whose weights, gradients and Adam state alone exceed the workers' memory limit.
+    # A model whose weights, gradients and Adam state alone exceed the worker's memory limit. One worker:
+    # each pod more is another Ray start on the node's 2 CPUs.
     run = real_pods_run(
         namespace,
         **{
+            "cluster.workers": 1,
             "cluster.memory": "1500Mi",
             "model.fromConfig.hidden_size": 1024,
             "model.fromConfig.intermediate_size": 4096,
@@ -338,10 +340,12 @@ def test_a_head_no_node_takes_is_shown_at_once_and_gives_the_workers_back_within
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
     bound = 30
-    run = real_pods_run(
-        namespace,
-        **{"cluster.head.nodeSelector": {"type": "no-such-node"}, "recovery.podErrorTimeoutSeconds": bound},
-    )["metadata"]["name"]
+    changes = {
+        "cluster.workers": 1,  # its GPUs are what must be given back; one pod is enough to show it
+        "cluster.head.nodeSelector": {"type": "no-such-node"},
+        "recovery.podErrorTimeoutSeconds": bound,
+    }
+    run = real_pods_run(namespace, **changes)["metadata"]["name"]
     shown = wait_until(
         "PodsHealthy False with reason HeadUnschedulable",
         lambda: (
@@ -462,7 +466,10 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
             "get", "pods", "-n", OPERATOR_NAMESPACE, "-l", f"app.kubernetes.io/instance={release}"
         )["items"]
         assert operator_pod["spec"]["nodeName"] == real_node.name
-        manifest = real_pods_run(namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 20})
+        # One worker: the run is here to be driven by the operator's pod, not to train on two.
+        manifest = real_pods_run(
+            namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 20, "cluster.workers": 1}
+        )
         finished = wait_for_phase(namespace, manifest["metadata"]["name"], "Succeeded", timeout=RUN_TIMEOUT)
         # The operator's pod got through, start to end, with nothing to restart.
         assert finished["status"]["checkpoints"]["latest"]["step"] == 20
