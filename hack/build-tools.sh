@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the local cluster's binaries from the Go module proxy into a cache outside the repo, keyed by
 # version and by the wrapper module's go.sum, and links them into ./bin. A binary already in the cache
-# is never rebuilt. Each build's wall time and peak memory go to $CACHE/build-times.tsv.
+# is never rebuilt. Each build's wall time and peak memory go to $CACHE/build-times.tsv (side by side with
+# other builds, on a fresh machine: see the chains below).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -43,11 +44,10 @@ components=(
   "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 
-only=("$@")
-mkdir -p "$CACHE/tools" "$root/bin"
-for entry in "${components[@]}"; do
-  IFS='|' read -r name module pkg version ldflags <<<"$entry"
-  if ((${#only[@]})) && [[ " ${only[*]} " != *" $name "* ]]; then continue; fi
+# build ENTRY: one component, unless the cache has it; then its link in ./bin.
+build() {
+  local name module pkg version ldflags sources sum target start
+  IFS='|' read -r name module pkg version ldflags <<<"$1"
   # A module with a program of its own (main.go) is keyed by that source too.
   sources=("$root/hack/go/$module/go.sum")
   if [[ -f $root/hack/go/$module/main.go ]]; then sources+=("$root/hack/go/$module/main.go"); fi
@@ -65,7 +65,38 @@ for entry in "${components[@]}"; do
       "$(($(cat "$target.maxrss") / 1024))" | tee -a "$CACHE/build-times.tsv"
   fi
   ln -sfn "$target" "$root/bin/$name"
+}
+
+# The components in chains, BUILD_JOBS chains at a time: on a fresh machine half of a build is fetching and
+# unpacking modules, which another chain's compiles overlap, and each link is single-threaded. A chain is a
+# wrapper module's components in order (they share its compiled packages); the kubelet's module pins the same
+# k8s.io versions as k8s's, so it follows k8s's chain and reuses them instead of compiling them beside it.
+only=("$@")
+mkdir -p "$CACHE/tools" "$root/bin"
+declare -A chain_entries=()
+chains=()
+for entry in "${components[@]}"; do
+  IFS='|' read -r name module _ <<<"$entry"
+  if ((${#only[@]})) && [[ " ${only[*]} " != *" $name "* ]]; then continue; fi
+  chain=$module
+  [[ $module == kubelet ]] && chain=k8s
+  [[ -v chain_entries[$chain] ]] || chains+=("$chain")
+  chain_entries[$chain]+="$entry"$'\n'
 done
+builders=()
+for chain in "${chains[@]}"; do
+  while (($(jobs -rp | wc -l) >= ${BUILD_JOBS:-3})); do wait -n || true; done
+  (
+    mapfile -t entries <<<"${chain_entries[$chain]}"
+    for entry in "${entries[@]}"; do
+      if [[ -n $entry ]]; then build "$entry"; fi
+    done
+  ) &
+  builders+=($!)
+done
+failed=0
+for builder in "${builders[@]}"; do wait "$builder" || failed=1; done
+((failed == 0)) || { log "a Go build failed (its output is above)"; exit 1; }
 
 # KubeRay's CRDs, from the same module version as the operator binary, so that cluster-up needs no Go.
 if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" ray-operator "* ]]; then
