@@ -118,7 +118,8 @@ import_image() {
   local name
   name=$(tar -xOf "$1" index.json | python3 -c 'import json, sys
 print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')
-  if ! node_ctr images ls -q | grep -qxF "$name"; then
+  # Not `| grep -q`: it exits at the first match, ctr then dies of SIGPIPE, and pipefail reads that as absent.
+  if ! grep -qxF "$name" <<<"$(node_ctr images ls -q)"; then
     log "importing $name into the node's containerd"
     node_ctr images import "$1" >/dev/null
   fi
@@ -246,8 +247,10 @@ start() {
     wanted+=$'\n'$(import_image "$archive")
   done
   # Our images of earlier builds (the kept root would grow with each); containerd collects their content.
-  node_ctr images ls -q | grep -E '^localhost/fsdp-operator[^@]*:[^@:]+$' | grep -vxF "$wanted" |
-    xargs -r node_ctr images rm >/dev/null || true
+  local image
+  for image in $(node_ctr images ls -q | grep -E '^localhost/fsdp-operator[^@]*:[^@:]+$' | grep -vxF "$wanted"); do
+    node_ctr images rm "$image" >/dev/null
+  done
 
   # The kubelet.
   node_certificates
