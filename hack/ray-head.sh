@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # The local cluster's Ray head, on 127.0.0.1 with the ports of hack/lib.sh.
 #   start    start it (and return: cluster-up waits for its dashboard with the rest)
-#   kill     SIGKILL every process of the head at once (GCS, raylet, dashboard, job drivers and workers), as
-#            when its pod dies; a head started afterwards on the same ports knows no job of the old one.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,7 +10,8 @@ start() {
   # This head serves every job of the suite: its log monitor lists the log directory ten times a second while
   # it holds under 1,000 files (about 9 % of a core here, measured with py-spy); once a second is enough to
   # forward the workers' output to their drivers.
-  # Jobs inherit the head's environment: the local S3 endpoint and credentials (as a node role would give
+  # Jobs inherit the head's environment: their temporary files (a killed trainer's checkpoint staging) and the
+  # trainer's node cache under the head's temp dir, which cluster-down removes; the local S3 endpoint and credentials (as a node role would give
   # them), and no hub access. `ray start` turns --node-ip-address 127.0.0.1 into the host's address unless
   # Ray's single-machine switch is set (named for the platforms where it is the default); with it the node and
   # all its servers stay on loopback. RAY_ADDRESS, as KubeRay sets it in its pods: without it Ray processes
@@ -26,8 +25,8 @@ start() {
   # GCS every 5 s for drained nodes, which only an autoscaler drains) is off: one node, never drained, and it
   # cost 10 % of each attempt's CPU here (53 vs 59 CPU-s for the CPU demo, measured side by side).
   log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
-  mkdir -p "$RAY_TMP"
-  (source "$STATE/env" && export HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
+  mkdir -p "$RAY_TMP/tmp"
+  (source "$STATE/env" && export TMPDIR=$RAY_TMP/tmp FSDP_TRAINER_CACHE=$RAY_TMP/trainer-cache HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
     RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$FSDP_LOCAL_RAY_TOKEN \
     AUTOSCALER_METRIC_PORT=$RAY_AUTOSCALER_METRICS_PORT DASHBOARD_METRIC_PORT=$RAY_DASHBOARD_METRICS_PORT \
     RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=300 PATH="$DLC_VENV/bin:$PATH" \
@@ -43,25 +42,10 @@ start() {
       --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 }
 
-kill_all() {
-  local pid leftovers
-  pid=$(cat "$STATE/pids/ray.pid")
-  # `ray start` leads a session of its own (start_daemon): its servers share its process group, while
-  # workers and job drivers get groups of their own in the same session. Anything that left the session
-  # still carries our temp dir on its command line.
-  pkill -KILL -s "$pid" 2>/dev/null || true
-  leftovers=$(pgrep -f -- "$RAY_TMP" || true)
-  if [[ -n $leftovers ]]; then
-    kill -KILL $leftovers 2>/dev/null || true
-  fi
-  wait_for "the old Ray head's ports to be free" 60 require_free_ports "${RAY_HEAD_PORTS[@]}"
-}
-
 case ${1:-} in
 start) start ;;
-kill) kill_all ;;
 *)
-  echo "usage: $0 start|kill" >&2
+  echo "usage: $0 start" >&2
   exit 2
   ;;
 esac

@@ -184,17 +184,6 @@ def stop_process_group(process: subprocess.Popen[Any], timeout: float = 30) -> N
         process.wait(timeout=timeout)
 
 
-def ray_head(action: str) -> None:
-    """hack/ray-head.sh: `kill` every process of the local Ray head at once, as when its pod dies; `start` a
-    new one on the same ports (its GCS knows none of the old head's jobs) and wait for its dashboard."""
-    done = subprocess.run([str(REPO / "hack" / "ray-head.sh"), action], capture_output=True, text=True)
-    assert done.returncode == 0, f"hack/ray-head.sh {action} failed: {done.stderr[-3000:]}"
-    if action == "start":
-        local = LocalCluster.from_env_file()
-        url = local.ray_dashboard_url + "/api/version"
-        wait_until("the new Ray head's dashboard", lambda: answers(url, local.ray_token_header), timeout=300)
-
-
 def answers(url: str, headers: dict[str, str] | None = None) -> bool:
     """Whether an HTTP server answers at url with a success."""
     try:

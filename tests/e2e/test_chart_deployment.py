@@ -21,7 +21,7 @@ import yaml
 
 from tests.apiserver_audit import AuditLog
 from tests.chart import CHART, Rendered, render
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, wait_for_step
+from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, checkpoint_steps_in_s3, demo_run, wait_for_step
 from tests.harness import (
     LocalCluster,
     free_port,
@@ -197,18 +197,26 @@ def test_chart_deployment_runs_the_demo_with_only_the_charts_rbac(
     [state] = json.loads(container)
     assert state["Config"]["User"] == "65532" and state["HostConfig"]["ReadonlyRootfs"]
 
-    suspend = not chart_operator.scoped  # suspend and resume once, in the cluster-wide case
+    # Cluster-wide, the run is suspended and resumed once: the cluster goes, the checkpoints stay, and the
+    # second attempt continues from the latest one.
+    suspend = not chart_operator.scoped
     if suspend:
         name = demo_run(namespace, **SMALL, **{"training.maxSteps": 60})
         wait_for_step(namespace, name, 10)
         set_suspend(namespace, name, True)
-        wait_for_phase(namespace, name, "Suspended", timeout=60)
+        suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
         wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
+        assert checkpoint_steps_in_s3(s3, namespace, name), "suspending must keep the checkpoints"
         set_suspend(namespace, name, False)
     else:
         name = demo_run(namespace, **SMALL)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     assert run["status"]["attempt"] == (2 if suspend else 1)
+    if suspend:
+        assert run["status"]["progress"]["step"] == 60
+        key = f"runs/{namespace}/{name}/progress.json"
+        progress = json.loads(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read())
+        assert progress["resumedFromStep"] >= suspended["status"]["checkpoints"]["latest"]["step"], progress
     assert answers(f"{chart_operator.health}/healthz") and answers(f"{chart_operator.health}/readyz")
     assert (
         podman("inspect", "--format", "{{.State.Running}}", chart_operator.container).stdout.strip() == "true"

@@ -36,9 +36,7 @@ from tests.harness import (
     fields_others_own,
     kubectl,
     kubectl_json,
-    ray_head,
     rayclusters,
-    set_suspend,
     wait_for_phase,
     wait_until,
 )
@@ -255,38 +253,6 @@ def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
     )
 
 
-def test_ray_head_killed_mid_run_is_job_lost_and_training_resumes_from_the_checkpoint(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
-) -> None:
-    name = demo_run(namespace, **SMALL, **{"training.maxSteps": 80})
-    wait_for_step(namespace, name, 10)
-    ray_head("kill")  # the job's processes die with the head
-    # The steps reached at least: the last progress record (written in the background, so it may lag) or the
-    # latest checkpoint completed.
-    progress_key = f"runs/{namespace}/{name}/progress.json"
-    last_record = json.loads(s3.get_object(Bucket=BUCKET, Key=progress_key)["Body"].read())["step"]
-    step_at_kill = max(last_record, *checkpoint_steps_in_s3(s3, namespace, name))
-    ray_head("start")  # a new head that has never heard of the job
-    answering = dt.datetime.now(dt.UTC)
-    done = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
-    status = done["status"]
-    [restart] = status["restarts"]["history"]
-    assert restart["reason"] == "JobLost" and "Ray no longer knows job" in restart["message"], restart
-    assert status["attempt"] == 2 and status["restarts"]["count"] == 1 and status["progress"]["step"] == 80
-    # The trainer resumes from the latest complete checkpoint in S3: the one the operator had seen, or later.
-    resumed = json.loads(s3.get_object(Bucket=BUCKET, Key=progress_key)["Body"].read())["resumedFromStep"]
-    assert resumed >= restart["resumedFromStep"]
-    lost = step_at_kill - resumed
-    # At most one checkpoint interval (10) lost, plus the one a save in flight at the kill did not finish.
-    assert 0 <= lost <= 2 * EVERY_STEPS, f"killed at step {step_at_kill}, resumed from step {resumed}"
-    reliability.record(
-        "The Ray head SIGKILLed with all its processes while a run trains; a new head on the same ports",
-        f"JobLost (the new head never heard of the job), resumed; at most {2 * EVERY_STEPS} steps redone",
-        f"JobLost {seconds_between(answering, restart['time']):.0f} s after the new head answered; killed at "
-        f"step {step_at_kill}, resumed from step {resumed}: {lost} steps redone",
-    )
-
-
 def test_permanent_error_fails_without_using_up_restarts(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, reliability: Recorder
 ) -> None:
@@ -330,27 +296,6 @@ def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
         "exactly maxRestarts restarts, then Failed with reason RestartsExhausted",
         f"{status['restarts']['count']} restart, {status['attempt']} attempts, {failed['reason']}",
     )
-
-
-def test_suspend_then_unsuspend_continues_from_the_checkpoint(
-    namespace: str, lifecycle_operator: OperatorProcess, s3: Any
-) -> None:
-    name = demo_run(namespace, **SMALL, **{"training.maxSteps": 80})
-    wait_for_step(namespace, name, 10)
-    set_suspend(namespace, name, True)
-    suspended = wait_for_phase(namespace, name, "Suspended", timeout=60)
-    wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
-    saved = checkpoint_steps_in_s3(s3, namespace, name)
-    assert saved, "suspending must keep the checkpoints"
-
-    set_suspend(namespace, name, False)
-    run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
-    assert run["status"]["attempt"] == 2 and run["status"]["progress"]["step"] == 80
-    latest_before = suspended["status"]["checkpoints"]["latest"]["step"]
-    progress = json.loads(
-        s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/progress.json")["Body"].read()
-    )
-    assert progress["resumedFromStep"] >= latest_before
 
 
 def test_deleting_a_running_run_removes_cluster_and_job_and_keeps_checkpoints(

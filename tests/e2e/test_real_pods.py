@@ -10,6 +10,7 @@ pods, over the pod network. Faults are real too: containers killed through conta
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import os
 import subprocess
@@ -42,6 +43,7 @@ from tests.harness import (
 )
 from tests.image import operator_image, service_account_files
 from tests.probe_pod import TOLERATE_REAL_NODE, run_probe
+from tests.reliability import Recorder, seconds_between
 
 # A real node is slower than KWOK: the image's Ray start, three pods' probes, then training on its 2 CPUs.
 RUN_TIMEOUT = 900
@@ -244,11 +246,12 @@ def step_of(namespace: str, run: str) -> int:
 # than the suite's per-test bound.
 @pytest.mark.timeout(1500)
 def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives_killed_containers(
-    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, reliability: Recorder
 ) -> None:
     """One run for the whole real-pod path (each RayCluster start costs minutes of the node's 2 CPUs): a
-    worker container killed (Ray Train restarts its workers in the job), then the head's (the operator
-    restarts the run from the latest checkpoint), then where its pods and Ray Train's workers ran."""
+    worker container killed (Ray Train restarts its workers in the job), then the head's (the kubelet starts
+    a Ray head that never heard of the job: the operator sees the job lost and restarts the run from the
+    latest checkpoint), then where its pods and Ray Train's workers ran."""
     every = 10
     # Steps enough that the run still trains when both kills have been seen (80 were not).
     steps = {"training.maxSteps": 160, "checkpoint.everySteps": every}
@@ -270,6 +273,8 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     )
     phase = run_of(namespace, run)["status"]["phase"]
     assert phase == "Running", f"the run is {phase} before its head's kill: it needs more steps"
+    step_at_head_kill = step_of(namespace, run)  # the status's: at most what the trainer had reached
+    head_killed = dt.datetime.now(dt.UTC)
     kill_container(real_node, head)
     wait_until(
         "the head's crash seen (ClusterReady False or a restart)",
@@ -289,7 +294,18 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     restarts = finished["status"]["restarts"]
     assert restarts["count"] == 1, restarts
     [entry] = restarts["history"]
+    assert entry["reason"] == "JobLost" and "Ray no longer knows job" in entry["message"], entry
     assert entry["resumedFromStep"] % every == 0 and entry["resumedFromStep"] >= 2 * every, entry
+    # At most one checkpoint interval lost, plus the one a save in flight at the kill did not finish.
+    redone = step_at_head_kill - entry["resumedFromStep"]
+    assert redone <= 2 * every, f"killed at step {step_at_head_kill} or later, resumed from {entry}"
+    reliability.record(
+        "The head pod's Ray container killed through containerd while a run trains on real pods (a worker's "
+        "killed before); the kubelet starts it again",
+        f"JobLost (the new head never heard of the job), resumed; at most {2 * every} steps redone",
+        f"JobLost {seconds_between(head_killed, entry['time']):.0f} s after the kill; killed at step "
+        f"{step_at_head_kill} or later, resumed from step {entry['resumedFromStep']}",
+    )
     # Where it ran (checked at the end: `ray list` in a loaded head can take a minute, which the kills must
     # not wait for): the three pods on the real node, Ray Train's workers in the worker pods, one in each.
     pods = pods_of(namespace, run)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -88,8 +90,13 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
     port, client_port = free_port(), free_port()
     address = f"127.0.0.1:{port}"
     log = tmp_path_factory.mktemp("ray") / "head.log"
+    # Ray's session files in a short directory of ours (its socket paths live below it), and the jobs'
+    # temporary files (a killed trainer's checkpoint staging) and node cache under pytest's temporary dir.
+    session = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     env = {
         **os.environ,
+        "TMPDIR": str(tmp_path_factory.mktemp("tmp")),
+        "FSDP_TRAINER_CACHE": str(tmp_path_factory.mktemp("trainer-cache")),
         "RAY_ADDRESS": address,
         "PYTHONPATH": str(REPO / "trainer"),
         "HF_HUB_OFFLINE": "1",
@@ -103,7 +110,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         head = subprocess.Popen(
             [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
              f"--ray-client-server-port={client_port}", "--num-cpus=2", "--include-dashboard=false",
-             "--disable-usage-stats", "--block"],
+             f"--temp-dir={session}", "--disable-usage-stats", "--block"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
@@ -115,6 +122,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         yield address
     finally:
         stop_process_group(head)
+        shutil.rmtree(session, ignore_errors=True)
 
 
 NAMESPACE = "default"  # TrainerConfig.namespace when the config names none
