@@ -275,12 +275,29 @@ def conditions_of(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["type"]: c for c in run.get("status", {}).get("conditions", [])}
 
 
-def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
-    def reached() -> dict[str, Any] | None:
-        run = run_of(namespace, name)
-        return run if run.get("status", {}).get("phase") == phase else None
+def run_summary(run: dict[str, Any]) -> str:
+    """Where a run stands, in one line: its phase, step, attempt and every condition's reason and message."""
+    status = run.get("status", {})
+    step = (status.get("progress") or {}).get("step")
+    conditions = "; ".join(
+        f"{c['type']}={c['status']} {c.get('reason', '')}: {c.get('message', '')}"
+        for c in status.get("conditions", [])
+    )
+    return f"phase {status.get('phase')}, step {step}, attempt {status.get('attempt')}; {conditions}"
 
-    return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
+
+def wait_for_phase(namespace: str, name: str, phase: str, timeout: float = 90) -> dict[str, Any]:
+    last: dict[str, Any] = {}
+
+    def reached() -> dict[str, Any] | None:
+        nonlocal last
+        last = run_of(namespace, name)
+        return last if last.get("status", {}).get("phase") == phase else None
+
+    try:
+        return wait_until(f"run {name} to reach phase {phase}", reached, timeout=timeout)
+    except AssertionError as timed_out:
+        raise AssertionError(f"{timed_out}; the run was at {run_summary(last)}") from None
 
 
 def set_suspend(namespace: str, name: str, suspend: bool) -> None:

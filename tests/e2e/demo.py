@@ -11,7 +11,9 @@ from tests.harness import LocalCluster, apply, example, run_of, wait_until
 
 BUCKET = "fsdp-e2e"
 CORPUS = "data/stdlib-docstrings.jsonl"
-RUN_TIMEOUT = 300
+# A bound on a 40-80-step run, not a target: at the start of a CI run, beside the other worker's real pods and
+# both clusters' first start, one was not done after 300 s (the operator had seen its Ray job PENDING).
+RUN_TIMEOUT = 600
 # One GPU worker, no EFA and a one-CPU head: several such runs fit the fake nodes at once (the system node
 # takes only two default heads), and each trains on one Ray Train worker, not two. The tests about what the
 # operator does use it: a worker process is about a quarter of an attempt's CPU (41-50 vs 59 CPU-s here).

@@ -106,9 +106,7 @@ def test_argo_cd_syncs_runs_and_reports_progressing_healthy_degraded_and_suspend
 
     started = time.monotonic()
     try:
-        # Twice a run's bound: this file often starts the suite beside the other worker's real pods and both
-        # clusters' first start, the heaviest minutes of the run (a cold run's 20-step run took over 300 s).
-        wait_until("the three Applications to reach their final health", observe, timeout=2 * RUN_TIMEOUT)
+        wait_until("the three Applications to reach their final health", observe, timeout=RUN_TIMEOUT)
     finally:
         print(f"Application (sync, health, run's health) changes after {time.monotonic() - started:.0f}s:")
         for key, seen in history.items():

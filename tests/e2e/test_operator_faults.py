@@ -1,4 +1,4 @@
-"""The operator SIGKILLed at each side-effect boundary (a fault point set by the test), then restarted: no
+"""The operator SIGKILLed at a side-effect boundary (a fault point set by the test), then restarted: no
 duplicate Ray job or RayCluster, every attempt counted once."""
 
 from __future__ import annotations
@@ -8,62 +8,57 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import pytest
-
+from fsdp_operator.handlers import FAULT_POINT_ENV
 from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, rayclusters, wait_for_phase
 from tests.reliability import Recorder
 
 
-def killed_at(proc: OperatorProcess, point: str) -> None:
+def killed_at(proc: OperatorProcess, point: str, attempt: int) -> None:
     assert proc.process is not None
     code = proc.process.wait(timeout=RUN_TIMEOUT)
     assert code == -signal.SIGKILL, f"the operator exited with {code}, not at fault point {point}"
-    assert f"fault point {point.split(':')[0]}" in proc.log.read_text()
+    assert f"fault point {point} (attempt {attempt})" in proc.log.read_text()
 
 
-@pytest.mark.parametrize(
-    ("point", "trainer_fault", "attempts"),
-    [
-        ("after-submit:1", False, 1),  # the job is in Ray, the status does not say it runs yet
-        ("after-submit:2", True, 2),  # the same during a restart
-    ],
-    ids=["after-submit", "after-resubmit-during-a-restart"],
-)
-def test_operator_killed_after_a_submission_submits_nothing_twice(
+def test_operator_killed_after_each_submission_submits_nothing_twice(
     namespace: str,
     crd_installed: None,
     local_cluster: LocalCluster,
     s3: Any,
     tmp_path: Path,
-    point: str,
-    trainer_fault: bool,
-    attempts: int,
     reliability: Recorder,
 ) -> None:
+    """One run, two kills: right after attempt 1's submission (the job is in Ray, the status does not say it
+    runs yet), and right after attempt 2's, submitted by a restart (rank 0 dies at step 25 of attempt 1). Each
+    operator started after a kill adopts the job it finds; the run ends with one Ray job per attempt."""
     name = f"fault-{uuid.uuid4().hex[:6]}"
-    changes: dict[str, Any] = {**SMALL, "recovery.inJobMaxFailures": 0}
-    if trainer_fault:  # the rank dies at step 25 of attempt 1, so attempt 2 is submitted by a restart
-        changes["runtimeEnv"] = {"env": {"FSDP_TRAINER_FAULT": f"rank=0,step=25,marker={tmp_path / 'died'}"}}
+    changes: dict[str, Any] = {
+        **SMALL,
+        "recovery.inJobMaxFailures": 0,
+        "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": f"rank=0,step=25,marker={tmp_path / 'died'}"}},
+    }
     env = lifecycle_env(local_cluster)
     log = tmp_path / "operator.log"
-    proc = OperatorProcess(namespace, {**env, "FSDP_OPERATOR_FAULT_POINT": point}, log).start()
+    proc = OperatorProcess(namespace, {**env, FAULT_POINT_ENV: "after-submit:1"}, log).start()
     try:
         apply(namespace, demo_manifest(name, **changes))
-        killed_at(proc, point)
+        killed_at(proc, "after-submit", 1)
+        proc = OperatorProcess(namespace, {**env, FAULT_POINT_ENV: "after-submit:2"}, log).start()
+        killed_at(proc, "after-submit", 2)
         proc = OperatorProcess(namespace, env, log).start()
-        run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
+        run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
         status = run["status"]
-        assert status["attempt"] == attempts and status["restarts"]["count"] == attempts - 1
+        assert status["attempt"] == 2 and status["restarts"]["count"] == 1, status
         jobs = local_cluster.ray_jobs().list_jobs()
         ours = sorted(j.submission_id for j in jobs if (j.metadata or {}).get("run") == name)
-        assert ours == [f"{status['jobSubmissionId'][:-2]}-{n}" for n in range(1, attempts + 1)], ours
+        assert ours == [f"{status['jobSubmissionId'][:-2]}-{n}" for n in (1, 2)], ours
         assert len(rayclusters(namespace)) <= 1  # deleted at the end (DeleteCluster), never two
-        when = "during a restart" if trainer_fault else "before the status says it runs"
         reliability.record(
-            f"The operator SIGKILLed right after submitting a job, {when}; started again",
-            "the job is adopted, never submitted twice; one RayCluster",
-            f"{len(ours)} Ray job(s) for {attempts} attempt(s)",
+            "The operator SIGKILLed right after submitting a job, before the status says it runs; started "
+            "again, and SIGKILLed again right after the resubmission of a restart",
+            "each job is adopted, never submitted twice; one RayCluster",
+            f"{len(ours)} Ray jobs for 2 attempts",
         )
     finally:
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
