@@ -15,6 +15,11 @@ TEST_WORKERS ?= 2
 # Prerequisites are built side by side: each pip and each Go link is single-threaded, so on a fresh machine
 # the installs, the Go builds and the image builds overlap. Recipes still run in order within a target.
 MAKEFLAGS += --jobs=4
+# What the local cluster runs, built side by side (a cold start's slow parts: the Go tools and the DLC stand-in).
+LOCAL_CLUSTER_PREREQUISITES := venv-operator venv-dlc cluster-tools dlc-image
+# The demo on the cluster KUBECONFIG names (not the local one, whose kubeconfig is in .local-cluster/) needs only
+# the operator's environment.
+DEMO_PREREQUISITES := $(if $(filter-out $(CURDIR)/.local-cluster/kubeconfig,$(KUBECONFIG)),venv-operator,$(LOCAL_CLUSTER_PREREQUISITES))
 
 .PHONY: help
 help: ## list the targets
@@ -33,6 +38,10 @@ packages: ## the Debian packages the tools, images and tests need (a no-op when 
 tools: packages ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached)
 	@hack/build-tools.sh
 
+.PHONY: cluster-tools
+cluster-tools: packages ## build only what the local cluster runs (the control plane, kwok, KubeRay, the real node's)
+	@hack/build-tools.sh --cluster
+
 .PHONY: image
 image: venv-operator packages ## build the operator image with podman (Dockerfile.operator on a Debian 12 base made here; cached)
 	@hack/image.sh
@@ -42,7 +51,7 @@ dlc-image: venv-dlc packages ## build the DLC stand-in image the real node's Ray
 	@hack/dlc-image.sh >/dev/null
 
 .PHONY: cluster-up
-cluster-up: venv ## start the local cluster (control plane, fake GPU nodes, a real node, KubeRay, S3, Ray)
+cluster-up: $(LOCAL_CLUSTER_PREREQUISITES) ## start the local cluster (control plane, fake GPU nodes, a real node, KubeRay, S3, Ray)
 	@hack/cluster-up.sh
 
 .PHONY: cluster-down
@@ -69,7 +78,7 @@ test-unit: venv-operator venv-dlc ## the fast tests only (no servers)
 	$(DLC_PY) -m pytest -m unit $(filter tests/unit/%,$(TRAINER_TESTS)) $(PYTEST_ARGS)
 
 .PHONY: demo
-demo: venv ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
+demo: $(DEMO_PREREQUISITES) ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
 	@hack/demo.sh
 
 .PHONY: bench

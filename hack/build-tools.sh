@@ -71,6 +71,7 @@ build() {
 # unpacking modules, which another chain's compiles overlap, and each link is single-threaded. A chain is a
 # wrapper module's components in order (they share its compiled packages); the kubelet's module pins the same
 # k8s.io versions as k8s's, so it follows k8s's chain and reuses them instead of compiling them beside it.
+if [[ ${1:-} == --cluster ]]; then set -- "${CLUSTER_TOOLS[@]}"; fi
 only=("$@")
 mkdir -p "$CACHE/tools" "$root/bin"
 declare -A chain_entries=()

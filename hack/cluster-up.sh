@@ -16,13 +16,14 @@ fi
 "$root/hack/cluster-down.sh" >/dev/null 2>&1 || true # clear what a half-started cluster left
 
 start=$(date +%s)
-# What the cluster runs, and nothing else (Kueue, Argo CD and helm are built by `make tools` for the tests).
+# What the cluster runs, and nothing else, each a no-op when cached: the Go tools and the image the real node's
+# Ray pods run (hack/dlc-image.sh), side by side, as they are the two slow parts of a cold start (`make demo`
+# and `make cluster-up` build both as prerequisites, beside the virtualenvs).
 "$root/hack/packages.sh"
-"$root/hack/build-tools.sh" etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kwokctl \
-  ray-operator kubelet coredns kube-router
-# The image the real node's Ray pods run (hack/dlc-image.sh); built before anything starts, as it is the
-# slowest part of a cold start.
+"$root/hack/build-tools.sh" --cluster &
+tools=$!
 dlc_image=$("$root/hack/dlc-image.sh")
+wait "$tools" || { log "building the cluster's tools failed"; exit 1; }
 require_free_ports "$APISERVER_PORT" "$S3_PORT" "${RAY_HEAD_PORTS[@]}" "$KUBERAY_METRICS_PORT" "$KUBERAY_HEALTH_PORT" ||
   { log "stop what holds these ports, or move ours with the variables in hack/lib.sh"; exit 1; }
 rm -rf "$STATE/logs"

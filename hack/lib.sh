@@ -9,6 +9,10 @@ VENV=${FSDP_VENV:-$CACHE/venv}
 # run in it, as the trainer runs in the Ray Train DLC in production.
 DLC_VENV=${FSDP_DLC_VENV:-$CACHE/dlc-venv}
 MLFLOW_VENV=${FSDP_MLFLOW_VENV:-$CACHE/mlflow-venv}
+# The Go tools the local cluster runs (hack/build-tools.sh --cluster); `make tools` also builds Kueue, Argo CD
+# and helm for the tests.
+CLUSTER_TOOLS=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kwokctl ray-operator kubelet
+  coredns kube-router)
 # FSDP_CLUSTER_INSTANCE=N runs another cluster beside the first from the same checkout (the suite's second
 # pytest worker uses 1): its own state dir, Ray temp dir and cluster name, and every port moved up by N x 1000.
 INSTANCE=${FSDP_CLUSTER_INSTANCE:-0}
