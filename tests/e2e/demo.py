@@ -74,6 +74,17 @@ def run_record(s3: Any, namespace: str, name: str) -> RunRecord:
     return RunRecord.model_validate_json(body)
 
 
+def final_run_record(s3: Any, namespace: str, name: str, phase: str) -> RunRecord:
+    """run.json once it records the run's final phase: the operator writes it right after the status that
+    says so (the status first, as every intent), so a reader who saw the phase may still find the one before."""
+
+    def recorded() -> RunRecord | None:
+        record = run_record(s3, namespace, name)
+        return record if record.phase == phase else None
+
+    return wait_until(f"run.json of {name} to record phase {phase}", recorded, timeout=60)
+
+
 def wait_for_step(namespace: str, name: str, at_least: int) -> dict[str, Any]:
     def reached() -> dict[str, Any] | None:
         run = run_of(namespace, name)

@@ -22,6 +22,7 @@ from tests.e2e.demo import (
     checkpoint_steps_in_s3,
     demo_manifest,
     demo_run,
+    final_run_record,
     run_record,
     wait_for_step,
 )
@@ -83,8 +84,8 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     image_ids = {cs["imageID"] for p in pods["items"] for cs in p["status"]["containerStatuses"]}
     assert image_ids == {status["image"]["digest"]} and status["image"]["consistent"] is True
 
-    record = run_record(s3, namespace, name)
-    assert record.phase == "Succeeded" and record.image_digest == status["image"]["digest"]
+    record = final_run_record(s3, namespace, name, "Succeeded")
+    assert record.image_digest == status["image"]["digest"]
     assert record.trainer_package_sha256 == status["record"]["packageSha256"]
     # The trainer ran in the DLC's environment (the local Ray head's): its Python and torch.
     assert record.versions.torch and record.versions.torch.startswith("2.14")
@@ -290,7 +291,7 @@ def test_retryable_failure_restarts_exactly_max_restarts_times_then_fails(
     assert failed["reason"] == "RestartsExhausted", failed
     assert status["restarts"]["count"] == 1 and status["attempt"] == 2
     assert status["restarts"]["history"][0]["resumedFromStep"] == 10
-    assert run_record(s3, namespace, name).phase == "Failed"
+    final_run_record(s3, namespace, name, "Failed")
     reliability.record(
         "A rank dies at step 12 in every attempt; maxRestarts 1",
         "exactly maxRestarts restarts, then Failed with reason RestartsExhausted",
