@@ -60,8 +60,10 @@ mv "$archive.tmp" "$archive"
 size=$(podman image inspect --format '{{.Size}}' "$ref")
 printf '%s\t%s\t%ss\t%sMiB image\n' "dlc-standin-image" "$key" "$(($(date +%s) - start))" \
   "$((size / 1024 / 1024))" | tee -a "$CACHE/build-times.tsv" >&2
-# Superseded builds go, from the cache and from podman's store (the archive is what the node imports).
+# Superseded builds go, from the cache and from podman's store (the archive is what the node imports), and the
+# lock's wheels that builds before stage_venv.py installed from (4 GB).
 find "$CACHE/image" -maxdepth 1 -name 'dlc-standin-*.tar' ! -name "dlc-standin-$key.tar" -delete
+rm -rf "$CACHE/image"/dlc-wheels-*
 podman rmi "$ref" >/dev/null 2>&1 || true
 podman image prune --force >/dev/null
 echo "$archive"
