@@ -76,7 +76,7 @@ def run_record(s3: Any, namespace: str, name: str) -> RunRecord:
 
 def final_run_record(s3: Any, namespace: str, name: str, phase: str) -> RunRecord:
     """run.json once it records the run's final phase: the operator writes it right after the status that
-    says so (the status first, as every intent), so a reader who saw the phase may still find the one before."""
+    says so (the status first, as every intent), so a reader who saw the phase may find the one before."""
 
     def recorded() -> RunRecord | None:
         record = run_record(s3, namespace, name)
