@@ -314,8 +314,9 @@ class _Pass:
             self.new.active_seconds += int(self.seconds_since(self.new.active_since))
             self.new.active_since = None
 
-    def submit(self) -> None:
-        """Records attempt N+1 and its submission id; the glue submits it after this status is written."""
+    def submit(self, after: str = "") -> None:
+        """Records attempt N+1 and its submission id; the glue submits it after this status is written.
+        `after` leads the JobSubmitted Event's message: what else this pass saw (the cluster became ready)."""
         new, obs = self.new, self.obs
         mismatch = self.checkpoint_mismatch()
         if mismatch:
@@ -330,7 +331,7 @@ class _Pass:
         message = f"attempt {new.attempt} submitted" + (f", resuming from step {resumed}" if resumed else "")
         # The phase moves to Running once Ray reports the job; until then the submission is owed.
         self.condition(conditions.JOB_RUNNING, "Unknown", "Submitted", f"{message}; waiting for Ray")
-        self.event(False, "JobSubmitted", message)
+        self.event(False, "JobSubmitted", after + message)
         new.message = message
 
     def checkpoint_mismatch(self) -> str | None:
@@ -571,12 +572,16 @@ class _Pass:
         self.condition(
             conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready"
         )
-        if new.phase == Phase.PROVISIONING:
-            self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready")
+        became_ready = new.phase == Phase.PROVISIONING
+        if became_ready:
+            # Announced by the submission's Event when this pass submits (one Event, not two, a moment apart).
+            self.transition(Phase.CLUSTER_READY, "ClusterReady", "RayCluster is ready", announce=False)
         if self.awaiting_submission():
+            if became_ready:
+                self.event(False, "ClusterReady", "RayCluster is ready")
             self.confirm_submission()
         elif new.phase == Phase.CLUSTER_READY:
-            self.submit()
+            self.submit(after="RayCluster is ready; " if became_ready else "")
         elif new.phase == Phase.RESTARTING:
             self.restarting()
         elif new.phase == Phase.RUNNING:
@@ -599,11 +604,11 @@ class _Pass:
             self.start_active()
             new.image.requested = new.image.requested or obs.requested_image
             self.decision.create_cluster = True
-            self.event(False, "PreflightPassed", result.message)
-            self.condition(
-                conditions.CLUSTER_READY, False, "Creating", "RayCluster created; waiting for KubeRay"
-            )
-            self.transition(Phase.PROVISIONING, "ClusterCreated", "RayCluster created; waiting for KubeRay")
+            message = "RayCluster created; waiting for KubeRay"
+            self.condition(conditions.CLUSTER_READY, False, "Creating", message)
+            # One Event for both (an Event is a request): the Preflight condition keeps the placement.
+            self.event(False, "ClusterCreated", f"preflight passed ({result.message}); {message}")
+            self.transition(Phase.PROVISIONING, "ClusterCreated", message, announce=False)
             return self.decision
         previous = conditions.condition(new.conditions, conditions.PREFLIGHT)
         if previous is None or previous.reason != result.reason or previous.status != "False":

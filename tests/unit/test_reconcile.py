@@ -42,7 +42,8 @@ def test_new_run_with_capacity_creates_the_cluster() -> None:
     assert status.observed_generation == 3
     pre = conditions.condition(status.conditions, conditions.PREFLIGHT)
     assert pre is not None and pre.status == "True" and pre.observed_generation == 3
-    assert [e.reason for e in decision.events] == ["PreflightPassed", "ClusterCreated"]
+    [created] = decision.events  # one Event (a request each) for the preflight and the creation
+    assert created.reason == "ClusterCreated" and created.message.startswith("preflight passed (")
 
 
 def test_no_capacity_waits_and_rechecks_without_a_cluster() -> None:
@@ -103,7 +104,9 @@ def test_ready_cluster_gets_the_first_attempt_recorded_then_submitted() -> None:
     assert conditions.is_true(new.conditions, conditions.CLUSTER_READY)
     submitted = conditions.condition(new.conditions, conditions.JOB_RUNNING)
     assert submitted is not None and (submitted.status, submitted.reason) == ("Unknown", "Submitted")
-    assert [e.reason for e in decision.events] == ["ClusterReady", "JobSubmitted"]
+    [submitted_event] = decision.events
+    assert submitted_event.reason == "JobSubmitted"
+    assert submitted_event.message == "RayCluster is ready; attempt 1 submitted"
 
 
 def test_a_cluster_where_none_should_be_is_deleted_not_adopted() -> None:
