@@ -79,6 +79,7 @@ SHAPE = {
     "cluster.head.memory": "4Gi",
     "cluster.cpu": "8",  # four workers to a g6.12xlarge, one per GPU
     "cluster.memory": "32Gi",
+    "cluster.ephemeralStorage": "100Gi",  # a quarter of the node's 500Gi (the default 200Gi fits only two)
     "network.efa": "disabled",
     "training.maxSteps": 1_000_000,  # trains through the soak; deleted at the end
     "training.logEvery": 10,
