@@ -53,6 +53,7 @@ class ClusterObservation:
     drift: str | None = None  # how it differs from what the run needs (edited by hand)
     suspended: bool = False  # spec.suspend: Kueue has not admitted it, or took the admission back
     zone: str | None = None  # the workers' zone as their node selector pins it (Kueue's flavor, or ours)
+    replica_failure: str | None = None  # KubeRay could not create or delete a pod (its ReplicaFailure)
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         f"{t}={c.get('status')}" + (f" ({c['message']})" if c.get("message") else "")
         for t, c in by_type.items()
     )
+    failure = by_type.get("ReplicaFailure", {})
     deleting = bool(raycluster.get("metadata", {}).get("deletionTimestamp"))
     spec = raycluster.get("spec") or {}
     suspended = bool(spec.get("suspend"))
@@ -144,6 +146,9 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         drift=drift,
         suspended=suspended,
         zone=zones.pop() if len(zones) == 1 else None,
+        replica_failure=(
+            f"{failure.get('reason')}: {failure.get('message')}" if failure.get("status") == "True" else None
+        ),
     )
 
 
@@ -248,8 +253,6 @@ class _Pass:
         if obs.checkpoints:
             new.checkpoints.latest = obs.checkpoints[-1]
             new.checkpoints.recent = list(reversed(obs.checkpoints[-RECENT_CHECKPOINTS:]))
-        if obs.pod_image_ids:
-            self.absorb_image(set(obs.pod_image_ids))
         if obs.storage_read:
             self.absorb_storage()
 
@@ -279,6 +282,12 @@ class _Pass:
         else:
             observed = Transport(progress.transport.observed).value
             self.condition(conditions.TRANSPORT_DEGRADED, False, "AsExpected", f"NCCL transport: {observed}")
+
+    def absorb_pods_image(self) -> None:
+        """The digest the pods run, once the cluster is past provisioning (ready, or given up): while it
+        provisions, pods start one by one, and pinning the first one's would cost a status write alone."""
+        if self.obs.pod_image_ids and self.new.phase != Phase.PROVISIONING:
+            self.absorb_image(set(self.obs.pod_image_ids))
 
     def absorb_image(self, image_ids: set[str]) -> None:
         image = self.new.image
@@ -418,18 +427,20 @@ class _Pass:
     def run(self) -> Decision:
         self.absorb()
         if self.new.phase in api.FINISHED_PHASES:
+            self.absorb_pods_image()
             return self.decision
-        for guard in (
+        guards = (
             self.suspended,
             self.image_request_changed,
             self.deadline_passed,
             self.cluster_deleting,
             self.pods_cannot_start,
             self.provisioning_timed_out,
-        ):
-            if guard():
-                return self.decision
-        return self.step()
+        )
+        if not any(guard() for guard in guards):
+            self.step()
+        self.absorb_pods_image()
+        return self.decision
 
     def suspended(self) -> bool:
         if not self.spec.suspend:
@@ -504,7 +515,7 @@ class _Pass:
         if cluster is None:
             return False
         if not problems:
-            self.condition(conditions.PODS_HEALTHY, True, "PodsStarting", "no pod is stuck starting")
+            self.pods_healthy()
             return False
         first = problems[0]
         message = "; ".join(p.message for p in problems[:3])
@@ -519,6 +530,9 @@ class _Pass:
             return True
         self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
         return False
+
+    def pods_healthy(self) -> None:
+        self.condition(conditions.PODS_HEALTHY, True, "PodsStarting", "no pod is stuck starting")
 
     def provisioning_timed_out(self) -> bool:
         new, limit = self.new, self.spec.recovery.provisioning_timeout_seconds
@@ -561,7 +575,13 @@ class _Pass:
         if cluster.drift and new.phase in (Phase.CLUSTER_READY, Phase.RUNNING, Phase.RESTARTING):
             return self.cluster_modified(cluster.drift)
         if not cluster.ready:
-            self.condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", cluster.message)
+            if cluster.replica_failure:
+                self.condition(conditions.CLUSTER_READY, False, "ReplicaFailure", cluster.replica_failure)
+            elif new.phase != Phase.PROVISIONING:
+                # While it provisions, "Creating" stands: KubeRay's progress notes would each cost a status
+                # write and tell a user nothing the RayCluster does not; pods that cannot start have
+                # PodsHealthy, and a timeout quotes KubeRay's note.
+                self.condition(conditions.CLUSTER_READY, False, "RayClusterNotReady", cluster.message)
             if new.phase == Phase.CLUSTER_READY:
                 self.transition(
                     Phase.PROVISIONING, "ClusterNotReady", f"RayCluster not ready: {cluster.message}", True
@@ -606,6 +626,7 @@ class _Pass:
             self.decision.create_cluster = True
             message = "RayCluster created; waiting for KubeRay"
             self.condition(conditions.CLUSTER_READY, False, "Creating", message)
+            self.pods_healthy()  # in this write, not the next pass's: none can be stuck before any exists
             # One Event for both (an Event is a request): the Preflight condition keeps the placement.
             self.event(False, "ClusterCreated", f"preflight passed ({result.message}); {message}")
             self.transition(Phase.PROVISIONING, "ClusterCreated", message, announce=False)

@@ -1,11 +1,17 @@
 """What saves apiserver requests while runs start: a queued pass starts from the run the pass before it
-stored, and RayCluster events start a pass only when something a pass acts on changed."""
+stored, RayCluster events start a pass only when something a pass acts on changed, and a run starts in three
+status writes and four Events."""
 
 from __future__ import annotations
 
+import datetime as dt
 from typing import Any, cast
 
+from fsdp_operator import api, conditions
 from fsdp_operator.handlers import Context, cluster_reaction
+from fsdp_operator.jobs import JobObservation
+from fsdp_operator.preflight import PreflightResult
+from fsdp_operator.reconcile import ClusterObservation, Observation, observe_cluster, reconcile
 from fsdp_operator.settings import Settings
 
 
@@ -67,3 +73,78 @@ def test_raycluster_progress_notes_do_not_start_a_pass_readiness_does() -> None:
     going = raycluster()
     going["metadata"]["deletionTimestamp"] = "2026-12-01T00:00:00Z"
     assert cluster_reaction(going) != empty
+
+
+def test_a_run_starts_in_three_status_writes_whatever_kuberay_notes_while_it_provisions() -> None:
+    """Each pass whose status differs from the stored one is a status write: from create to Running, the
+    intent to create, the intent to submit (with the pinned image), Running; KubeRay's progress notes and the
+    pods' image IDs seen while the cluster provisions change nothing."""
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+    )
+    digest = "ray@sha256:" + "a" * 64
+    start = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
+    ok = PreflightResult(True, "CapacityAvailable", "fits in us-west-2a", zone="us-west-2a")
+    notes = [
+        "no status yet",
+        "HeadPodReady=False; RayClusterProvisioned=False (RayCluster Pods are being provisioned)",
+        "HeadPodReady=True; RayClusterProvisioned=False (RayCluster Pods are being provisioned)",
+    ]
+    passes = [Observation(now=start, generation=1, cluster=None, preflight=ok)]
+    passes += [
+        Observation(
+            now=start + dt.timedelta(seconds=15 * (i + 1)),
+            generation=1,
+            cluster=ClusterObservation(ready=False, message=note),
+            pod_image_ids=(digest,) * i,
+        )
+        for i, note in enumerate(notes)
+    ]
+    ready = ClusterObservation(ready=True, message="HeadPodReady=True; RayClusterProvisioned=True")
+    at = start + dt.timedelta(seconds=60)
+    passes += [
+        Observation(now=at, generation=1, cluster=ready, pod_image_ids=(digest,) * 3, submission_prefix="r"),
+        Observation(now=at, generation=1, cluster=ready, pod_image_ids=(digest,) * 3, job=None),
+        Observation(
+            now=at + dt.timedelta(seconds=5),
+            generation=1,
+            cluster=ready,
+            pod_image_ids=(digest,) * 3,
+            job=JobObservation("r-1", "RUNNING"),
+        ),
+    ]
+    status, writes, events = api.FSDPTrainingRunStatus(), [], []
+    for observation in passes:
+        decision = reconcile(spec, status, observation)
+        if decision.status != status:
+            writes.append(decision.status.phase)
+        events += [e.reason for e in decision.events]
+        status = decision.status
+    assert writes == [api.Phase.PROVISIONING, api.Phase.CLUSTER_READY, api.Phase.RUNNING]
+    assert events == ["ClusterCreated", "JobSubmitted", "ImagePinned", "JobRunning"]  # KubeRay posts four too
+    assert status.image.digest == digest and conditions.is_true(status.conditions, conditions.PODS_HEALTHY)
+
+
+def test_kuberay_failing_to_create_a_pod_is_shown_while_the_cluster_provisions() -> None:
+    failing = observe_cluster(
+        raycluster(
+            conditions=[
+                {"type": "HeadPodReady", "status": "False"},
+                {
+                    "type": "ReplicaFailure",
+                    "status": "True",
+                    "reason": "FailedCreateWorkerPod",
+                    "message": 'pods "w" is forbidden: exceeded quota',
+                },
+            ]
+        )
+    )
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+    )
+    now = dt.datetime(2026, 12, 2, 12, 0, tzinfo=dt.UTC)
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.PROVISIONING, phase_transition_time=now)
+    decision = reconcile(spec, status, Observation(now=now, generation=1, cluster=failing))
+    ready = conditions.condition(decision.status.conditions, conditions.CLUSTER_READY)
+    assert ready is not None and (ready.status, ready.reason) == ("False", "ReplicaFailure")
+    assert ready.message == 'FailedCreateWorkerPod: pods "w" is forbidden: exceeded quota'
