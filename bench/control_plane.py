@@ -6,20 +6,21 @@
 
     python bench/control_plane.py [--rounds 3]      (or: make bench)
 
-Prints one JSON document. The ratio operator/rayjob is the figure to watch: preflight and the status writes
-are the operator's overhead over KubeRay's.
+Prints one JSON document (also to --output) and the table it writes into docs/benchmarks.md ("control-plane"
+section). The ratio operator/rayjob is the figure to watch: preflight and the status writes are the operator's
+overhead over KubeRay's.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from tests.harness import (  # noqa: E402
     wait_until,
 )
 
+from doc_section import publish  # noqa: E402
 from fsdp_operator import api, builder  # noqa: E402
 
 
@@ -105,6 +107,8 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument("--no-doc", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = parser.parse_args()
 
     subprocess.run([REPO / "hack" / "cluster-down.sh"], check=True, capture_output=True)
@@ -135,17 +139,36 @@ def main() -> None:
             drop_namespace(namespace)
 
     medians = {k: statistics.median(v) for k, v in results.items()}
-    print(
-        json.dumps(
-            {
-                "warm_cluster_up_seconds": round(warm_up, 1),
-                "apply_to_ready_raycluster_seconds": {
-                    k: [round(x, 2) for x in v] for k, v in results.items()
-                },
-                "median_ratio_operator_over_rayjob": round(medians["operator"] / medians["rayjob"], 2),
-            },
-            indent=2,
-        )
+    measured = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "cpus": os.cpu_count(),
+        "command": " ".join(["python", "bench/control_plane.py", *sys.argv[1:]]),
+        "warm_cluster_up_seconds": round(warm_up, 1),
+        "apply_to_ready_raycluster_seconds": {k: [round(x, 2) for x in v] for k, v in results.items()},
+        "median_seconds": {k: round(v, 2) for k, v in medians.items()},
+        "median_ratio_operator_over_rayjob": round(medians["operator"] / medians["rayjob"], 2),
+    }
+    publish("control-plane", measured, control_plane_table(measured), args.output, not args.no_doc)
+
+
+def control_plane_table(results: dict[str, Any]) -> str:
+    """The markdown of docs/benchmarks.md's control-plane section, from this script's JSON."""
+    rounds, medians = results["apply_to_ready_raycluster_seconds"], results["median_seconds"]
+    ours, theirs = medians["operator"], medians["rayjob"]
+    return "\n".join(
+        [
+            f"Measured {results['date']} on {results['cpus']} CPUs (`{results['command']}`), the two kinds "
+            "alternating.",
+            "",
+            "| figure | FSDPTrainingRun (operator) | RayJob (KubeRay) | ratio | target |",
+            "|---|---|---|---|---|",
+            "| apply -> RayCluster ready, each round | "
+            + " | ".join(", ".join(f"{x:.2f}" for x in rounds[k]) + " s" for k in ("operator", "rayjob"))
+            + " |  |  |",
+            f"| apply -> RayCluster ready, median | {ours:.2f} s | {theirs:.2f} s | "
+            f"{results['median_ratio_operator_over_rayjob']:.2f} | <= 1.2 |",
+            f"| warm cluster-up | {results['warm_cluster_up_seconds']:.1f} s |  |  |  |",
+        ]
     )
 
 

@@ -926,6 +926,32 @@ def _act(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, decis
         log.warning("%s/%s: action failed, the next pass decides: %s", run.namespace, run.name, message)
 
 
+def restore_network_policy(ctx: Context, deleted: Mapping[str, Any], indexes: Indexes) -> None:
+    """A run's NetworkPolicy deleted while its RayCluster runs (by hand, a namespace clean-up) would leave the
+    dashboard, whose job API runs code, open to every pod: it is created again at once, with a Warning. Not
+    when the run or its cluster is going (the garbage collector deleting it with them)."""
+    meta = deleted["metadata"]
+    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == api.KIND), None)
+    if owner is None:
+        return
+    run = indexes.one(indexes.runs, (meta["namespace"], owner["name"]))
+    if run is None or run["metadata"]["uid"] != owner.get("uid") or run["metadata"].get("deletionTimestamp"):
+        return
+    cluster = indexes.raycluster(meta["namespace"], builder.ray_cluster_name(owner["name"]))
+    if cluster is None or cluster["metadata"].get("deletionTimestamp"):
+        return
+    ref = builder.RunRef(name=owner["name"], namespace=meta["namespace"], uid=owner["uid"])
+    settings = ctx.settings
+    ctx.kube.create_if_absent(
+        builder.build_network_policy(
+            ref, settings.lease_namespace, settings.operator_pod_labels, settings.dashboard_ingress_cidrs
+        )
+    )
+    message = f"NetworkPolicy {meta['name']} was deleted while the RayCluster runs; created again"
+    kopf.event(kopf.Body(cast(Any, run)), type="Warning", reason="NetworkPolicyRestored", message=message)
+    log.warning("%s/%s: %s", meta["namespace"], owner["name"], message)
+
+
 def _create_cluster_guards(ctx: Context, run: builder.RunRef) -> None:
     """What keeps the run's Ray dashboard (its job API runs code) to the operator: the token Secret its pods
     read, and the NetworkPolicy. Both before the RayCluster, whose pods need the Secret to start."""
@@ -1174,6 +1200,13 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         owner = indexes.one(indexes.runs, (body["metadata"]["namespace"], name)) if name else None
         if owner and (owner.get("status") or {}).get("phase") not in api.FINISHED_PHASES:
             reconcile_run(ctx, owner, indexes)
+
+    if settings.network_policy:
+
+        @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=ours, registry=registry)
+        def on_network_policy_event(body: kopf.Body, type: str | None = None, **kwargs: Any) -> None:
+            if type == "DELETED":
+                restore_network_policy(ctx, body, indexes_of(kwargs))
 
     @kopf.on.delete(*resource, registry=registry)
     def deleted(body: kopf.Body, **_: Any) -> None:

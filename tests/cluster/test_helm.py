@@ -116,7 +116,9 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         # Each run's token Secret and NetworkPolicy are created; no Secret there is ever read (the key's
         # get is limited to its own name).
         assert can_i("create", "secrets", namespace, sa)
-        assert can_i("create", "networkpolicies.networking.k8s.io", namespace, sa)
+        for verb in ("create", "list", "watch"):  # and watched, to be created again if deleted
+            assert can_i(verb, "networkpolicies.networking.k8s.io", namespace, sa), f"{sa} cannot {verb}"
+        assert not can_i("delete", "networkpolicies.networking.k8s.io", namespace, sa)
         assert not can_i("get", "secrets", namespace, sa) and not can_i("list", "secrets", namespace, sa)
         assert can_i("create", "rayclusters.ray.io", "default", sa) is not scoped
     finally:

@@ -64,6 +64,24 @@ def test_example_run_reaches_cluster_ready_on_gpu_nodes_in_one_zone(
     assert messages["JobSubmitted"].startswith("RayCluster is ready; attempt 1 submitted"), messages
     assert len(reasons) == len(set(reasons)), f"a transition was announced twice: {reasons}"
 
+    # The run's NetworkPolicy deleted while its cluster runs is created again at once, with a Warning.
+    policy = kubectl_json("get", "networkpolicy", cluster["metadata"]["name"], "-n", namespace)
+    kubectl("delete", "networkpolicy", policy["metadata"]["name"], "-n", namespace)
+
+    def restored() -> dict[str, Any] | None:
+        found = kubectl(
+            "get", "networkpolicy", policy["metadata"]["name"], "-n", namespace, "-o", "json", check=False
+        )
+        again = json.loads(found.stdout) if found.returncode == 0 else None
+        return again if again and again["metadata"]["uid"] != policy["metadata"]["uid"] else None
+
+    again = wait_until("the deleted NetworkPolicy to be created again", restored, timeout=30)
+    assert again["spec"] == policy["spec"]
+    warnings = kubectl_json(
+        "get", "events", "-n", namespace, "--field-selector", "reason=NetworkPolicyRestored"
+    )["items"]
+    assert [e["involvedObject"]["name"] for e in warnings] == ["qwen25-sample"], warnings
+
 
 def test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster(
     namespace: str, operator: OperatorProcess
