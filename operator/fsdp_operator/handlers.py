@@ -315,6 +315,18 @@ class Indexes:
         return list(store) if store else []
 
 
+def kept(body: Mapping[str, Any]) -> dict[str, Any]:
+    """A run or RayCluster as the operator keeps it (kopf's indexes, its last status write), without what only
+    the apiserver and kopf read: managedFields, and the annotations that copy a whole manifest (kubectl's
+    last-applied-configuration, kopf's last-handled-configuration). A third or more of each object."""
+    meta = dict(body["metadata"])
+    meta.pop("managedFields", None)
+    image = (meta.pop("annotations", None) or {}).get(builder.ANNOTATION_IMAGE)
+    if image is not None:
+        meta["annotations"] = {builder.ANNOTATION_IMAGE: image}
+    return {**body, "metadata": meta}
+
+
 def cluster_reaction(body: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a RayCluster event a pass reacts to at once: readiness as the pass reads it, KubeRay's state
     (failed), suspension, its spec's generation (drift), its deletion."""
@@ -881,7 +893,7 @@ def _reconcile_once(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> D
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     if patch:
         stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
-        ctx.wrote(run.uid, meta["resourceVersion"], stored_now)
+        ctx.wrote(run.uid, meta["resourceVersion"], kept(stored_now))
         fault_point("after-status-write", new.attempt)
     metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
     _act(ctx, run, spec, decision)
@@ -1118,11 +1130,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index(*resource, id="runs", registry=registry)
     def runs(body: kopf.Body, **_: Any) -> Any:
-        return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
+        return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
 
     @kopf.index(*ray_clusters, labels=ours, id="rayclusters", registry=registry)
     def rayclusters(body: kopf.Body, **_: Any) -> Any:
-        return {(body["metadata"]["namespace"], body["metadata"]["name"]): dict(body)}
+        return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
 
     @kopf.index("", "v1", "pods", labels=ours, id="ray_pods", registry=registry)
     def ray_pods(body: kopf.Body, **_: Any) -> Any:

@@ -1,14 +1,14 @@
 """What saves apiserver requests while runs start: a queued pass starts from the run the pass before it
 stored, RayCluster events start a pass only when something a pass acts on changed, and a run starts in three
-status writes and four Events."""
+status writes and four Events; and what saves memory: runs and RayClusters kept without managedFields."""
 
 from __future__ import annotations
 
 import datetime as dt
 from typing import Any, cast
 
-from fsdp_operator import api, conditions
-from fsdp_operator.handlers import Context, cluster_reaction
+from fsdp_operator import api, builder, conditions
+from fsdp_operator.handlers import Context, cluster_reaction, kept
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.preflight import PreflightResult
 from fsdp_operator.reconcile import ClusterObservation, Observation, observe_cluster, reconcile
@@ -148,3 +148,33 @@ def test_kuberay_failing_to_create_a_pod_is_shown_while_the_cluster_provisions()
     ready = conditions.condition(decision.status.conditions, conditions.CLUSTER_READY)
     assert ready is not None and (ready.status, ready.reason) == ("False", "ReplicaFailure")
     assert ready.message == 'FailedCreateWorkerPod: pods "w" is forbidden: exceeded quota'
+
+
+def test_the_operator_keeps_runs_and_clusters_without_managed_fields_or_manifest_copies() -> None:
+    body = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {
+            "name": "c",
+            "uid": "u",
+            "resourceVersion": "7",
+            "managedFields": [{"manager": "kuberay-operator", "fieldsV1": {"f:status": {}}}],
+            "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": "{...the whole manifest...}",
+                "fsdp.training.dev/last-handled-configuration": "{...the whole spec...}",
+                builder.ANNOTATION_IMAGE: "repo/ray:tag",
+            },
+        },
+        "spec": {"suspend": False},
+        "status": {"state": "ready"},
+    }
+    stored = kept(body)
+    assert stored["metadata"] == {
+        "name": "c",
+        "uid": "u",
+        "resourceVersion": "7",
+        "annotations": {builder.ANNOTATION_IMAGE: "repo/ray:tag"},  # what drift is judged against
+    }
+    assert stored["spec"] == body["spec"] and stored["status"] == body["status"]
+    assert "annotations" not in kept({"metadata": {"name": "r", "annotations": {"a": "b"}}})["metadata"]
+    assert body["metadata"]["managedFields"]  # the object kopf holds is not changed
