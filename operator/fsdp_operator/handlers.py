@@ -1085,12 +1085,18 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
     ray_clusters = (RAY_GROUP, RAY_VERSION, RAY_PLURAL)
+    pods, all_nodes = ("", "v1", "pods"), ("", "v1", "nodes")
+    network_policies = ("networking.k8s.io", "v1", "networkpolicies")
     ours = {builder.LABEL_MANAGED_BY: builder.MANAGER}
+    # kopf holds a watch stream open per resource below in each watched namespace (nodes: one, cluster-wide).
+    watched_in_each_namespace = [resource, ray_clusters, pods] + (
+        [network_policies] if settings.network_policy else []
+    )
 
     @kopf.on.login(registry=registry)
     async def login(**kwargs: Any) -> kopf.AiohttpSession | None:
         # Same credentials as the kubernetes client, in a session with a bounded connection pool.
-        return await kopfsession.login(settings.watch_namespaces, **kwargs)
+        return await kopfsession.login(settings.watch_namespaces, len(watched_in_each_namespace), **kwargs)
 
     watch_seconds = settings.watch_timeout_seconds
     watch_deadline = watch_seconds + max(5, watch_seconds // 10)
@@ -1136,12 +1142,12 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def rayclusters(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
 
-    @kopf.index("", "v1", "pods", labels=ours, id="ray_pods", registry=registry)
+    @kopf.index(*pods, labels=ours, id="ray_pods", registry=registry)
     def ray_pods(body: kopf.Body, **_: Any) -> Any:
         cluster = (body["metadata"].get("labels") or {}).get(builder.LABEL_RAY_CLUSTER)
         return {(body["metadata"]["namespace"], cluster): pod_summary(body)} if cluster else None
 
-    @kopf.on.event("", "v1", "pods", labels=ours, registry=registry)
+    @kopf.on.event(*pods, labels=ours, registry=registry)
     def on_ray_pod_event(body: kopf.Body, **_: Any) -> None:
         # Remembered here, not read from the index: a disrupted pod is deleted soon after, often before the
         # job it served is seen failing.
@@ -1151,11 +1157,11 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
             now = dt.datetime.now(dt.UTC).replace(microsecond=0)
             ctx.disruptions[(body["metadata"]["namespace"], cluster)] = (now, disruption)
 
-    @kopf.index("", "v1", "nodes", id="nodes", registry=registry)
+    @kopf.index(*all_nodes, id="nodes", registry=registry)
     def nodes(body: kopf.Body, **_: Any) -> Any:
         return {None: preflight.node_facts(body)}
 
-    @kopf.index("", "v1", "pods", id="accelerator_pods", registry=registry)
+    @kopf.index(*pods, id="accelerator_pods", registry=registry)
     def accelerator_pods(body: kopf.Body, **_: Any) -> Any:
         return {None: preflight.placement_of(body)} if preflight.holds_accelerators(body) else None
 
@@ -1215,7 +1221,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     if settings.network_policy:
 
-        @kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=ours, registry=registry)
+        @kopf.on.event(*network_policies, labels=ours, registry=registry)
         def on_network_policy_event(body: kopf.Body, type: str | None = None, **kwargs: Any) -> None:
             if type == "DELETED":
                 restore_network_policy(ctx, body, indexes_of(kwargs))

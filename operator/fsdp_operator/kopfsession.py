@@ -17,14 +17,14 @@ import kopf
 
 # Connections for kopf's requests besides its watches: patches, Events, the first LIST of each watch.
 REQUEST_CONNECTIONS = 8
-# The resources kopf watches per namespace (runs, RayClusters, pods) and cluster-wide (nodes): handlers.py.
-NAMESPACED_WATCHES = 3
+# The resources kopf watches cluster-wide (nodes, for the preflight): handlers.py.
 CLUSTER_WATCHES = 1
 
 
-def connection_limit(namespaces: list[str]) -> int:
-    """Watch streams (one per resource and namespace, or per resource cluster-wide) plus the request slots."""
-    return NAMESPACED_WATCHES * max(len(namespaces), 1) + CLUSTER_WATCHES + REQUEST_CONNECTIONS
+def connection_limit(namespaces: list[str], namespaced_watches: int) -> int:
+    """Watch streams (one per namespaced resource and namespace, one per cluster-wide resource) plus the
+    request slots. Too few, and every patch and Event waits behind the watches until it times out."""
+    return namespaced_watches * max(len(namespaces), 1) + CLUSTER_WATCHES + REQUEST_CONNECTIONS
 
 
 def bounded_session(info: kopf.ConnectionInfo, limit: int) -> kopf.AiohttpSession:
@@ -45,8 +45,10 @@ def bounded_session(info: kopf.ConnectionInfo, limit: int) -> kopf.AiohttpSessio
     )
 
 
-async def login(namespaces: list[str], **kwargs: Any) -> kopf.AiohttpSession | None:
+async def login(namespaces: list[str], namespaced_watches: int, **kwargs: Any) -> kopf.AiohttpSession | None:
     """The credentials kopf's `login_via_client` finds (the kubernetes client's: in-cluster service account,
-    else KUBECONFIG), in a bounded session. kopf calls it again when the apiserver answers 401."""
+    else KUBECONFIG), in a session bounded for `namespaced_watches` resources watched in each of `namespaces`.
+    kopf calls it again when the apiserver answers 401."""
     info = kopf.login_via_client(**kwargs)
-    return bounded_session(info, connection_limit(namespaces)) if info is not None else None
+    limit = connection_limit(namespaces, namespaced_watches)
+    return bounded_session(info, limit) if info is not None else None

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
+from kubernetes.config import kube_config
 
-from fsdp_operator import kopfsession
+from fsdp_operator import handlers, kopfsession
+from fsdp_operator.settings import Settings
 
 
 def test_the_pool_holds_every_watch_stream_and_a_few_requests(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -16,7 +19,7 @@ def test_the_pool_holds_every_watch_stream_and_a_few_requests(monkeypatch: pytes
     monkeypatch.setattr(kopf, "login_via_client", lambda **_: found)
 
     async def log_in() -> Any:
-        credentials = await kopfsession.login(["team-a", "team-b"], logger=None)
+        credentials = await kopfsession.login(["team-a", "team-b"], 4, logger=None)
         assert isinstance(credentials, kopf.AiohttpSession)
         session = credentials.aiohttp_session
         try:
@@ -26,7 +29,44 @@ def test_the_pool_holds_every_watch_stream_and_a_few_requests(monkeypatch: pytes
 
     server, limit, headers = asyncio.run(log_in())
     assert server == "https://10.0.0.1:443"
-    # Three watches per namespace (runs, RayClusters, pods), nodes cluster-wide, eight for requests.
-    assert limit == 3 * 2 + 1 + 8 == kopfsession.connection_limit(["team-a", "team-b"])
+    # Four watches per namespace (runs, RayClusters, pods, NetworkPolicies), nodes cluster-wide, eight for
+    # requests.
+    assert limit == 4 * 2 + 1 + 8 == kopfsession.connection_limit(["team-a", "team-b"], 4)
     assert headers["Authorization"] == "Bearer abc"
-    assert kopfsession.connection_limit([]) == 3 + 1 + 8
+    assert kopfsession.connection_limit([], 3) == 3 + 1 + 8
+
+
+def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A watch added to the handlers but not to the pool's count takes the request slots: every patch and
+    Event then waits behind the watches until it times out (a 200-run load stalled this way)."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    # The kubernetes client reads $KUBECONFIG once, at import.
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    found = kopf.ConnectionInfo(server="https://127.0.0.1:1", scheme="Bearer", token="t", insecure=True)
+    monkeypatch.setattr(kopf, "login_via_client", lambda **_: found)
+    namespaces = ["team-a", "team-b", "team-c"]
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings(watch_namespaces=namespaces))
+
+    # kopf's registries of handlers by kind (indexes, events, timers, changes): which resources it watches.
+    kinds = (registry._indexing, registry._watching, registry._spawning, registry._changing)
+    watched = {(h.selector.group, h.selector.any_name) for kind in kinds for h in kind.get_all_handlers()}
+    namespaced = watched - {("", "nodes")}
+    [login] = [h for h in registry._activities.get_all_handlers() if h.activity == "authentication"]
+
+    async def limit() -> int:
+        credentials = await login.fn(logger=None)
+        try:
+            return int(credentials.aiohttp_session.connector.limit)
+        finally:
+            await credentials.aiohttp_session.close()
+
+    assert len(namespaced) == 4, namespaced  # runs, RayClusters, pods, NetworkPolicies
+    assert asyncio.run(limit()) == len(namespaced) * len(namespaces) + 1 + kopfsession.REQUEST_CONNECTIONS
