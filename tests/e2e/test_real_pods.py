@@ -419,6 +419,20 @@ except OSError as error:
     return run_probe(namespace, node.image, node.name, command)[1].strip()
 
 
+# A policy a namespace's owner might add beside the run's: every pod of the namespace, from anywhere.
+ADMIT_EVERY_POD = {
+    "apiVersion": "networking.k8s.io/v1",
+    "kind": "NetworkPolicy",
+    "metadata": {"name": "admit-every-pod"},
+    "spec": {"podSelector": {}, "policyTypes": ["Ingress"], "ingress": [{}]},
+}
+
+
+def admitted(probe: str) -> str | None:
+    """A dashboard probe's answer when the network let it through (None for a refused connection)."""
+    return None if probe.startswith("error") else probe
+
+
 def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reaches_the_dashboard(
     namespace: str,
     crd_installed: None,
@@ -498,9 +512,31 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
             # The run's NetworkPolicy: a pod of another namespace is refused on the dashboard's port.
             refused = dashboard_probe(other, real_node, dashboard, token=None)
             assert refused.startswith("error"), refused
-            # Admitted by the network (as a wrong policy would), it still needs the run's Ray token.
-            kubectl("delete", "networkpolicy", "--all", "-n", namespace)
-            unauthorised = dashboard_probe(other, real_node, dashboard, token=None)
+            # Deleted by hand while the cluster runs, the policy is created again, and enforced again.
+            [policy] = kubectl_json("get", "networkpolicies", "-n", namespace)["items"]
+            kubectl("delete", "networkpolicy", policy["metadata"]["name"], "-n", namespace)
+            wait_until(
+                "the operator to create the run's NetworkPolicy again",
+                lambda: [
+                    p
+                    for p in kubectl_json("get", "networkpolicies", "-n", namespace)["items"]
+                    if p["metadata"]["uid"] != policy["metadata"]["uid"]
+                ],
+                timeout=30,
+            )
+            wait_until(
+                "the restored policy to refuse the other namespace's pod",
+                lambda: dashboard_probe(other, real_node, dashboard, token=None).startswith("error"),
+                timeout=90,
+            )
+            # Admitted by the network (a second policy that admits every pod, as a wrong one would), the
+            # dashboard still needs the run's Ray token. Policies add up, so the run's own does not stop it.
+            kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(ADMIT_EVERY_POD))
+            unauthorised = wait_until(
+                "the other namespace's pod admitted to the dashboard's port",
+                lambda: admitted(dashboard_probe(other, real_node, dashboard, token=None)),
+                timeout=90,
+            )
             assert unauthorised == "status 401", unauthorised
             secret = kubectl_json(
                 "get", "secret", "-n", namespace, f"{rayclusters(namespace)[0]['metadata']['name']}-ray-auth"
