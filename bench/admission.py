@@ -1,11 +1,11 @@
 """Admission CPU, side by side in one process: the operator's admission passes of a wave of runs replayed
-through this checkout's handlers and through an earlier commit's (by default c4ae191, before the queue was
-placed once per view), on the same runs, nodes and pass order.
+through this checkout's admission (`Admission.admit`) and through an earlier commit's handlers (by default
+c4ae191, before the queue was placed once per view), on the same runs, nodes and pass order.
 
 The wave is bench/load.py's: N runs of one 1-GPU worker created at once on 100 g6.12xlarge nodes (400
 slots) in two zones. Passes come in creation order, shuffled within windows of 20 (kopf works on several
 events at once), and an admitted run's status (Provisioning, its zone) reaches the index 30 passes later
-(ctx.admitted covers the gap, as in the operator); then every run still waiting gets one timer pass.
+(admission remembers what it admitted, as in the operator); then every run still waiting gets one timer pass.
 
     python bench/admission.py [--runs 200] [--base c4ae191]
 
@@ -15,6 +15,7 @@ Prints JSON: CPU seconds of each side, the ratio, and the admitted runs (which m
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import random
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, cast
@@ -29,7 +31,9 @@ from typing import Any, cast
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
 
-from fsdp_operator import api, builder, handlers, preflight  # noqa: E402
+from fsdp_operator import api, builder, preflight  # noqa: E402
+from fsdp_operator.admission import Admission  # noqa: E402
+from fsdp_operator.kube import Indexes  # noqa: E402
 from fsdp_operator.settings import Settings  # noqa: E402
 
 TYPE = "g6.12xlarge"
@@ -76,11 +80,24 @@ def node(i: int) -> dict[str, Any]:
     )
 
 
-def replay(module: ModuleType, runs: int, seed: int) -> tuple[float, list[str]]:
-    """CPU seconds of every admission pass of the wave through `module`'s handlers, and the admitted runs."""
+Admit = Callable[[builder.RunRef, api.FSDPTrainingRunSpec, str, Any], preflight.PreflightResult]
+
+
+def base_admission(module: ModuleType) -> tuple[Admit, Callable[..., Any]]:
+    """The earlier commit's admission: its handlers' private preflight pass on a context of its own."""
     ctx = module.Context(
         settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x"
     )
+    return functools.partial(module._run_preflight, ctx), module.Indexes
+
+
+def our_admission() -> tuple[Admit, Callable[..., Any]]:
+    return Admission(watch_namespaces=[], kube=None, ec2=lambda: None).admit, Indexes
+
+
+def replay(side: tuple[Admit, Callable[..., Any]], runs: int, seed: int) -> tuple[float, list[str]]:
+    """CPU seconds of every admission pass of the wave through one side's admission, and the admitted runs."""
+    admit, make_indexes = side
     bodies = {
         ("team", f"load-{i:03d}"): {
             "metadata": {
@@ -96,7 +113,7 @@ def replay(module: ModuleType, runs: int, seed: int) -> tuple[float, list[str]]:
         for i in range(runs)
     }
     index = {key: [body] for key, body in bodies.items()}
-    indexes = module.Indexes(
+    indexes = make_indexes(
         runs=index,
         rayclusters={},
         ray_pods={},
@@ -122,7 +139,7 @@ def replay(module: ModuleType, runs: int, seed: int) -> tuple[float, list[str]]:
         ref = builder.RunRef(name=key[1], namespace=key[0], uid=body["metadata"]["uid"])
         spec = api.FSDPTrainingRunSpec.model_validate(body["spec"])
         start = time.process_time()
-        result = module._run_preflight(ctx, ref, spec, body["metadata"]["creationTimestamp"], indexes)
+        result = admit(ref, spec, body["metadata"]["creationTimestamp"], indexes)
         cpu += time.process_time() - start
         if result.ok:
             admitted.append(key[1])
@@ -152,8 +169,8 @@ def main() -> None:
     base = handlers_of(args.base)
     rounds = []
     for seed in range(args.rounds):  # alternating, so that neither side always runs on a warmer machine
-        base_cpu, base_admitted = replay(base, args.runs, seed)
-        ours_cpu, ours_admitted = replay(handlers, args.runs, seed)
+        base_cpu, base_admitted = replay(base_admission(base), args.runs, seed)
+        ours_cpu, ours_admitted = replay(our_admission(), args.runs, seed)
         assert ours_admitted == base_admitted, "both sides must admit the same runs"
         rounds.append({"base_cpu_s": round(base_cpu, 3), "ours_cpu_s": round(ours_cpu, 3),
                        "ratio": round(ours_cpu / base_cpu, 4), "admitted": len(ours_admitted)})  # fmt: skip

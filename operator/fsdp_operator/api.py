@@ -256,6 +256,13 @@ class RecoverySpec(ContractModel):
         description="A RayCluster not ready this long after it was created is deleted; the run goes back to "
         "Pending (preflight policy Wait) or fails (policy Fail) with reason ProvisioningTimeout.",
     )
+    provisioning_attempts: int = Field(
+        default=3,
+        ge=1,
+        le=20,
+        description="RayClusters created and given up after provisioningTimeoutSeconds before the run fails "
+        "with reason ProvisioningTimeout and the last reason its pods waited (preflight policy Wait).",
+    )
     pod_error_timeout_seconds: int = Field(
         default=300,
         ge=0,
@@ -431,7 +438,8 @@ class FSDPTrainingRunSpec(ContractModel):
 class Condition(ContractModel):
     type: str = Field(
         max_length=64,
-        description="Preflight, ClusterReady, PodsHealthy, JobRunning, Finished (True when the run ended "
+        description="Preflight, ClusterReady, PodsHealthy, PodsScheduled (False with the scheduler's message "
+        "while a worker pod waits for a node), JobRunning, Finished (True when the run ended "
         "either way: wait on it), Succeeded (False when the run failed), Failed, Suspended, "
         "TransportDegraded, ImageConsistent, StorageReadable or Admitted (by Kueue, for runs with a "
         "queue).",
@@ -544,6 +552,9 @@ class FSDPTrainingRunStatus(ContractModel):
         default=None, description="The current attempt's Ray job, recorded before it is submitted."
     )
     attempt: int = Field(default=0, description="Job submissions so far, counting from 1.")
+    provisioning_timeouts: int = Field(
+        default=0, description="RayClusters given up after recovery.provisioningTimeoutSeconds."
+    )
     attempt_time: dt.datetime | None = Field(
         default=None, description="When the current attempt was decided."
     )

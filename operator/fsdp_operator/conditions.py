@@ -10,6 +10,7 @@ from fsdp_operator.api import MAX_CONDITION_REASON, MAX_MESSAGE, Condition
 PREFLIGHT = "Preflight"
 CLUSTER_READY = "ClusterReady"
 PODS_HEALTHY = "PodsHealthy"
+PODS_SCHEDULED = "PodsScheduled"  # False while a worker pod waits for a node: the scheduler says why
 JOB_RUNNING = "JobRunning"
 FINISHED = "Finished"  # True once the run ended, either way: `kubectl wait --for=condition=Finished`
 SUCCEEDED = "Succeeded"

@@ -255,6 +255,8 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Last Checkpoint", "type": "integer", "jsonPath": ".status.checkpoints.latest.step"},
     {"name": "Restarts", "type": "integer", "jsonPath": ".status.restarts.count"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # Why a run waits or ended, in the daily view (the scheduler's message for a worker with no node).
+    {"name": "Message", "type": "string", "jsonPath": ".status.message"},
     {"name": "Image Digest", "type": "string", "jsonPath": ".status.image.digest", "priority": 1},
     {"name": "Ray Cluster", "type": "string", "jsonPath": ".status.rayClusterName", "priority": 1},
     {"name": "Transport", "type": "string", "jsonPath": ".status.transport.observed", "priority": 1},

@@ -4,7 +4,7 @@ Per-run series (phase, step, loss, tokens/s, MFU, checkpoints, conditions, image
 that reads the runs kopf's index holds at scrape time, as KubeRay's info series do: a deleted run's series are
 gone at the next scrape by construction, and nothing is kept per run in between. Counters and histograms
 (restarts by reason, reconcile passes, errors by kind, job submissions, time from creation to Running) are
-recorded where those things happen in handlers.py.
+recorded where those things happen (runpass.py, admission.py, actions.py).
 
 Label values are bounded: namespace and name are Kubernetes names, phase and condition type/status come
 from the API's enums, a restart reason outside the operator's own set is counted as "Other", an error kind is
@@ -64,6 +64,7 @@ CONDITION_TYPES = frozenset(
         conditions.PREFLIGHT,
         conditions.CLUSTER_READY,
         conditions.PODS_HEALTHY,
+        conditions.PODS_SCHEDULED,
         conditions.JOB_RUNNING,
         conditions.FINISHED,
         conditions.SUCCEEDED,

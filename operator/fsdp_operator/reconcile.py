@@ -17,8 +17,10 @@ RayCluster suspended and the run is Queued; Kueue unsuspending it is the admissi
 Kueue suspending it again is a preemption: the job is stopped and the run is Queued again, without spending
 a restart; the next admission resumes from the latest checkpoint.
 
-A pass runs the guards first (finished, suspended, image request changed, deadline, cluster being deleted,
-pods that cannot start, provisioning timeout), then one step function for the phase.
+A pass absorbs the facts first (progress, checkpoints, storage, transport, a changed image request, the pods'
+health), then runs the guards (suspended, deadline, cluster being deleted, pods that never started,
+provisioning timeout: each decides the pass or changes nothing), then one step function for the phase. Every
+status field is set here, from the observation: the glue only writes what this returns.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ from typing import Any, Literal
 from fsdp_operator import api, conditions
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
-from fsdp_operator.jobs import JobObservation
+from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
-from fsdp_trainer.contract import CheckpointRef, MlflowRunRef, ProgressRecord, RestartEntry, Transport
+from fsdp_trainer.contract import (
+    LOGS_DIR,
+    RUN_RECORD_FILE,
+    CheckpointRef,
+    MlflowRunRef,
+    ProgressRecord,
+    RestartEntry,
+    Transport,
+)
 
 RECENT_CHECKPOINTS = 5
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
@@ -88,6 +98,7 @@ class Observation:
     storage_error: str | None = None  # why they could not be read
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
+    unschedulable: tuple[str, ...] = ()  # worker pods the scheduler cannot place, with its message
     oom_kills: tuple[OomKill, ...] = ()
     requested_image: str | None = None  # spec.image or the operator's default
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
@@ -97,6 +108,10 @@ class Observation:
     # drained), as "pod <name> (<reason>: <message>)".
     disruption: str | None = None
     mlflow_run: MlflowRunRef | None = None  # mlflow.json, read while active with tracking on
+    cluster_name: str | None = None  # the RayCluster's name (status.rayClusterName once one is created)
+    run_uri: str | None = None  # the run's S3 prefix: run.json and the logs are under it
+    package_sha256: str | None = None  # the trainer package a submission ships
+    archived_driver_log: str | None = None  # the last ended job whose driver log is already kept in S3
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,15 @@ class Event:
     message: str
 
 
+@dataclass(frozen=True)
+class DriverLog:
+    """An ended job's driver log, to keep in S3 under its attempt before the cluster that has it may go."""
+
+    submission_id: str
+    node_id: str
+    attempt: int
+
+
 @dataclass
 class Decision:
     status: FSDPTrainingRunStatus
@@ -113,6 +137,7 @@ class Decision:
     delete_cluster: bool = False
     submit_attempt: int | None = None  # submit status.jobSubmissionId (recorded in the status first)
     stop_job: str | None = None  # submission id to stop
+    keep_driver_log: DriverLog | None = None  # before stopping or deleting anything
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -425,28 +450,55 @@ class _Pass:
     # -- guards ----------------------------------------------------------------------------------------------
 
     def run(self) -> Decision:
+        self.keep_driver_log()
         self.absorb()
-        if self.new.phase in api.FINISHED_PHASES:
-            self.absorb_pods_image()
-            return self.decision
-        guards = (
-            self.suspended,
-            self.image_request_changed,
-            self.deadline_passed,
-            self.cluster_deleting,
-            self.pods_cannot_start,
-            self.provisioning_timed_out,
-        )
-        if not any(guard() for guard in guards):
-            self.step()
+        if self.new.phase not in api.FINISHED_PHASES:
+            self.decide()
         self.absorb_pods_image()
+        self.absorb_record()
         return self.decision
 
-    def suspended(self) -> bool:
-        if not self.spec.suspend:
-            if self.new.phase == Phase.SUSPENDED:
-                self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
-            return False
+    def decide(self) -> None:
+        """The guards, each of which either decides the pass or changes nothing, then the phase's step."""
+        if self.spec.suspend:
+            self.suspend()
+            return
+        if self.new.phase == Phase.SUSPENDED:
+            self.condition(conditions.SUSPENDED, False, "Resumed", "spec.suspend is false")
+        self.absorb_image_request()
+        if self.deadline_passed() or self.cluster_deleting():
+            return
+        self.absorb_pods_health()
+        self.absorb_scheduling()
+        if self.pods_never_started() or self.provisioning_timed_out():
+            return
+        self.step()
+
+    def keep_driver_log(self) -> None:
+        """An ended job's driver log is kept once, under the attempt that ran it (the status as read)."""
+        job = self.obs.job
+        if (
+            job is not None
+            and job.status in ENDED_JOB_STATUSES
+            and job.driver_node_id
+            and job.submission_id != self.obs.archived_driver_log
+        ):
+            self.decision.keep_driver_log = DriverLog(job.submission_id, job.driver_node_id, self.new.attempt)
+
+    def absorb_record(self) -> None:
+        """Where the run's records are, and what a submission of this pass ships."""
+        new, obs = self.new, self.obs
+        if obs.cluster_name is not None and (self.decision.create_cluster or obs.cluster is not None):
+            new.ray_cluster_name = obs.cluster_name
+        if obs.run_uri is not None:
+            new.record.uri = f"{obs.run_uri}/{RUN_RECORD_FILE}"
+            new.record.logs_uri = f"{obs.run_uri}/{LOGS_DIR}"
+        if obs.mlflow_run is not None:
+            new.record.mlflow_run = api.MlflowRunStatus.of(obs.mlflow_run)
+        if self.decision.submit_attempt is not None and obs.package_sha256 is not None:
+            new.record.package_sha256 = obs.package_sha256
+
+    def suspend(self) -> None:
         new = self.new
         if new.phase in api.ACTIVE_PHASES and new.job_submission_id:
             self.decision.stop_job = new.job_submission_id
@@ -464,9 +516,8 @@ class _Pass:
         )
         new.next_check_time = None
         self.stop_active()
-        return True
 
-    def image_request_changed(self) -> bool:
+    def absorb_image_request(self) -> None:
         """A new spec.image (allowed only while no cluster exists) drops the digest pinned for the old one."""
         image, requested = self.new.image, self.obs.requested_image
         waiting = self.new.phase not in api.ACTIVE_PHASES
@@ -479,7 +530,6 @@ class _Pass:
                     f"({image.digest}) is dropped and the next pull is pinned",
                 )
             self.new.image = api.ImageStatus(requested=requested)
-        return False
 
     def deadline_passed(self) -> bool:
         deadline, new = self.spec.active_deadline_seconds, self.new
@@ -510,26 +560,52 @@ class _Pass:
         self.requeue(STILL_ENDING_REQUEUE_SECONDS)
         return True
 
-    def pods_cannot_start(self) -> bool:
-        problems, cluster = self.obs.pod_problems, self.obs.cluster
-        if cluster is None:
-            return False
+    def absorb_pods_health(self) -> None:
+        """PodsHealthy from the cluster's pods: False with the first reasons while any cannot start, and a
+        pass due when podErrorTimeoutSeconds would be over."""
+        problems = self.obs.pod_problems
+        if self.obs.cluster is None:
+            return
         if not problems:
             self.pods_healthy()
-            return False
-        first = problems[0]
+            return
         message = "; ".join(p.message for p in problems[:3])
         if not self.condition_is(conditions.PODS_HEALTHY, "False"):
-            self.event(True, first.reason, message)
-        self.condition(conditions.PODS_HEALTHY, False, first.reason, message)
+            self.event(True, problems[0].reason, message)
+        self.condition(conditions.PODS_HEALTHY, False, problems[0].reason, message)
         since = self.condition_is(conditions.PODS_HEALTHY, "False")
         limit = self.spec.recovery.pod_error_timeout_seconds
-        if since is not None and self.seconds_since(since.last_transition_time) >= limit:
-            self.finish(Phase.FAILED, first.reason, f"pods could not start for {limit}s: {message}")
-            self.decision.delete_cluster = True  # nothing ran; the GPUs go back whatever cleanupPolicy says
-            return True
         self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
-        return False
+
+    def absorb_scheduling(self) -> None:
+        """PodsScheduled=False with the scheduler's message while worker pods wait for a node (it is also the
+        message of a provisioning run); True again once they are placed. Not set for runs never short."""
+        if self.obs.cluster is None:
+            return
+        waiting = self.obs.unschedulable
+        if not waiting:
+            if self.condition_is(conditions.PODS_SCHEDULED, "False"):
+                self.condition(conditions.PODS_SCHEDULED, True, "Scheduled", "every worker pod has a node")
+            return
+        message = f"{len(waiting)} worker pod(s) wait for a node: " + "; ".join(waiting[:2])
+        if not self.condition_is(conditions.PODS_SCHEDULED, "False"):
+            self.event(True, "Unschedulable", message)
+        self.condition(conditions.PODS_SCHEDULED, False, "Unschedulable", message)
+        if self.new.phase == Phase.PROVISIONING:
+            self.new.message = conditions.bounded(f"waiting for KubeRay: {message}")
+
+    def pods_never_started(self) -> bool:
+        """Pods that could not start for podErrorTimeoutSeconds fail the run."""
+        stuck = self.condition_is(conditions.PODS_HEALTHY, "False")
+        limit = self.spec.recovery.pod_error_timeout_seconds
+        if self.obs.cluster is None or not self.obs.pod_problems or stuck is None:
+            return False
+        if self.seconds_since(stuck.last_transition_time) < limit:
+            return False
+        first, message = self.obs.pod_problems[0], "; ".join(p.message for p in self.obs.pod_problems[:3])
+        self.finish(Phase.FAILED, first.reason, f"pods could not start for {limit}s: {message}")
+        self.decision.delete_cluster = True  # nothing ran; the GPUs go back whatever cleanupPolicy says
+        return True
 
     def pods_healthy(self) -> None:
         self.condition(conditions.PODS_HEALTHY, True, "PodsStarting", "no pod is stuck starting")
@@ -542,8 +618,18 @@ class _Pass:
         if self.obs.cluster is not None:
             message += f": {self.obs.cluster.message}"
             self.decision.delete_cluster = True
+        if self.obs.unschedulable:
+            message += (
+                f"; {len(self.obs.unschedulable)} worker pod(s) had no node: {self.obs.unschedulable[0]}"
+            )
+        new.provisioning_timeouts += 1
+        attempts = self.spec.recovery.provisioning_attempts
         if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
             self.finish(Phase.FAILED, "ProvisioningTimeout", message)
+            return True
+        if new.provisioning_timeouts >= attempts:
+            given_up = f"RayCluster {new.provisioning_timeouts} of recovery.provisioningAttempts {attempts}"
+            self.finish(Phase.FAILED, "ProvisioningTimeout", f"{message} ({given_up})")
             return True
         self.stop_active()
         self.condition(conditions.PREFLIGHT, False, "ProvisioningTimeout", message)

@@ -18,7 +18,7 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"
 # The Ray 2.58 Train DLC as AWS publishes it (aws/deep-learning-containers docs/src/data/ray-train/
 # 2.58-gpu-ec2.yml: Python 3.13, CUDA 13.0, Amazon Linux 2023; tests/unit/test_settings.py checks the copy).
-DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
+DEFAULT_IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
 # Where AWS's tested DLC manifest keeps Ray heads: nodes with this taint, which every head tolerates.
 HEAD_NODE_TAINT = "ray.io/head-node"
 

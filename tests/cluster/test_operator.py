@@ -99,6 +99,27 @@ def test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster
     assert run["status"]["phase"] == "Pending" and rayclusters(namespace) == []
 
 
+def test_a_worker_no_node_can_take_is_named_in_the_status_and_the_daily_view(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """Preflight counts GPUs and EFA; the real scheduler also weighs the worker's disk (600Gi on nodes with
+    500Gi): its message reaches PodsScheduled, the run's message and `kubectl get trainingruns` at once."""
+    apply(namespace, example("aws-sample", **{"cluster.ephemeralStorage": "600Gi"}))
+    started = time.monotonic()
+
+    def unscheduled() -> dict[str, Any] | None:
+        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsScheduled")
+        return found if found and found["status"] == "False" else None
+
+    shown = wait_until("PodsScheduled=False with the scheduler's message", unscheduled, timeout=60)
+    print(f"the unschedulable worker named in the status {time.monotonic() - started:.1f}s after apply")
+    assert "Insufficient ephemeral-storage" in shown["message"], shown
+    run = run_of(namespace, "qwen25-sample")
+    assert run["status"]["phase"] == "Provisioning"
+    assert "Insufficient ephemeral-storage" in run["status"]["message"]
+    assert "Insufficient ephemeral-storage" in kubectl("get", "trainingruns", "-n", namespace).stdout
+
+
 def test_three_workers_fit_only_across_zones_and_fail_by_policy(
     namespace: str, operator: OperatorProcess
 ) -> None:
@@ -159,7 +180,17 @@ def test_kubectl_get_trainingruns_shows_the_daily_view(namespace: str, operator:
     apply(namespace, example("aws-sample"))
     wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
     table = kubectl("get", "trainingruns", "-n", namespace).stdout.splitlines()
-    assert table[0].split() == ["NAME", "PHASE", "STEP", "LOSS", "LAST", "CHECKPOINT", "RESTARTS", "AGE"]
+    assert table[0].split() == [
+        "NAME",
+        "PHASE",
+        "STEP",
+        "LOSS",
+        "LAST",
+        "CHECKPOINT",
+        "RESTARTS",
+        "AGE",
+        "MESSAGE",
+    ]
     assert table[1].split()[:2] == ["qwen25-sample", "ClusterReady"]
     wide = kubectl("get", "ftr", "-n", namespace, "-o", "wide").stdout.splitlines()
     assert (

@@ -88,7 +88,7 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     assert record.image_digest == status["image"]["digest"]
     assert record.trainer_package_sha256 == status["record"]["packageSha256"]
     # The trainer ran in the DLC's environment (the local Ray head's): its Python and torch.
-    assert record.versions.torch and record.versions.torch.startswith("2.14")
+    assert record.versions.torch and record.versions.torch.startswith("2.13")
     assert record.versions.python and record.versions.python.startswith("3.13")
     assert [c.step for c in record.checkpoints][-1] == 40
     assert status["record"]["exportedModelUri"] == f"s3://{BUCKET}/runs/{namespace}/{name}/model"

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from fsdp_operator.handlers import FAULT_POINT_ENV
+from fsdp_operator.actions import FAULT_POINT_ENV
 from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
 from tests.harness import LocalCluster, OperatorProcess, apply, kubectl, rayclusters, wait_for_phase
 from tests.reliability import Recorder

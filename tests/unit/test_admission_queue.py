@@ -7,7 +7,8 @@ import random
 from typing import Any, cast
 
 from fsdp_operator import api, builder, preflight
-from fsdp_operator.handlers import Context, Indexes, _run_preflight
+from fsdp_operator.context import Context
+from fsdp_operator.kube import Indexes
 from fsdp_operator.settings import Settings
 from tests.unit.test_state_machine import spec
 
@@ -155,9 +156,9 @@ def test_a_wave_of_runs_is_placed_once_not_once_per_run() -> None:
         body = runs[key][0]
         ref = builder.RunRef(name=key[1], namespace="team", uid=body["metadata"]["uid"])
         run_spec = api.FSDPTrainingRunSpec.model_validate(SPEC)
-        result = _run_preflight(ctx, ref, run_spec, body["metadata"]["creationTimestamp"], indexes)
+        result = ctx.admission.admit(ref, run_spec, body["metadata"]["creationTimestamp"], indexes)
         if result.ok:
             admitted.append(key[1])
             body["status"] = {"phase": "Provisioning", "zone": result.zone}  # its status write came back
     assert sorted(admitted) == [f"r{i:02d}" for i in range(20)]
-    assert ctx.queue_placements <= 2, ctx.queue_placements
+    assert ctx.admission.queue_placements <= 2, ctx.admission.queue_placements

@@ -18,7 +18,7 @@ from tests.harness import example
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
-IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.0"
+IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
 
 
 def example_spec(name: str, **changes: Any) -> api.FSDPTrainingRunSpec:

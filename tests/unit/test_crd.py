@@ -77,7 +77,7 @@ def test_printer_columns_give_the_daily_view() -> None:
     version = crd.crd_manifest()["spec"]["versions"][0]
     normal = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
-    assert normal == ["Phase", "Step", "Loss", "Last Checkpoint", "Restarts", "Age"]
+    assert normal == ["Phase", "Step", "Loss", "Last Checkpoint", "Restarts", "Age", "Message"]
     assert wide == ["Image Digest", "Ray Cluster", "Transport"]
     assert "trainingruns" in crd.crd_manifest()["spec"]["names"]["shortNames"]
 

@@ -8,7 +8,7 @@ from typing import Any, cast
 from kubernetes import client
 
 from fsdp_operator import builder
-from fsdp_operator.handlers import Context
+from fsdp_operator.context import Context
 from fsdp_operator.settings import DashboardAddressMode, Settings
 
 KEY = b"k" * 32

@@ -218,13 +218,17 @@ def test_the_operator_never_imports_ray() -> None:
     assert found.stdout.strip() == "False"
 
 
-def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded(
+def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded_by_an_action_not_the_observation(
     dashboard: Dashboard, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import boto3
 
-    from fsdp_operator import api, handlers, jobs
+    from fsdp_operator import actions, api, jobs, submission
     from fsdp_operator.builder import RunRef
+    from fsdp_operator.context import Context
+    from fsdp_operator.kube import Indexes
+    from fsdp_operator.observe import observe
+    from fsdp_operator.reconcile import DriverLog, reconcile
     from fsdp_operator.settings import Settings
 
     bucket = f"driver-{os.urandom(4).hex()}"
@@ -232,20 +236,33 @@ def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded(
     s3.create_bucket(Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     settings = Settings(dashboard_address_mode="override", dashboard_url=dashboard.url)
     kube: Any = type("Kube", (), {"configuration": type("Configuration", (), {"host": "unused"})})
-    ctx = handlers.Context(settings=settings, kube=kube, s3=s3, ec2=lambda: None, package_sha256="x")
+    ctx = Context(settings=settings, kube=kube, s3=s3, ec2=lambda: None, package_sha256="x")
     run = RunRef(name="tiny", namespace="team-a", uid="0123456789")
     spec = api.FSDPTrainingRunSpec.model_validate(
         {"model": {"source": "m"}, "checkpoint": {"storagePath": f"s3://{bucket}/runs"}}
     )
+    status = api.FSDPTrainingRunStatus(
+        phase=api.Phase.RUNNING, attempt=2, job_submission_id="tiny-01234567-2"
+    )
+    body = {"metadata": {"name": "tiny", "namespace": "team-a", "uid": run.uid, "generation": 1}}
+    config = submission.trainer_config(spec, run, cpu_only=True)
+    indexes = Indexes(runs={}, rayclusters={}, ray_pods={})
     dashboard.jobs["tiny-01234567-2"] = {"status": "SUCCEEDED", "driver_node_id": "n1"}
     monkeypatch.setattr(jobs, "MAX_DRIVER_LOG_BYTES", 200)
 
-    job = ctx.jobs("team-a", "tiny").observe("tiny-01234567-2")
-    handlers._archive_driver_log(ctx, run, spec, job, attempt=2)
-    handlers._archive_driver_log(ctx, run, spec, job, attempt=2)
+    def log_reads() -> list[str]:
+        return [path for _, path, _, _ in dashboard.seen if path.startswith("/api/v0/logs/file")]
 
     key = "runs/team-a/tiny/logs/attempt-2/driver.log"
+    obs = observe(ctx, run, body, spec, status, config, indexes)
+    assert log_reads() == [] and s3.list_objects_v2(Bucket=bucket).get("KeyCount") == 0  # it only read
+    decision = reconcile(spec, status, obs)
+    assert decision.keep_driver_log == DriverLog("tiny-01234567-2", "n1", 2)
+    actions.keep_driver_log(ctx, run, spec, decision.keep_driver_log)
+    actions.keep_driver_log(ctx, run, spec, decision.keep_driver_log)  # a pass before the memory was read
+    again = reconcile(spec, status, observe(ctx, run, body, spec, status, config, indexes))
+    assert again.keep_driver_log is None  # kept: the next pass does not ask again
+
     stored = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
     assert stored.startswith("line 0\n") and len(stored) == 200
-    log_reads = [path for _, path, _, _ in dashboard.seen if path.startswith("/api/v0/logs/file")]
-    assert log_reads == ["/api/v0/logs/file?node_id=n1&submission_id=tiny-01234567-2&lines=50000"]
+    assert log_reads() == ["/api/v0/logs/file?node_id=n1&submission_id=tiny-01234567-2&lines=50000"]

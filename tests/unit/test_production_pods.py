@@ -12,10 +12,10 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, settings
-from fsdp_operator.handlers import pod_summary
+from fsdp_operator import api, builder, conditions, settings
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
+from fsdp_operator.watched import pod_summary
 from tests.unit.test_state_machine import NOW, job, observe, record, spec, status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,9 +31,24 @@ def test_the_default_image_is_a_published_tag_of_the_ray_258_train_dlc() -> None
         f"public.ecr.aws/deep-learning-containers/{published['ecr_repository']}:{t}"
         for t in published["tags"]
     }
+    changelog = yaml.safe_load((Path(__file__).parent / "data" / "dlc-ray-train-changelog.yml").read_text())
+    newest = max(changelog["releases"], key=lambda r: r["date"])
+    tags |= {
+        f"public.ecr.aws/deep-learning-containers/{published['ecr_repository']}:{t}" for t in newest["tags"]
+    }
+    # The newest release's own minor tag, as the seed articles pin it (train-ml-cuda-v1.1), not a moving one.
     assert settings.DEFAULT_IMAGE in tags
+    assert settings.DEFAULT_IMAGE.endswith(f"-v{newest['version']}"), settings.DEFAULT_IMAGE
     chart = yaml.safe_load((REPO / "charts" / "fsdp-operator" / "values.yaml").read_text())
     assert chart["defaultImage"] == settings.DEFAULT_IMAGE
+
+
+def test_the_dlc_stand_in_pins_what_the_published_dlc_bundles() -> None:
+    changelog = yaml.safe_load((Path(__file__).parent / "data" / "dlc-ray-train-changelog.yml").read_text())
+    lock = (REPO / "hack" / "dlc" / "requirements.lock").read_text().splitlines()
+    pins = dict(line.split("==") for line in lock if "==" in line and not line.startswith("#"))
+    assert {name: pins.get(name) for name in changelog["packages"]} == changelog["packages"]
+    assert pins["nvidia-nccl-cu13"] == changelog["nccl"]
 
 
 def test_a_head_that_crashed_after_the_cluster_was_ready_once_is_seen() -> None:
@@ -200,3 +215,72 @@ def test_a_worker_rays_memory_monitor_killed_at_the_pod_limit_fails_with_its_rea
     decision = reconcile(spec(), status(), observe(job=failed, progress=record(step=0, phase="starting")))
     assert decision.status.phase == api.Phase.FAILED
     assert decision.status.message.startswith("OOMKilled: ray.exceptions.OutOfMemoryError")
+
+
+def ray_pod(node_type: str, **status: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": f"r-{node_type}-x", "labels": {"ray.io/node-type": node_type}},
+        "spec": {"containers": [{"name": f"ray-{node_type}"}]},
+        "status": status,
+    }
+
+
+NO_NODE = (
+    "0/5 nodes are available: 1 node(s) had untolerated taint {node-role: system}, 4 Insufficient "
+    "ephemeral-storage. preemption: 0/5 nodes are available: 5 No preemption victims found."
+)
+
+
+def test_a_worker_no_node_can_take_is_named_in_the_status_and_provisioning_is_bounded() -> None:
+    """The scheduler's message for a worker reaches PodsScheduled and the run's message at once; after
+    recovery.provisioningAttempts timeouts the run fails with it instead of going back to Pending for ever."""
+    unschedulable = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": NO_NODE}
+    worker = pod_summary(ray_pod("worker", phase="Pending", conditions=[unschedulable]))
+    assert worker["problems"] == [] and worker["unschedulable"] == f"pod r-worker-x: {NO_NODE}"
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    waiting = observe_cluster({"status": {"conditions": [{"type": "HeadPodReady", "status": "True"}]}})
+    seen = observe(cluster=waiting, unschedulable=(worker["unschedulable"],))
+    first = reconcile(spec(), provisioning, seen)
+    shown = conditions.condition(first.status.conditions, conditions.PODS_SCHEDULED)
+    assert shown is not None and shown.status == "False" and "Insufficient ephemeral-storage" in shown.message
+    assert first.status.phase == api.Phase.PROVISIONING and "Insufficient ephemeral-storage" in (
+        first.status.message or ""
+    )
+    assert [e.reason for e in first.events] == ["Unschedulable"]
+    assert [e.reason for e in reconcile(spec(), first.status, seen).events] == []  # announced once
+
+    run_spec = spec(recovery={"provisioningAttempts": 2})
+    late = observe(901, cluster=waiting, unschedulable=(worker["unschedulable"],))
+    again = reconcile(run_spec, provisioning, late)
+    assert again.status.phase == api.Phase.PENDING and again.status.provisioning_timeouts == 1
+    second = provisioning.model_copy(update={"provisioning_timeouts": 1})
+    failed = reconcile(run_spec, second, late)
+    assert failed.status.phase == api.Phase.FAILED and failed.delete_cluster
+    reason = conditions.condition(failed.status.conditions, conditions.FAILED)
+    assert reason is not None and reason.reason == "ProvisioningTimeout"
+    assert "Insufficient ephemeral-storage" in reason.message and "2 of recovery.provisioningAttempts 2" in (
+        reason.message
+    )
+
+
+def test_kuberays_init_container_that_cannot_start_is_named() -> None:
+    """KubeRay's wait-gcs-ready runs first in every worker: a missing Secret or an image that does not pull
+    shows only in initContainerStatuses."""
+    missing = {"reason": "CreateContainerConfigError", "message": 'secret "hf-token" not found'}
+    worker = pod_summary(
+        ray_pod(
+            "worker",
+            phase="Pending",
+            initContainerStatuses=[{"name": "wait-gcs-ready", "state": {"waiting": missing}}],
+            containerStatuses=[{"name": "ray-worker", "state": {"waiting": {"reason": "PodInitializing"}}}],
+        )
+    )
+    assert worker["problems"] == [
+        (
+            "CreateContainerConfigError",
+            'pod r-worker-x, init container wait-gcs-ready: CreateContainerConfigError: secret "hf-token" '
+            "not found",
+        )
+    ]

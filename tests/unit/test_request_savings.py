@@ -5,14 +5,14 @@ status writes and four Events; and what saves memory: runs and RayClusters kept 
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, cast
+from typing import Any
 
 from fsdp_operator import api, builder, conditions
-from fsdp_operator.handlers import Context, cluster_reaction, kept
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.preflight import PreflightResult
 from fsdp_operator.reconcile import ClusterObservation, Observation, observe_cluster, reconcile
-from fsdp_operator.settings import Settings
+from fsdp_operator.runmemory import RunMemories
+from fsdp_operator.watched import cluster_reaction, kept
 
 
 def run(version: str, phase: str) -> dict[str, Any]:
@@ -20,19 +20,19 @@ def run(version: str, phase: str) -> dict[str, Any]:
 
 
 def test_a_pass_queued_behind_a_write_starts_from_what_that_write_stored() -> None:
-    ctx = Context(settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x")
+    runs = RunMemories()
     first = run("10", "Pending")
-    assert ctx.newest(first) is first  # nothing written yet
-    ctx.wrote("u", "10", run("11", "Provisioning"))
-    assert ctx.newest(first)["metadata"]["resourceVersion"] == "11"
-    ctx.wrote("u", "11", run("12", "ClusterReady"))
+    assert runs.newest(first) is first  # nothing written yet
+    runs.wrote("u", "10", run("11", "Provisioning"))
+    assert runs.newest(first)["metadata"]["resourceVersion"] == "11"
+    runs.wrote("u", "11", run("12", "ClusterReady"))
     # Any version our writes replaced gives the last stored; a version they did not make is kept as it is.
-    assert ctx.newest(first)["status"]["phase"] == "ClusterReady"
-    assert ctx.newest(run("11", "Provisioning"))["status"]["phase"] == "ClusterReady"
+    assert runs.newest(first)["status"]["phase"] == "ClusterReady"
+    assert runs.newest(run("11", "Provisioning"))["status"]["phase"] == "ClusterReady"
     other = run("13", "ClusterReady")  # written by someone else (kopf's annotations, a user)
-    assert ctx.newest(other) is other
-    ctx.forget("u")
-    assert ctx.newest(first) is first
+    assert runs.newest(other) is other
+    runs.forget("u")
+    assert runs.newest(first) is first
 
 
 def raycluster(**status: Any) -> dict[str, Any]:

@@ -19,7 +19,7 @@ def test_defaults_watch_everything_in_cluster(monkeypatch: pytest.MonkeyPatch) -
         and settings.dashboard_address_mode == DashboardAddressMode.SERVICE_DNS
     )
     assert settings.trainer_device == TrainerDevice.GPU and settings.default_image.endswith(
-        ":train-ml-cuda-v1.0"
+        ":train-ml-cuda-v1.1"
     )
 
 

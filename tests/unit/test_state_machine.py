@@ -14,7 +14,7 @@ from fsdp_operator import api, builder, conditions, preflight
 from fsdp_operator.jobs import JobObservation, job_not_found
 from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, reconcile
 from fsdp_operator.statuspatch import merge_patch
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry
+from fsdp_trainer.contract import LOGS_DIR, RUN_RECORD_FILE, CheckpointRef, ProgressRecord, RestartEntry
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 READY = ClusterObservation(ready=True, message="")
@@ -98,6 +98,28 @@ def test_the_replaced_attempt_must_have_ended_before_the_next_is_submitted() -> 
     assert condition(unknown, conditions.JOB_RUNNING).reason == "DashboardUnreachable"
     ended = reconcile(spec(), restarting, observe(job=job("STOPPED")))
     assert ended.submit_attempt == 2 and ended.status.job_submission_id == "run-0f1e2d3c-2"
+
+
+def test_every_status_field_is_set_by_reconcile_from_the_observation() -> None:
+    """The status reconcile returns is the one written: where the records are, the cluster's name once one is
+    created, the trainer package a submission ships."""
+    where: dict[str, Any] = {
+        "cluster_name": "run-0f1e2d3c",
+        "run_uri": "s3://b/p/ns/run",
+        "package_sha256": "abc",
+    }
+    pending = status(api.Phase.PENDING, attempt=0, job_submission_id=None)
+    waiting = reconcile(spec(), pending, observe(cluster=None, **where))
+    assert waiting.status.ray_cluster_name is None and not waiting.create_cluster
+    assert waiting.status.record.uri == f"s3://b/p/ns/run/{RUN_RECORD_FILE}"
+    assert waiting.status.record.logs_uri == f"s3://b/p/ns/run/{LOGS_DIR}"
+    fits = preflight.PreflightResult(True, "CapacityAvailable", "fits", zone="us-west-2a")
+    created = reconcile(spec(), pending, observe(cluster=None, preflight=fits, **where))
+    assert created.create_cluster and created.status.ray_cluster_name == "run-0f1e2d3c"
+    assert created.status.record.package_sha256 is None  # nothing shipped yet
+    ready = status(api.Phase.CLUSTER_READY, attempt=0, job_submission_id=None)
+    submitted = reconcile(spec(), ready, observe(**where))
+    assert submitted.submit_attempt == 1 and submitted.status.record.package_sha256 == "abc"
 
 
 def test_status_patch_clears_nested_fields_and_is_empty_when_nothing_changed() -> None:

@@ -1,0 +1,241 @@
+"""GPU admission: which waiting run may create its RayCluster now, decided for all the runs at once.
+
+`Admission.admit` is the one entry point. It owns the queue's placement (preflight.Queue, placed again only
+when the view changes), its memory (runs it admitted that the index does not show yet, parsed specs, free
+nodes per placement) and its lock: one decision at a time, so two runs never split the same nodes. The
+decisions themselves are preflight's pure functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from fsdp_operator import api, builder, metrics, preflight
+from fsdp_operator.kube import Indexes, Kube
+
+# A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
+PODS_SNAPSHOT_SECONDS = 10.0
+# A run this process admitted reserves its slots until the view shows it admitted (its status write came back)
+# or done with them (finished, suspended); at most this long.
+ADMISSION_MEMORY_SECONDS = 120.0
+
+
+class Admission:
+    def __init__(self, watch_namespaces: list[str], kube: Kube | None, ec2: Callable[[], Any]) -> None:
+        self.watch_namespaces = watch_namespaces
+        self.kube = kube
+        self.ec2 = ec2  # the EC2 client, built on first use
+        self._lock = threading.Lock()
+        self._admitted: dict[str, tuple[float, preflight.Competitor]] = {}  # uid -> when, what
+        self._pods_view: tuple[float, list[dict[str, Any]]] | None = None
+        self._queues: dict[str, preflight.Queue] = {}  # instance type -> its last placement
+        # (placement key, with the pods?) -> the nodes and pods it was built from, and the free nodes
+        self._free_nodes: dict[
+            tuple[str, bool], tuple[list[Any], list[Any], tuple[preflight.NodeFree, ...]]
+        ] = {}
+        self._placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = {}
+        # run uid -> (generation, its spec as parsed then)
+        self._specs: dict[str, tuple[int | None, api.FSDPTrainingRunSpec | None]] = {}
+        self.queue_placements = 0  # how many times a whole queue was placed
+        self.cpu_seconds = 0.0  # thread CPU time spent deciding admissions
+
+    def admit(
+        self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
+    ) -> preflight.PreflightResult:
+        """May `run` (created at `created`) create its RayCluster now, and in which zone?"""
+        if spec.preflight.scale_from_zero:
+            facts = preflight.ec2_instance_type_facts(self.ec2(), spec.cluster.instance_type)
+            return preflight.check_instance_type(spec, facts)
+        with self._lock:
+            start = time.thread_time()
+            try:
+                return self._place(run, spec, created, indexes)
+            finally:
+                spent = time.thread_time() - start
+                self.cpu_seconds += spent
+                metrics.ADMISSION_CPU.inc(spent)
+
+    def forget(self, uid: str) -> None:
+        with self._lock:
+            self._admitted.pop(uid, None)
+            self._specs.pop(uid, None)
+
+    def remembers(self, uid: str) -> bool:
+        return uid in self._specs or uid in self._admitted
+
+    def _place(
+        self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
+    ) -> preflight.PreflightResult:
+        nodes, pods = self._nodes_and_pods(indexes)
+        competitors = self._competitors(run, indexes, nodes, pods)
+        name = f"{run.namespace}/{run.name}"
+        if not any(c.name == name and not c.admitted for c in competitors):  # not in the index (yet)
+            free = self._free(preflight.placement_key(spec), spec, nodes, pods)
+            own = preflight.Competitor(
+                name, created, spec.cluster.instance_type, False, None, spec.cluster.workers
+            )
+            competitors.append(dataclasses.replace(own, spec=spec, free=free))
+        # One placement of the queue serves every run's pass until the view changes (preflight.Queue).
+        instance_type = spec.cluster.instance_type
+        queue = self._queues.get(instance_type)
+        queue = queue.still_holds(competitors) if queue is not None else None
+        if queue is None or name not in queue.results:
+            queue = preflight.Queue.place(competitors, instance_type)
+            self.queue_placements += 1
+            metrics.QUEUE_PLACEMENTS.inc()
+        self._queues[instance_type] = queue
+        result = queue.results[name]
+        if result.ok:
+            self._admitted[run.uid] = (
+                time.monotonic(),
+                preflight.Competitor(
+                    name=name,
+                    created=created,
+                    instance_type=instance_type,
+                    admitted=True,
+                    zone=result.zone,
+                    workers_not_placed=spec.cluster.workers,
+                ),
+            )
+        return result
+
+    def _nodes_and_pods(self, indexes: Indexes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Nodes, and the pods that hold GPUs or EFA, from kopf's indexes. An operator that watches only some
+        namespaces cannot see other teams' pods by watching, so it LISTs them: once for every pending run's
+        preflight within PODS_SNAPSHOT_SECONDS."""
+        nodes = list(indexes.all(indexes.nodes))
+        if not self.watch_namespaces:
+            return nodes, list(indexes.all(indexes.accelerator_pods))
+        now = time.monotonic()
+        if self._pods_view is None or now - self._pods_view[0] > PODS_SNAPSHOT_SECONDS:
+            assert self.kube is not None, "a namespaced operator lists pods through its client"
+            self._pods_view = (now, self.kube.accelerator_pods())
+        return nodes, self._pods_view[1]
+
+    def _spec_of(self, run: Mapping[str, Any]) -> api.FSDPTrainingRunSpec | None:
+        """Another run's spec, parsed once per generation: admission reads every run's spec in every pass,
+        and parsing them all each time was most of a busy minute's garbage. None for a spec that does not
+        parse."""
+        meta = run["metadata"]
+        cached = self._specs.get(meta["uid"])
+        if cached is None or cached[0] != meta.get("generation"):
+            try:
+                spec = api.FSDPTrainingRunSpec.model_validate(run["spec"])
+            except ValidationError:
+                spec = None
+            cached = self._specs[meta["uid"]] = (meta.get("generation"), spec)
+        return cached[1]
+
+    def _placement_key(self, spec: api.FSDPTrainingRunSpec) -> str:
+        """preflight.placement_key of a spec parsed by _spec_of, once per spec object."""
+        found = self._placement_keys.get(id(spec))
+        if found is None or found[0] is not spec:
+            if len(self._placement_keys) > 4 * len(self._specs) + 64:
+                self._placement_keys.clear()  # of specs long replaced
+            found = self._placement_keys[id(spec)] = (spec, preflight.placement_key(spec))
+        return found[1]
+
+    def _free(
+        self, key: str, spec: api.FSDPTrainingRunSpec, nodes: list[Any], pods: list[Any] | None
+    ) -> tuple[preflight.NodeFree, ...]:
+        """preflight.free_worker_nodes for a placement (None: on empty nodes), built again only when a node or
+        pod object changed: kopf's indexes hold each object until it changes, so identity tells."""
+        memo_key = (key, pods is not None)
+        found = self._free_nodes.get(memo_key)
+        pods = pods or []
+        if found is not None and _same_objects(found[0], nodes) and _same_objects(found[1], pods):
+            return found[2]
+        free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        self._free_nodes[memo_key] = (nodes, pods, free)
+        return free
+
+    def _competitors(
+        self,
+        run: builder.RunRef,
+        indexes: Indexes,
+        nodes: list[dict[str, Any]],
+        pods: list[dict[str, Any]],
+    ) -> list[preflight.Competitor]:
+        """Every run of the operator that wants existing GPU nodes, this one included: admitted ones with
+        workers still to place, and waiting ones (which go first when created earlier, unless they could not
+        fit even on empty nodes: those must not hold up everyone behind them)."""
+        placed: dict[tuple[str, str], int] = defaultdict(int)
+        for pod in pods:
+            labels = pod["metadata"].get("labels") or {}
+            if labels.get("ray.io/node-type") == "worker" and pod.get("spec", {}).get("nodeName"):
+                placed[(pod["metadata"]["namespace"], labels.get(builder.LABEL_RAY_CLUSTER, ""))] += 1
+        found: dict[str, preflight.Competitor] = {}
+        done_with_slots: set[str] = set()
+        # Runs with one placement (instance type, selector, tolerations) see the same nodes: build each list
+        # once, and decide once per placement and demand whether a run of it could fit on empty nodes.
+        free_now: dict[str, tuple[preflight.NodeFree, ...]] = {}
+        free_when_empty: dict[str, tuple[preflight.NodeFree, ...]] = {}
+        fits_when_empty: dict[tuple[str, int, int, int, str | None], bool] = {}
+        in_index: set[str] = set()
+        for other in indexes.all(indexes.runs):
+            meta = other["metadata"]
+            in_index.add(meta["uid"])
+            spec = self._spec_of(other)
+            if spec is None:
+                continue
+            status = other.get("status") or {}
+            phase = status.get("phase")
+            if meta["uid"] != run.uid and (
+                phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero
+            ):
+                done_with_slots.add(meta["uid"])
+                continue
+            name = f"{meta['namespace']}/{meta['name']}"
+            created = meta.get("creationTimestamp", "")
+            if phase in api.ACTIVE_PHASES and meta["uid"] != run.uid:
+                cluster = builder.ray_cluster_name(meta["name"])
+                found[meta["uid"]] = preflight.Competitor(
+                    name=name,
+                    created=created,
+                    instance_type=spec.cluster.instance_type,
+                    admitted=True,
+                    zone=status.get("zone"),
+                    workers_not_placed=max(spec.cluster.workers - placed[(meta["namespace"], cluster)], 0),
+                )
+                continue
+            key = self._placement_key(spec)
+            if key not in free_now:
+                free_now[key] = self._free(key, spec, nodes, pods)
+                free_when_empty[key] = self._free(key, spec, nodes, None)
+            cluster_spec = spec.cluster
+            demand = (key, cluster_spec.workers, cluster_spec.gpus_per_worker, cluster_spec.efa_per_worker,
+                      cluster_spec.zone)  # fmt: skip
+            if demand not in fits_when_empty:
+                fits_when_empty[demand] = preflight.check_nodes(spec, list(free_when_empty[key])).ok
+            found[meta["uid"]] = preflight.Competitor(
+                name=name,
+                created=created,
+                instance_type=spec.cluster.instance_type,
+                admitted=False,
+                zone=None,
+                workers_not_placed=spec.cluster.workers,
+                fits_when_empty=fits_when_empty[demand],
+                spec=spec,
+                free=free_now[key],
+            )
+        # A run deleted with its finalizer stripped by hand never reaches the delete handler that forgets it.
+        for uid in self._specs.keys() - in_index - {run.uid}:
+            del self._specs[uid]
+        now = time.monotonic()
+        for uid, (when, competitor) in list(self._admitted.items()):
+            if now - when > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
+                del self._admitted[uid]
+            elif uid != run.uid and (uid not in found or not found[uid].admitted):
+                found[uid] = competitor  # admitted by this process; the index has not caught up yet
+        return list(found.values())
+
+
+def _same_objects(before: list[Any], now: list[Any]) -> bool:
+    return len(before) == len(now) and all(a is b for a, b in zip(before, now, strict=True))

@@ -1,0 +1,108 @@
+"""What every pass of the operator shares: its settings, its clients (apiserver, S3, EC2, each run's Ray
+dashboard), admission, and each run's memory."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_operator import api, builder, submission
+from fsdp_operator.admission import Admission
+from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
+from fsdp_operator.kube import Kube
+from fsdp_operator.records import RunStorage
+from fsdp_operator.runmemory import RunMemories
+from fsdp_operator.settings import DashboardAddressMode, Settings
+from fsdp_trainer.contract import run_prefix
+
+RAY_TOKEN_HEADER = "X-Ray-Authorization"  # Ray's header for callers behind a proxy that owns Authorization
+
+
+@dataclass
+class Context:
+    settings: Settings
+    kube: Kube
+    s3: Any
+    ec2: Callable[[], Any]  # the EC2 client, built on first use
+    package_sha256: str = field(default_factory=submission.package_sha256)
+    runs: RunMemories = field(default_factory=RunMemories)
+    admission: Admission = field(init=False)
+    job_clients: dict[tuple[str, DashboardAuth | None], Jobs] = field(default_factory=dict)
+    # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
+    disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
+    ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
+
+    def __post_init__(self) -> None:
+        self.admission = Admission(self.settings.watch_namespaces, self.kube, self.ec2)
+
+    @property
+    def platform(self) -> builder.Platform:
+        return builder.pod_platform(self.settings)
+
+    def requested_image(self, spec: api.FSDPTrainingRunSpec) -> str:
+        return spec.image or self.settings.default_image
+
+    def raycluster(
+        self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, image: str, zone: str | None
+    ) -> dict[str, Any]:
+        return builder.build_raycluster(
+            spec, run, image, zone, ray_auth=self.settings.ray_token_auth, platform=self.platform
+        )
+
+    def desired_raycluster(
+        self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
+    ) -> dict[str, Any]:
+        """The RayCluster the run's next creation makes: after the first pull every attempt runs the pinned
+        digest, even if the tag has moved since; Kueue's flavor pins the zone of a queued run."""
+        image = status.image.digest or self.requested_image(spec)
+        return self.raycluster(run, spec, image, None if spec.cluster.queue_name else status.zone)
+
+    def ray_token(self, namespace: str, cluster_name: str) -> str | None:
+        if self.settings.dashboard_address_mode == DashboardAddressMode.OVERRIDE:
+            token = self.settings.dashboard_token
+            return token.get_secret_value() if token else None
+        if not self.settings.ray_token_auth:
+            return None
+        assert self.ray_auth_key is not None, "read at start"
+        return builder.ray_auth_token(self.ray_auth_key, namespace, cluster_name)
+
+    def disruption_since(self, namespace: str, cluster_name: str, since: dt.datetime | None) -> str | None:
+        seen = self.disruptions.get((namespace, cluster_name))
+        return seen[1] if seen is not None and since is not None and seen[0] >= since else None
+
+    def dashboard_auth(self, namespace: str, cluster_name: str) -> DashboardAuth | None:
+        """The run's Ray token in Ray's own header (the apiserver's proxy passes it on and strips
+        Authorization). Through that proxy, the operator's own credentials too: its bearer token (refreshed
+        by the client's hook), its client certificate, and the cluster's CA."""
+        ray_token = self.ray_token(namespace, cluster_name)
+        ray_headers = ((RAY_TOKEN_HEADER, f"Bearer {ray_token}"),) if ray_token else ()
+        if self.settings.dashboard_address_mode != DashboardAddressMode.SERVICE_PROXY:
+            return DashboardAuth(headers=ray_headers) if ray_headers else None
+        configuration = self.kube.configuration
+        token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
+        cert = (configuration.cert_file, configuration.key_file) if configuration.cert_file else None
+        verify: str | bool = configuration.ssl_ca_cert or bool(configuration.verify_ssl)
+        headers = ((("Authorization", token),) if token else ()) + ray_headers
+        return DashboardAuth(headers=headers, verify=verify, client_cert=cert)
+
+    def jobs(self, namespace: str, cluster_name: str) -> Jobs:
+        address = dashboard_url(self.settings, namespace, cluster_name, self.kube.configuration.host)
+        key = (address, self.dashboard_auth(namespace, cluster_name))
+        if key not in self.job_clients:
+            self.job_clients[key] = Jobs(address, key[1])
+        return self.job_clients[key]
+
+    def storage(self, spec: api.FSDPTrainingRunSpec, run: builder.RunRef) -> RunStorage:
+        """The run's S3 prefix, kept in its memory with the checkpoint manifests read there."""
+        uri = run_prefix(spec.checkpoint.storage_path, run.namespace, run.name)
+        memory = self.runs.of(run.uid)
+        if memory.storage is None or memory.storage.uri != uri:
+            memory.storage = RunStorage(self.s3, uri)
+        return memory.storage
+
+    def forget(self, uid: str) -> None:
+        """Everything kept about a deleted run: its memory, and what admission kept of it."""
+        self.runs.forget(uid)
+        self.admission.forget(uid)

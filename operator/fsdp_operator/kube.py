@@ -1,0 +1,233 @@
+"""The operator's apiserver client (`Kube`: the few calls the passes make, each bounded by a timeout) and
+kopf's in-memory indexes of the objects it watches (`Indexes`)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+from dataclasses import dataclass
+from typing import Any, cast
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from fsdp_operator import api, builder, kueue, preflight
+
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+RAY_AUTH_KEY_FIELD = "key"
+API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the operator makes
+POD_LIST_PAGE = 250
+USER_AGENT = "fsdp-operator"
+
+
+class Conflict(Exception):
+    """The run changed since it was read: the pass must start again from the stored object."""
+
+
+class Kube:
+    """The few Kubernetes calls the handlers make, on one API client, each with a timeout."""
+
+    def __init__(self) -> None:
+        try:
+            config.load_incluster_config()
+        except config.ConfigException:
+            config.load_kube_config()
+        api_client = client.ApiClient()
+        api_client.user_agent = USER_AGENT  # tells the operator's requests apart in audit logs and metrics
+        self.api_client = api_client
+        self.custom = client.CustomObjectsApi(api_client)
+        # Secrets, NetworkPolicies and pods by path, through the same client: the generated CoreV1Api and
+        # NetworkingV1Api modules alone are 23 MiB of the operator's memory, for four calls.
+
+    @property
+    def configuration(self) -> Any:
+        return self.api_client.configuration
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: list[tuple[str, Any]] | None = None,
+        preload: bool = True,
+    ) -> Any:
+        """One call by path, as the generated APIs make it (bearer token, timeout); ApiException on errors.
+        The decoded JSON, or the raw response with preload=False."""
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        serialized = self.api_client.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        return self.api_client._call_with_legacy_options(
+            serialized, {"200": "object", "201": "object"}, None, preload, API_TIMEOUT, True
+        )
+
+    def create_raycluster(self, manifest: dict[str, Any]) -> None:
+        namespace = manifest["metadata"]["namespace"]
+        try:
+            self.custom.create_namespaced_custom_object(
+                RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, manifest, _request_timeout=API_TIMEOUT
+            )
+        except ApiException as error:
+            if error.status != 409:  # created by an earlier pass: same name, same run
+                raise
+
+    def create_if_absent(self, manifest: dict[str, Any]) -> None:
+        """A Secret or NetworkPolicy of a run; an existing one of that name is taken as made by an earlier
+        pass (its content is derived from the run's name, so an older one says the same)."""
+        namespace = manifest["metadata"]["namespace"]
+        body = cast(Any, manifest)
+        try:
+            if manifest["kind"] == "Secret":
+                self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body)
+            else:
+                self.request(
+                    "POST", f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", body
+                )
+        except ApiException as error:
+            if error.status != 409:
+                raise
+
+    def ray_auth_key(self, namespace: str, name: str) -> bytes:
+        """The key of every run's Ray token, from the operator's own Secret, made on first start. Two replicas
+        starting at once: the second create fails (409) and reads the first one's."""
+        for _ in range(2):
+            try:
+                secret = self.request("GET", f"/api/v1/namespaces/{namespace}/secrets/{name}")
+                return base64.b64decode((secret.get("data") or {})[RAY_AUTH_KEY_FIELD])
+            except ApiException as error:
+                if error.status != 404:
+                    raise
+            key = secrets.token_bytes(32)
+            body = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {
+                    "name": name,
+                    "namespace": namespace,
+                    "labels": {builder.LABEL_MANAGED_BY: builder.MANAGER},
+                },
+                "type": "Opaque",
+                "data": {RAY_AUTH_KEY_FIELD: base64.b64encode(key).decode()},
+            }
+            try:
+                self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body)
+                return key
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+        raise RuntimeError(f"Secret {namespace}/{name} was created and is gone again")
+
+    def delete_raycluster(self, namespace: str, name: str) -> None:
+        try:
+            self.custom.delete_namespaced_custom_object(
+                RAY_GROUP,
+                RAY_VERSION,
+                namespace,
+                RAY_PLURAL,
+                name,
+                propagation_policy="Foreground",
+                _request_timeout=API_TIMEOUT,
+            )
+        except ApiException as error:
+            if error.status != 404:
+                raise
+
+    def get_run(self, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = self.custom.get_namespaced_custom_object(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, _request_timeout=API_TIMEOUT
+            )
+            return cast(dict[str, Any], found)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def write_status(
+        self, namespace: str, name: str, resource_version: str, patch: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Merge-patches /status only if the run is still at `resource_version`; returns the stored run."""
+        body = {"metadata": {"resourceVersion": resource_version}, "status": patch}
+        try:
+            stored = self.custom.patch_namespaced_custom_object_status(
+                api.GROUP, api.VERSION, namespace, api.PLURAL, name, body, _request_timeout=API_TIMEOUT
+            )
+        except ApiException as error:
+            if error.status == 409:
+                raise Conflict(
+                    f"{namespace}/{name} changed since resourceVersion {resource_version}"
+                ) from error
+            raise
+        return cast(dict[str, Any], stored)
+
+    def workloads(self, namespace: str, job_uid: str) -> list[dict[str, Any]]:
+        """Kueue's Workloads of one RayCluster; none where Kueue (its CRD) is not installed."""
+        try:
+            listed = self.custom.list_namespaced_custom_object(
+                kueue.GROUP,
+                kueue.VERSION,
+                namespace,
+                kueue.PLURAL,
+                label_selector=f"{kueue.LABEL_JOB_UID}={job_uid}",
+                _request_timeout=API_TIMEOUT,
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return []
+            raise
+        return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
+
+    def accelerator_pods(self) -> list[dict[str, Any]]:
+        """Pods of every namespace that hold GPUs or EFA, reduced as the pod index reduces them. Read a page
+        at a time as plain JSON: a busy cluster's whole pod list decoded at once, as client models, is tens
+        of MB that the process keeps long after."""
+        found: list[dict[str, Any]] = []
+        page_token = None
+        while True:
+            query: list[tuple[str, Any]] = [
+                ("fieldSelector", "status.phase!=Succeeded,status.phase!=Failed"),
+                ("limit", POD_LIST_PAGE),
+            ]
+            if page_token:
+                query.append(("continue", page_token))
+            response = self.request("GET", "/api/v1/pods", query=query, preload=False)
+            page = json.loads(cast(Any, response).data)  # the raw urllib3 response: _preload_content=False
+            found += [preflight.placement_of(p) for p in page["items"] if preflight.holds_accelerators(p)]
+            page_token = page["metadata"].get("continue")
+            if not page_token:
+                return found
+
+
+@dataclass(frozen=True)
+class Indexes:
+    """kopf's in-memory indexes (its informer cache) as the handlers received them."""
+
+    runs: Any  # (namespace, name) -> run body
+    rayclusters: Any  # (namespace, cluster name) -> RayCluster body
+    ray_pods: Any  # (namespace, cluster name) -> pod summaries
+    nodes: Any = None  # None -> every node
+    accelerator_pods: Any = None  # None -> pods bound to a node that request GPUs or EFA (watched namespaces)
+
+    @staticmethod
+    def one(index: Any, key: tuple[str, str]) -> Any | None:
+        store = index.get(key) if index is not None else None
+        return next(iter(store), None) if store else None
+
+    def raycluster(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return cast(dict[str, Any] | None, self.one(self.rayclusters, (namespace, name)))
+
+    @staticmethod
+    def all(index: Any) -> list[Any]:
+        return [value for store in index.values() for value in store] if index is not None else []
+
+    def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
+        store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
+        return list(store) if store else []

@@ -1,0 +1,145 @@
+"""Observation: everything a pass reads about a run, reduced to `reconcile.Observation`. It only reads: the
+watched objects from kopf's indexes, the job from the run's Ray dashboard, progress and checkpoints from S3
+(each call bounded by a timeout); a read that fails is an observation too."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from fsdp_operator import api, builder, submission
+from fsdp_operator.context import Context
+from fsdp_operator.kube import Indexes
+from fsdp_operator.kueue import WorkloadObservation, observe_workload
+from fsdp_operator.reconcile import (
+    ClusterObservation,
+    Observation,
+    OomKill,
+    PodProblem,
+    job_to_observe,
+    needs_workload,
+    observe_cluster,
+)
+from fsdp_trainer.contract import CheckpointRef, TrainerConfig
+
+log = logging.getLogger("fsdp_operator")
+
+
+def observe(
+    ctx: Context,
+    run: builder.RunRef,
+    body: Mapping[str, Any],
+    spec: api.FSDPTrainingRunSpec,
+    status: api.FSDPTrainingRunStatus,
+    config: TrainerConfig,
+    indexes: Indexes,
+) -> Observation:
+    """The run's observation, without admission's verdict (the pass asks admission when it is due)."""
+    now = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    cluster_name = builder.ray_cluster_name(run.name)
+    cluster = observe_raycluster(ctx, run, spec, status, indexes)
+    workload = observe_kueue_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
+    active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
+    job, dashboard_error = None, None
+    watched = job_to_observe(status)
+    if watched and not spec.suspend:
+        try:
+            job = ctx.jobs(run.namespace, cluster_name).observe(watched)
+        except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
+            dashboard_error = f"{type(error).__name__}: {error}"[:500]
+    progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None
+    checkpoints: tuple[CheckpointRef, ...] = ()
+    storage = ctx.storage(spec, run)
+    if active:
+        try:
+            progress = storage.progress()
+            if spec.tracking.mlflow is not None:
+                mlflow_run = storage.mlflow_run()
+            stored = storage.complete_checkpoints()
+            checkpoints = tuple(s.ref for s in stored)
+            latest_fingerprint = stored[-1].fingerprint if stored else None
+        except Exception as error:  # storage trouble must not stop the state machine: a condition says so
+            storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
+    pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
+    memory = ctx.runs.of(run.uid)
+    return Observation(
+        now=now,
+        generation=body["metadata"]["generation"],
+        cluster=cluster,
+        job=job,
+        dashboard_error=dashboard_error,
+        progress=progress,
+        checkpoints=checkpoints,
+        latest_checkpoint_fingerprint=latest_fingerprint,
+        expected_fingerprint=config.resume_fingerprint(),
+        storage_read=active,
+        storage_error=storage_error,
+        pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
+        pod_problems=tuple(
+            PodProblem(reason, message)
+            for pod in pods
+            for reason, message in pod["problems"]
+            # Workers exit while their head is down (no GCS) and loop until it is back: not a fault of theirs.
+            if not (reason == "CrashLoopBackOff" and not pod.get("head") and not (cluster and cluster.ready))
+        ),
+        unschedulable=tuple(pod["unschedulable"] for pod in pods if pod.get("unschedulable")),
+        oom_kills=tuple(
+            OomKill(dt.datetime.fromisoformat(finished), message)
+            for pod in pods
+            for finished, message in pod.get("oomKills", [])
+            if finished
+        ),
+        requested_image=ctx.requested_image(spec),
+        submission_prefix=submission.submission_prefix(run),
+        action_error=memory.action_error,
+        workload=workload,
+        disruption=ctx.disruption_since(run.namespace, cluster_name, status.attempt_time),
+        mlflow_run=mlflow_run,
+        cluster_name=cluster_name,
+        run_uri=storage.uri,
+        package_sha256=ctx.package_sha256,
+        archived_driver_log=memory.archived_driver_log,
+    )
+
+
+def observe_raycluster(
+    ctx: Context,
+    run: builder.RunRef,
+    spec: api.FSDPTrainingRunSpec,
+    status: api.FSDPTrainingRunStatus,
+    indexes: Indexes,
+) -> ClusterObservation | None:
+    raycluster = indexes.raycluster(run.namespace, builder.ray_cluster_name(run.name))
+    if raycluster is None:
+        return None
+    owners = raycluster["metadata"].get("ownerReferences", [])
+    if not any(o.get("uid") == run.uid for o in owners):
+        raise kopf.PermanentError(
+            f"RayCluster {raycluster['metadata']['name']} exists and is not owned by this run; "
+            "rename the run or delete that RayCluster"
+        )
+    # Compared with what it was built from: pinning the digest after the first pull is not a change.
+    built_with = (raycluster["metadata"].get("annotations") or {}).get(builder.ANNOTATION_IMAGE)
+    desired = (
+        ctx.raycluster(run, spec, built_with, status.zone)
+        if built_with
+        else ctx.desired_raycluster(run, spec, status)
+    )
+    return observe_cluster(raycluster, builder.cluster_drift(desired, raycluster))
+
+
+def observe_kueue_workload(ctx: Context, run: builder.RunRef, indexes: Indexes) -> WorkloadObservation | None:
+    raycluster = indexes.raycluster(run.namespace, builder.ray_cluster_name(run.name))
+    if raycluster is None:
+        return None
+    try:
+        found = ctx.kube.workloads(run.namespace, raycluster["metadata"]["uid"])
+    except Exception as error:  # Kueue's answer only refines the message; the RayCluster's suspend decides
+        log.warning("%s/%s: could not read Kueue's Workload: %s", run.namespace, run.name, error)
+        return None
+    newest = max(found, key=lambda w: w["metadata"].get("creationTimestamp", ""), default=None)
+    return observe_workload(newest) if newest is not None else None

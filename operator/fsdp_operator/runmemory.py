@@ -1,0 +1,83 @@
+"""What the operator remembers of each run between its passes: one object per run uid, so that forgetting a
+run is one removal. Nothing here is the truth about a run (the status is); it saves requests and carries an
+action's failure to the next pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from fsdp_operator.records import RunStorage
+from fsdp_trainer.contract import RunRecord
+
+# Our own status writes are remembered this long (and the last this many versions each replaced), so that a
+# pass that waited for the run's lock starts from what the pass before it stored.
+WRITTEN_MEMORY_SECONDS = 60.0
+WRITTEN_VERSIONS = 8
+# Runs with a remembered write beyond which older writes are forgotten (a stored run each).
+WRITTEN_KEPT_FREELY = 16
+
+
+@dataclass(frozen=True)
+class Written:
+    """Our last status write of a run: when, the versions our writes replaced, the run as it came back."""
+
+    at: float
+    replaced: tuple[str, ...]
+    stored: dict[str, Any]
+
+
+@dataclass
+class RunMemory:
+    """One run's memory. `lock` keeps its passes (and its deletion) one at a time in this process."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    storage: RunStorage | None = None  # its S3 prefix, with the manifests read there
+    written_record: RunRecord | None = None  # run.json as last written
+    archived_driver_log: str | None = None  # the last ended job whose driver log is kept in S3
+    action_error: str | None = None  # why the last action failed, for the next pass to decide on
+    written: Written | None = None
+    created: tuple[float, int] | None = None  # when this process created its RayCluster, for which attempt
+
+
+class RunMemories:
+    """Every run's memory, by uid."""
+
+    def __init__(self) -> None:
+        self._runs: dict[str, RunMemory] = {}
+
+    def of(self, uid: str) -> RunMemory:
+        found = self._runs.get(uid)
+        if found is None:
+            found = self._runs[uid] = RunMemory()
+        return found
+
+    def forget(self, uid: str) -> None:
+        self._runs.pop(uid, None)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._runs
+
+    def newest(self, run: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The run as our own last status write stored it, when `run` is a version that write replaced: a
+        pass queued behind another (the per-run lock) holds the body of its event, which that pass's write
+        made stale, and would only conflict and read the run again."""
+        memory = self._runs.get(run["metadata"]["uid"])
+        written = memory.written if memory is not None else None
+        if written is None or run["metadata"].get("resourceVersion") not in written.replaced:
+            return run
+        return written.stored
+
+    def wrote(self, uid: str, replaced: str, stored: dict[str, Any]) -> None:
+        now = time.monotonic()
+        memory = self.of(uid)
+        before = memory.written.replaced if memory.written else ()
+        memory.written = Written(now, (*before, replaced)[-WRITTEN_VERSIONS:], stored)
+        remembered = [m for m in self._runs.values() if m.written is not None]
+        if len(remembered) > WRITTEN_KEPT_FREELY:
+            for other in remembered:
+                if other.written is not None and now - other.written.at > WRITTEN_MEMORY_SECONDS:
+                    other.written = None

@@ -1,0 +1,100 @@
+"""The pass: one run, observed -> admitted (when due) -> reconciled -> status written -> acted on.
+
+One pass per run at a time (its memory's lock in this process; leader election keeps other processes out,
+and the conditional status write keeps out any that slip through). A pass:
+  1. observes (observe.py: reads only) and, when the run waits for GPUs, asks admission (admission.py);
+  2. decides with `reconcile` (pure): the new status, every field of it, and the actions;
+  3. writes the status with a merge patch conditional on the resourceVersion it read (nothing when nothing
+     changed); a conflict means someone else wrote first: re-read and run the pass again;
+  4. only then acts (actions.py). An action that fails is kept as an observation for the next pass.
+The trainer's config is built once per pass, from the spec it reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Mapping
+from typing import Any, cast
+
+import kopf
+from pydantic import ValidationError
+
+from fsdp_operator import actions, api, builder, conditions, metrics, submission
+from fsdp_operator.context import Context
+from fsdp_operator.kube import Conflict, Indexes
+from fsdp_operator.observe import observe
+from fsdp_operator.reconcile import Decision, needs_preflight, reconcile
+from fsdp_operator.statuspatch import merge_patch
+from fsdp_operator.watched import kept
+
+log = logging.getLogger("fsdp_operator")
+CONFLICT_RETRIES = 3
+
+
+@metrics.timed_reconcile
+def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> Decision | None:
+    """One pass on the run as kopf's cache holds it; on a write conflict, again on the stored run."""
+    meta = body["metadata"]
+    with ctx.runs.of(meta["uid"]).lock:
+        current: Mapping[str, Any] | None = body
+        for _ in range(CONFLICT_RETRIES):
+            if current is None or current["metadata"]["uid"] != meta["uid"]:
+                return None  # deleted (or re-created under the same name: that object gets its own passes)
+            if current["metadata"].get("deletionTimestamp"):
+                return None
+            current = ctx.runs.newest(current)
+            try:
+                return run_pass(ctx, dict(current), indexes)
+            except Conflict as conflict:
+                log.info("%s; reading it again", conflict)
+                current = ctx.kube.get_run(meta["namespace"], meta["name"])
+        raise kopf.TemporaryError(f"status of {meta['namespace']}/{meta['name']} kept changing", delay=5)
+
+
+def parse(
+    body: kopf.Body, run: Mapping[str, Any]
+) -> tuple[api.FSDPTrainingRunSpec, api.FSDPTrainingRunStatus]:
+    try:
+        return (
+            api.FSDPTrainingRunSpec.model_validate(run["spec"]),
+            api.FSDPTrainingRunStatus.model_validate(run.get("status") or {}),
+        )
+    except ValidationError as error:
+        # The CRD schema should make this unreachable; if not, say which field and stop.
+        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(error)[:1000])
+        raise kopf.PermanentError(f"invalid FSDPTrainingRun: {error}") from error
+
+
+def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision:
+    body = kopf.Body(cast(Any, stored))  # what Events point at
+    meta = stored["metadata"]
+    run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    spec, status = parse(body, stored)
+    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+    obs = observe(ctx, run, stored, spec, status, config, indexes)
+    if needs_preflight(spec, status, obs.cluster is not None, obs.now):
+        verdict = ctx.admission.admit(run, spec, meta.get("creationTimestamp", ""), indexes)
+        obs = dataclasses.replace(obs, preflight=verdict)
+    memory = ctx.runs.of(run.uid)
+    memory.action_error = None  # observed: this pass decides on it
+    if obs.cluster is not None:
+        memory.created = None  # the index has it: a later loss is recreated at once
+    decision = reconcile(spec, status, obs)
+    new = decision.status
+
+    # The intent, before any side effect: a stale pass fails here (Conflict) and does nothing.
+    old = stored.get("status") or {}
+    patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
+    if patch:
+        stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
+        ctx.runs.wrote(run.uid, meta["resourceVersion"], kept(stored_now))
+        actions.fault_point("after-status-write", new.attempt)
+    metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
+    actions.act(ctx, run, spec, config, decision)
+    if patch:
+        actions.write_run_record(ctx, run, spec, config, new)
+    for event in decision.events:
+        kopf.event(body, type=event.type, reason=event.reason, message=conditions.bounded(event.message))
+        log.info("%s/%s %s: %s", run.namespace, run.name, event.reason, event.message)
+    return decision
