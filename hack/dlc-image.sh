@@ -20,7 +20,8 @@ base_key=$(printf '%s\n' "$base_recipe" | sha256sum | cut -c1-12)
 base_ref=localhost/fsdp-operator/dlc-base:$base_key
 key=$( (
   echo "$base_key"
-  sha256sum "$root/hack/dlc/Containerfile" "$root/hack/dlc/requirements.lock" "$root/hack/dlc/stage_venv.py" |
+  sha256sum "$root/hack/dlc/Containerfile" "$root/hack/dlc/entrypoint.sh" "$root/hack/dlc/requirements.lock" \
+    "$root/hack/dlc/stage_venv.py" |
     cut -d' ' -f1
   sha256sum "$python_home/bin/python3.13" "$python_home/lib/libpython3.13.so.1.0" | cut -d' ' -f1
 ) | sha256sum | cut -c1-12)
@@ -48,7 +49,7 @@ mkdir "$context/python"
 cp -a "$python_home/bin" "$python_home/lib" "$python_home/include" "$context/python/"
 rm -rf "$context/python/lib/python3.13/site-packages"/* "$context/python/lib/python3.13/test"
 find "$context/python" -name __pycache__ -prune -exec rm -rf {} +
-cp "$root/hack/dlc/Containerfile" "$context/"
+cp "$root/hack/dlc/Containerfile" "$root/hack/dlc/entrypoint.sh" "$context/"
 # /opt/venv from the host's DLC venv (make venv-dlc installed exactly the lock there), hard-linked, not the
 # lock's wheels installed a second time: pip's unpacking and byte-compiling of 4.6 GB was most of the build.
 "$DLC_VENV/bin/python" "$root/hack/dlc/stage_venv.py" "$root/hack/dlc/requirements.lock" "$context/venv"

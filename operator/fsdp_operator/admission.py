@@ -210,7 +210,7 @@ class Admission:
                 free_now[key] = self._free(key, spec, nodes, pods)
                 free_when_empty[key] = self._free(key, spec, nodes, None)
             cluster_spec = spec.cluster
-            demand = (key, cluster_spec.workers, cluster_spec.gpus_per_worker, cluster_spec.efa_per_worker,
+            demand = (key, cluster_spec.workers, cluster_spec.gpus(), cluster_spec.efa(spec.network),
                       cluster_spec.zone)  # fmt: skip
             if demand not in fits_when_empty:
                 fits_when_empty[demand] = preflight.check_nodes(spec, list(free_when_empty[key])).ok

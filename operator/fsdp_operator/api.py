@@ -13,12 +13,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from fsdp_operator import instancetypes
 from fsdp_trainer.contract import (
     PLAIN_TEXT,
     CheckpointRef,
     CheckpointSpec,
     ContractModel,
     DataSpec,
+    EfaPolicy,
     FsdpSpec,
     MlflowConfig,
     MlflowRunRef,
@@ -134,9 +136,20 @@ class HeadSpec(ContractModel):
 
 class ClusterSpec(ContractModel):
     workers: int = Field(default=2, ge=1, le=1024, description="Ray worker pods, one per GPU node.")
-    gpus_per_worker: int = Field(default=4, ge=1, le=64, description="nvidia.com/gpu per worker pod (>= 1).")
-    efa_per_worker: int = Field(
-        default=1, ge=0, le=32, description="vpc.amazonaws.com/efa interfaces per worker; 0 runs without EFA."
+    gpus_per_worker: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="nvidia.com/gpu per worker pod (>= 1). Default: every GPU of instanceType "
+        "(p5.48xlarge 8, g6.12xlarge 4; 4 for a type the operator does not know).",
+    )
+    efa_per_worker: int | None = Field(
+        default=None,
+        ge=0,
+        le=32,
+        description="vpc.amazonaws.com/efa interfaces per worker; 0 runs without EFA. Default: every EFA "
+        "interface of instanceType (p5.48xlarge 32, p5en.48xlarge 16, p4d.24xlarge 4, g6.12xlarge 1; 1 for "
+        "a type the operator does not know), none when network.efa is disabled.",
     )
     instance_type: str = Field(
         default="g6.12xlarge",
@@ -144,14 +157,19 @@ class ClusterSpec(ContractModel):
         pattern=r"^[a-z0-9][a-z0-9.-]*$",
         description="EC2 instance type of the worker nodes (node.kubernetes.io/instance-type).",
     )
-    cpu: str = Field(
-        default="44", max_length=32, pattern=QUANTITY, description="CPU request and limit per worker pod."
-    )
-    memory: str = Field(
-        default="176Gi",
+    cpu: str | None = Field(
+        default=None,
         max_length=32,
         pattern=QUANTITY,
-        description="Memory request and limit per worker pod.",
+        description="CPU request and limit per worker pod. Default: the instance type's vCPUs less 4 for the "
+        "node's daemons (g6.12xlarge 44, p5.48xlarge 188).",
+    )
+    memory: str | None = Field(
+        default=None,
+        max_length=32,
+        pattern=QUANTITY,
+        description="Memory request and limit per worker pod. Default: 11/12 of the instance type's memory "
+        "(g6.12xlarge 176Gi, p5.48xlarge 1877Gi).",
     )
     shm_size: str = Field(
         default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
@@ -204,6 +222,25 @@ class ClusterSpec(ContractModel):
         description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the priority Kueue "
         "queues and preempts by, without a Kubernetes PriorityClass on the pods.",
     )
+
+    def gpus(self) -> int:
+        """GPUs per worker: as set, or every GPU of the instance type."""
+        return self.gpus_per_worker or instancetypes.of(self.instance_type).gpus
+
+    def efa(self, network: NetworkSpec) -> int:
+        """EFA interfaces per worker: as set, else every interface of the instance type, or none when the
+        run's network.efa is disabled."""
+        if self.efa_per_worker is not None:
+            return self.efa_per_worker
+        if network.efa == EfaPolicy.DISABLED:
+            return 0
+        return instancetypes.of(self.instance_type).efa_interfaces
+
+    def worker_cpu(self) -> str:
+        return self.cpu or instancetypes.of(self.instance_type).worker_cpu
+
+    def worker_memory(self) -> str:
+        return self.memory or instancetypes.of(self.instance_type).worker_memory
 
 
 class PreflightPolicy(StrEnum):

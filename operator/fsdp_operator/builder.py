@@ -17,6 +17,19 @@ RAY_VERSION = "2.58.0"
 LABEL_RUN = f"{api.GROUP}/run"  # the run's name, hashed when longer than a label value may be
 ANNOTATION_RUN = f"{api.GROUP}/run-name"  # the run's full name, always
 ANNOTATION_IMAGE = f"{api.GROUP}/image"  # the image the cluster was built with (a tag before the first pull)
+# KubeRay replaces a Ray container's command with `/bin/bash -c -- "ulimit ...; ray start ..."`, which skips
+# the image's ENTRYPOINT: the DLC's entrypoint.sh (its CUDA forward-compatibility step for hosts whose driver
+# is older than the image's CUDA 13.0) would never run. With this annotation KubeRay leaves the command alone
+# and still puts its generated `ray start ... --block` in KUBERAY_GEN_RAY_START_CMD, which the command below
+# runs through the DLC's entrypoint (directly on an image without one).
+ANNOTATION_KEEP_COMMAND = "ray.io/overwrite-container-cmd"
+DLC_ENTRYPOINT = "/usr/local/bin/entrypoint.sh"
+RAY_START_COMMAND = ["/bin/bash", "-c", "--"]
+RAY_START_ARGS = [
+    "ulimit -n 65536; "
+    f'if [ -x {DLC_ENTRYPOINT} ]; then exec {DLC_ENTRYPOINT} /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"; '
+    'else exec /bin/bash -c "$KUBERAY_GEN_RAY_START_CMD"; fi'
+]
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGER = "fsdp-operator"
 LABEL_INSTANCE_TYPE = "node.kubernetes.io/instance-type"
@@ -112,7 +125,7 @@ def owner_reference(run: RunRef) -> dict[str, Any]:
 
 
 def uses_efa(spec: api.FSDPTrainingRunSpec) -> bool:
-    return spec.cluster.efa_per_worker > 0 and spec.network.efa != EfaPolicy.DISABLED
+    return spec.cluster.efa(spec.network) > 0 and spec.network.efa != EfaPolicy.DISABLED
 
 
 def instance_family(instance_type: str) -> str:
@@ -251,6 +264,8 @@ def _head_group(
             {
                 "name": "ray-head",
                 "image": image,
+                "command": RAY_START_COMMAND,
+                "args": RAY_START_ARGS,
                 "env": env,
                 # No CPU limit: Ray's start and the job driver's imports come in bursts, and throttled at
                 # the request Ray's own start-up timeouts fire (a head in a crash loop on a busy node); a
@@ -312,9 +327,9 @@ def _worker_group(
     platform: Platform,
 ) -> dict[str, Any]:
     cluster = spec.cluster
-    resources = {"cpu": cluster.cpu, "memory": cluster.memory, GPU: str(cluster.gpus_per_worker)}
+    resources = {"cpu": cluster.worker_cpu(), "memory": cluster.worker_memory(), GPU: str(cluster.gpus())}
     if uses_efa(spec):
-        resources[EFA] = str(cluster.efa_per_worker)
+        resources[EFA] = str(cluster.efa(spec.network))
     node_selector = {**cluster.node_selector, LABEL_INSTANCE_TYPE: cluster.instance_type}
     placement_zone = cluster.zone or zone
     if placement_zone:  # EFA traffic does not cross availability zones
@@ -323,6 +338,8 @@ def _worker_group(
     container: dict[str, Any] = {
         "name": "ray-worker",
         "image": image,
+        "command": RAY_START_COMMAND,
+        "args": RAY_START_ARGS,
         "resources": {
             "requests": {**resources, "ephemeral-storage": cluster.ephemeral_storage},
             "limits": dict(resources),
@@ -381,7 +398,11 @@ def build_raycluster(
             "name": ray_cluster_name(run.name),
             "namespace": run.namespace,
             "labels": labels,
-            "annotations": {ANNOTATION_RUN: run.name, ANNOTATION_IMAGE: image},
+            "annotations": {
+                ANNOTATION_RUN: run.name,
+                ANNOTATION_IMAGE: image,
+                ANNOTATION_KEEP_COMMAND: "true",
+            },
             "ownerReferences": [owner_reference(run)],
         },
         "spec": {

@@ -114,12 +114,12 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         ".model.tokenizer",
     ),
     (
-        "self.network.efa != 'required' || self.cluster.efaPerWorker >= 1",
+        "self.network.efa != 'required' || !has(self.cluster.efaPerWorker) || self.cluster.efaPerWorker >= 1",
         "spec.network.efa required needs spec.cluster.efaPerWorker >= 1",
         ".network.efa",
     ),
     (
-        "self.cluster.efaPerWorker == 0 || self.network.efa != 'disabled'",
+        "!has(self.cluster.efaPerWorker) || self.cluster.efaPerWorker == 0 || self.network.efa != 'disabled'",
         "spec.cluster.efaPerWorker must be 0 when spec.network.efa is disabled",
         ".cluster.efaPerWorker",
     ),

@@ -359,8 +359,8 @@ def check_nodes(
     """Decides whether the run's workers fit on existing nodes within a single zone, after the slots
     `reserved` for admitted runs whose pods are still being placed."""
     cluster = spec.cluster
-    efa = cluster.efa_per_worker if uses_efa(spec) else 0
-    wanted = f"{cluster.workers} x ({cluster.gpus_per_worker} GPU" + (f", {efa} EFA)" if efa else ")")
+    efa = cluster.efa(spec.network) if uses_efa(spec) else 0
+    wanted = f"{cluster.workers} x ({cluster.gpus()} GPU" + (f", {efa} EFA)" if efa else ")")
     if not free:
         return PreflightResult(
             False,
@@ -370,7 +370,7 @@ def check_nodes(
         )
     capacity: dict[str, int] = defaultdict(int)
     for node in free:
-        capacity[node.zone] += _workers_fitting(node, cluster.gpus_per_worker, efa)
+        capacity[node.zone] += _workers_fitting(node, cluster.gpus(), efa)
     for zone, slots in (reserved or {}).items():
         if zone in capacity:
             capacity[zone] = max(capacity[zone] - slots, 0)
@@ -410,19 +410,19 @@ def check_instance_type(spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts)
         return PreflightResult(
             False, "UnknownInstanceType", f"EC2 does not know instance type {facts.instance_type}"
         )
-    if facts.gpus < cluster.gpus_per_worker:
+    if facts.gpus < cluster.gpus():
         return PreflightResult(
             False,
             "NotEnoughGPUs",
             f"{facts.instance_type} has {facts.gpus} GPUs; "
-            f"spec.cluster.gpusPerWorker asks for {cluster.gpus_per_worker}",
+            f"spec.cluster.gpusPerWorker asks for {cluster.gpus()}",
         )
-    if uses_efa(spec) and (not facts.efa_supported or facts.max_efa_interfaces < cluster.efa_per_worker):
+    if uses_efa(spec) and (not facts.efa_supported or facts.max_efa_interfaces < cluster.efa(spec.network)):
         return PreflightResult(
             False,
             "EfaUnsupported",
             f"{facts.instance_type} supports {facts.max_efa_interfaces if facts.efa_supported else 0} EFA "
-            f"interfaces; spec.cluster.efaPerWorker asks for {cluster.efa_per_worker}",
+            f"interfaces; spec.cluster.efaPerWorker asks for {cluster.efa(spec.network)}",
         )
     zones = [z for z in facts.zones if not cluster.zone or z == cluster.zone]
     if not zones:

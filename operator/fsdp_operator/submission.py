@@ -33,7 +33,7 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         run_name=run.name,
         namespace=run.namespace,
         workers=spec.cluster.workers,
-        gpus_per_worker=0 if cpu_only else spec.cluster.gpus_per_worker,
+        gpus_per_worker=0 if cpu_only else spec.cluster.gpus(),
         max_failures=spec.recovery.in_job_max_failures,
         model=spec.model,
         fsdp=spec.fsdp,

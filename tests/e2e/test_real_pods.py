@@ -327,6 +327,12 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     image_ids = {ray_container(p)["imageID"] for p in pods}
     assert len(image_ids) == 1, image_ids
     assert finished["status"]["image"]["digest"] == image_ids.pop()
+    # KubeRay's command went through the image's entrypoint (the DLC's CUDA compatibility step) before
+    # `ray start`, in the containers running now: the restarted ones too.
+    for pod in pods:
+        container = ray_container(pod)["name"]
+        logs = kubectl("logs", pod["metadata"]["name"], "-n", namespace, "-c", container).stdout
+        assert logs.startswith("dlc-entrypoint: "), f"{pod['metadata']['name']}: {logs[:300]}"
     assert_in_sync(namespace, manifest)
 
 

@@ -1,0 +1,58 @@
+"""A worker whose spec leaves sizes unset gets all of its instance type: p5.48xlarge's 32 EFA interfaces and
+8 GPUs, not the g6.12xlarge sample's one and four."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Any
+
+import moto
+import pytest
+
+from fsdp_operator import api, builder, instancetypes
+
+RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
+IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
+BASE: dict[str, Any] = {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+
+
+def worker_resources(cluster: dict[str, Any], **rest: Any) -> dict[str, str]:
+    spec = api.FSDPTrainingRunSpec.model_validate({**BASE, "cluster": cluster, **rest})
+    manifest = builder.build_raycluster(spec, RUN, IMAGE, zone="us-west-2a")
+    container = manifest["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    return dict(container["resources"]["limits"])
+
+
+def test_a_p5_worker_gets_every_efa_interface_and_gpu_of_the_node_by_default() -> None:
+    limits = worker_resources({"instanceType": "p5.48xlarge"})
+    assert limits == {
+        "cpu": "188",
+        "memory": "1877Gi",
+        builder.GPU: "8",
+        builder.EFA: "32",
+    }
+    assert worker_resources({"instanceType": "p5en.48xlarge"})[builder.EFA] == "16"
+
+
+def test_the_sample_shape_is_unchanged_and_what_the_spec_sets_wins() -> None:
+    assert worker_resources({}) == {"cpu": "44", "memory": "176Gi", builder.GPU: "4", builder.EFA: "1"}
+    set_by_hand = {"instanceType": "p5.48xlarge", "gpusPerWorker": 4, "efaPerWorker": 16, "cpu": "90"}
+    limits = worker_resources(set_by_hand)
+    assert (limits["cpu"], limits[builder.GPU], limits[builder.EFA]) == ("90", "4", "16")
+    assert builder.EFA not in worker_resources({"instanceType": "p5.48xlarge"}, network={"efa": "disabled"})
+
+
+@pytest.mark.parametrize("name", sorted(instancetypes.GPU_INSTANCE_TYPES))
+def test_the_table_says_what_ec2_says(name: str) -> None:
+    """Against DescribeInstanceTypes' data as moto ships it (real EC2 data)."""
+    data = json.loads(
+        gzip.decompress((Path(moto.__file__).parent / "ec2/resources/instance_types.json.gz").read_bytes())
+    )
+    ec2 = data[name] if isinstance(data, dict) else next(t for t in data if t["InstanceType"] == name)
+    ours = instancetypes.GPU_INSTANCE_TYPES[name]
+    assert ours.vcpus == ec2["VCpuInfo"]["DefaultVCpus"]
+    assert ours.memory_gib * 1024 == ec2["MemoryInfo"]["SizeInMiB"]
+    assert ours.gpus == sum(g["Count"] for g in ec2["GpuInfo"]["Gpus"])
+    assert ours.efa_interfaces == ec2["NetworkInfo"]["EfaInfo"]["MaximumEfaInterfaces"]
