@@ -100,11 +100,7 @@ def create_cluster_guards(ctx: Context, run: builder.RunRef) -> None:
     if settings.ray_token_auth and token:
         ctx.kube.create_if_absent(builder.build_ray_auth_secret(run, token))
     if settings.network_policy:
-        ctx.kube.create_if_absent(
-            builder.build_network_policy(
-                run, settings.lease_namespace, settings.operator_pod_labels, settings.dashboard_ingress_cidrs
-            )
-        )
+        ctx.kube.create_if_absent(ctx.network_policy(run))
 
 
 def restore_network_policy(ctx: Context, deleted: Mapping[str, Any], indexes: Indexes) -> None:
@@ -126,12 +122,7 @@ def restore_network_policy(ctx: Context, deleted: Mapping[str, Any], indexes: In
     if cluster is None or cluster["metadata"].get("deletionTimestamp"):
         return
     ref = builder.RunRef(name=owner["name"], namespace=meta["namespace"], uid=owner["uid"])
-    settings = ctx.settings
-    ctx.kube.create_if_absent(
-        builder.build_network_policy(
-            ref, settings.lease_namespace, settings.operator_pod_labels, settings.dashboard_ingress_cidrs
-        )
-    )
+    ctx.kube.create_if_absent(ctx.network_policy(ref))
     message = f"NetworkPolicy {meta['name']} was deleted while the RayCluster runs; created again"
     kopf.event(kopf.Body(cast(Any, found)), type="Warning", reason="NetworkPolicyRestored", message=message)
     log.warning("%s/%s: %s", meta["namespace"], owner["name"], message)

@@ -23,6 +23,7 @@ ANNOTATION_IMAGE = f"{api.GROUP}/image"  # the image the cluster was built with 
 # and still puts its generated `ray start ... --block` in KUBERAY_GEN_RAY_START_CMD, which the command below
 # runs through the DLC's entrypoint (directly on an image without one).
 ANNOTATION_KEEP_COMMAND = "ray.io/overwrite-container-cmd"
+RAY_METRICS_PORT = 8080  # KubeRay's default metrics-export-port of every Ray pod
 DLC_ENTRYPOINT = "/usr/local/bin/entrypoint.sh"
 RAY_START_COMMAND = ["/bin/bash", "-c", "--"]
 RAY_START_ARGS = [
@@ -192,11 +193,16 @@ def _ray_auth_env(run: RunRef) -> list[dict[str, Any]]:
 
 
 def build_network_policy(
-    run: RunRef, operator_namespace: str, operator_pod_labels: dict[str, str], cidrs: list[str]
+    run: RunRef,
+    operator_namespace: str,
+    operator_pod_labels: dict[str, str],
+    cidrs: list[str],
+    scrape_namespaces: list[str] = [],  # noqa: B006 (never mutated)
 ) -> dict[str, Any]:
     """Ingress to the run's Ray pods: from each other on any port (Ray's own traffic); on the dashboard port
-    (jobs, logs: code execution) from the operator's pods and the given address ranges only. Egress is open:
-    the pods read the hub and S3."""
+    (jobs, logs: code execution) from the operator's pods and the given address ranges only; on Ray's metrics
+    port from the pods of the namespaces that scrape it (Prometheus). Egress is open: the pods read the hub
+    and S3."""
     ray_pods = {"matchLabels": {LABEL_RAY_CLUSTER: ray_cluster_name(run.name)}}
     dashboard_peers: list[dict[str, Any]] = [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]
     if operator_pod_labels:
@@ -210,6 +216,16 @@ def build_network_policy(
     ingress: list[dict[str, Any]] = [{"from": [{"podSelector": ray_pods}]}]
     if dashboard_peers:
         ingress.append({"from": dashboard_peers, "ports": [{"protocol": "TCP", "port": DASHBOARD_PORT}]})
+    if scrape_namespaces:
+        scrapers = {
+            "matchExpressions": [{"key": LABEL_NAMESPACE_NAME, "operator": "In", "values": scrape_namespaces}]
+        }
+        ingress.append(
+            {
+                "from": [{"namespaceSelector": scrapers}],
+                "ports": [{"protocol": "TCP", "port": RAY_METRICS_PORT}],
+            }
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -59,6 +59,16 @@ class Context:
         image = status.image.digest or self.requested_image(spec)
         return self.raycluster(run, spec, image, None if spec.cluster.queue_name else status.zone)
 
+    def network_policy(self, run: builder.RunRef) -> dict[str, Any]:
+        settings = self.settings
+        return builder.build_network_policy(
+            run,
+            settings.lease_namespace,
+            settings.operator_pod_labels,
+            settings.dashboard_ingress_cidrs,
+            settings.metrics_scrape_namespaces,
+        )
+
     def ray_token(self, namespace: str, cluster_name: str) -> str | None:
         if self.settings.dashboard_address_mode == DashboardAddressMode.OVERRIDE:
             token = self.settings.dashboard_token

@@ -85,6 +85,11 @@ class Settings(BaseSettings):
         description="Address ranges also admitted to each run's dashboard, comma-separated: the apiserver's "
         "with service-proxy.",
     )
+    metrics_scrape_namespaces: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Namespaces whose pods (Prometheus) each run's NetworkPolicy admits to Ray's metrics "
+        "port, comma-separated.",
+    )
     head_node_selector: dict[str, str] = Field(
         default_factory=dict,
         description="Node labels of the nodes for Ray heads (JSON object), for runs that set none; empty: "
@@ -147,7 +152,9 @@ class Settings(BaseSettings):
         default=32, ge=1, le=512, description="Threads that run handlers (each run's pass holds one)."
     )
 
-    @field_validator("watch_namespaces", "dashboard_ingress_cidrs", mode="before")
+    @field_validator(
+        "watch_namespaces", "dashboard_ingress_cidrs", "metrics_scrape_namespaces", mode="before"
+    )
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):

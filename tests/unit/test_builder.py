@@ -152,6 +152,23 @@ def test_network_policy_admits_the_clusters_own_pods_and_only_the_operator_on_th
     assert builder.build_network_policy(RUN, "ops", {}, [])["spec"]["ingress"] == [own]
 
 
+def test_network_policy_admits_the_platforms_prometheus_to_rays_metrics_port_only() -> None:
+    policy = builder.build_network_policy(RUN, "ops", {}, [], ["monitoring"])
+    own, scrape = policy["spec"]["ingress"]
+    assert scrape == {
+        "from": [
+            {
+                "namespaceSelector": {
+                    "matchExpressions": [
+                        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}
+                    ]
+                }
+            }
+        ],
+        "ports": [{"protocol": "TCP", "port": 8080}],
+    }
+
+
 def test_kueue_queue_label_only_when_set() -> None:
     labelled = builder.build_raycluster(CASES["real-data-finetune"], RUN, IMAGE, None)
     plain = builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, None)
