@@ -92,18 +92,20 @@ class Admission:
             metrics.QUEUE_PLACEMENTS.inc()
         self._queues[instance_type] = queue
         result = queue.results[name]
-        if result.ok:
-            self._admitted[run.uid] = (
-                time.monotonic(),
-                preflight.Competitor(
-                    name=name,
-                    created=created,
-                    instance_type=instance_type,
-                    admitted=True,
-                    zone=result.zone,
-                    workers_not_placed=spec.cluster.workers,
-                ),
-            )
+        if not result.ok:
+            empty = self._free(preflight.placement_key(spec), spec, nodes, None)
+            return preflight.worker_fits_no_node(spec, list(empty)) or result
+        self._admitted[run.uid] = (
+            time.monotonic(),
+            preflight.Competitor(
+                name=name,
+                created=created,
+                instance_type=instance_type,
+                admitted=True,
+                zone=result.zone,
+                workers_not_placed=spec.cluster.workers,
+            ),
+        )
         return result
 
     def _nodes_and_pods(self, indexes: Indexes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -66,7 +66,7 @@ class Context:
             settings.lease_namespace,
             settings.operator_pod_labels,
             settings.dashboard_ingress_cidrs,
-            settings.metrics_scrape_namespaces,
+            settings.ray_metrics_scrape_namespaces,
         )
 
     def ray_token(self, namespace: str, cluster_name: str) -> str | None:

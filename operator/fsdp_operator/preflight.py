@@ -8,22 +8,63 @@ in the region's zones, does it support EFA, does it have enough GPUs).
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from fsdp_operator import api
+from fsdp_operator import api, quantity
 from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa, worker_tolerations
+
+CPU, MEMORY, DISK = "cpu", "memory", "ephemeral-storage"
+# A waiting run whose single worker fits no node of its instance type, not even an empty one: nodes the
+# group adds have the same shape, so it would wait for ever. It fails at once, with what to change.
+WORKER_FITS_NO_NODE = "WorkerFitsNoNode"
 
 
 @dataclass(frozen=True)
 class NodeFree:
-    """A schedulable node of the requested instance type and what is still free on it."""
+    """A schedulable node of the requested instance type and what is still free on it (CPU in millicores,
+    memory and disk in bytes; None where the node does not report the resource: not counted)."""
 
     name: str
     zone: str
     gpus: int
     efa: int
+    cpu_m: int | None = None
+    memory: int | None = None
+    disk: int | None = None
+
+
+@dataclass(frozen=True)
+class WorkerDemand:
+    """What one worker pod requests."""
+
+    gpus: int
+    efa: int
+    cpu_m: int
+    memory: int
+    disk: int
+
+    @classmethod
+    def of(cls, spec: api.FSDPTrainingRunSpec) -> WorkerDemand:
+        cluster = spec.cluster
+        return cls(
+            gpus=cluster.gpus(),
+            efa=cluster.efa(spec.network) if uses_efa(spec) else 0,
+            cpu_m=quantity.milli(cluster.worker_cpu()),
+            memory=quantity.whole(cluster.worker_memory()),
+            disk=quantity.whole(cluster.ephemeral_storage),
+        )
+
+    def dimensions(self, node: NodeFree) -> list[tuple[str, int, int | None]]:
+        """(resource, asked, free on the node) for every resource this demand asks for."""
+        return [
+            (GPU, self.gpus, node.gpus),
+            (EFA, self.efa, node.efa),
+            (CPU, self.cpu_m, node.cpu_m),
+            (MEMORY, self.memory, node.memory),
+            (DISK, self.disk, node.disk),
+        ]
 
 
 @dataclass(frozen=True)
@@ -132,6 +173,9 @@ def free_worker_nodes(
             requests = _requests(container)
             for resource in (GPU, EFA):
                 used[node_name][resource] += _quantity_int(requests.get(resource))
+            used[node_name][CPU] += quantity.milli(requests.get(CPU, 0))
+            for resource in (MEMORY, DISK):
+                used[node_name][resource] += quantity.whole(requests.get(resource, 0))
     wanted = {**spec.cluster.node_selector, LABEL_INSTANCE_TYPE: spec.cluster.instance_type}
     tolerations = worker_tolerations(spec)
     result = []
@@ -152,14 +196,68 @@ def free_worker_nodes(
                 zone=labels.get(LABEL_ZONE, ""),
                 gpus=_quantity_int(allocatable.get(GPU)) - used[name][GPU],
                 efa=_quantity_int(allocatable.get(EFA)) - used[name][EFA],
+                cpu_m=_free(allocatable, used[name], CPU, quantity.milli),
+                memory=_free(allocatable, used[name], MEMORY, quantity.whole),
+                disk=_free(allocatable, used[name], DISK, quantity.whole),
             )
         )
     return result
 
 
-def _workers_fitting(node: NodeFree, gpus: int, efa: int) -> int:
-    by_gpu = max(node.gpus, 0) // gpus
-    return min(by_gpu, max(node.efa, 0) // efa) if efa else by_gpu
+def _free(
+    allocatable: Mapping[str, Any], used: Mapping[str, int], resource: str, parse: Callable[[str], int]
+) -> int | None:
+    found = allocatable.get(resource)
+    return None if found is None else parse(found) - used[resource]
+
+
+def _workers_fitting(node: NodeFree, demand: WorkerDemand) -> int:
+    return min(
+        (max(free, 0) // asked for _, asked, free in demand.dimensions(node) if asked and free is not None),
+        default=0,
+    )
+
+
+def _shown(resource: str, amount: int) -> str:
+    if resource == CPU:
+        return f"{amount / 1000:g} CPU"
+    if resource in (MEMORY, DISK):
+        return f"{quantity.human_bytes(amount)} {resource}"
+    return f"{amount} {resource}"
+
+
+# What to change for each resource a worker asks more of than any node has.
+_REMEDY = {
+    GPU: "lower spec.cluster.gpusPerWorker or pick an instanceType with more GPUs",
+    EFA: "lower spec.cluster.efaPerWorker",
+    CPU: "lower spec.cluster.cpu",
+    MEMORY: "lower spec.cluster.memory",
+    DISK: "lower spec.cluster.ephemeralStorage, or give the node group larger disks (an EKS managed node "
+    "group's diskSize is 20 GiB unless set; AL2023's nodeadm localStorage puts the instance store's NVMe "
+    "behind ephemeral-storage)",
+}
+
+
+def worker_fits_no_node(spec: api.FSDPTrainingRunSpec, empty: list[NodeFree]) -> PreflightResult | None:
+    """A failed result naming each resource a worker asks more of than any empty node of its type has, or
+    None when one worker fits some node (or there is no such node to judge by: a group scaled to zero)."""
+    demand = WorkerDemand.of(spec)
+    if not empty or any(_workers_fitting(node, demand) for node in empty):
+        return None
+    short = []
+    for index, (resource, asked, _) in enumerate(demand.dimensions(empty[0])):
+        known = [free for node in empty if (free := demand.dimensions(node)[index][2]) is not None]
+        if asked and known and max(known) < asked:
+            short.append(
+                f"{_shown(resource, asked)} per worker, at most {_shown(resource, max(known))} on a node "
+                f"({_REMEDY[resource]})"
+            )
+    return PreflightResult(
+        False,
+        WORKER_FITS_NO_NODE,
+        f"no {spec.cluster.instance_type} node can take one worker, not even an empty one: "
+        + "; ".join(short),
+    )
 
 
 @dataclass(frozen=True)
@@ -359,7 +457,8 @@ def check_nodes(
     """Decides whether the run's workers fit on existing nodes within a single zone, after the slots
     `reserved` for admitted runs whose pods are still being placed."""
     cluster = spec.cluster
-    efa = cluster.efa(spec.network) if uses_efa(spec) else 0
+    demand = WorkerDemand.of(spec)
+    efa = demand.efa
     wanted = f"{cluster.workers} x ({cluster.gpus()} GPU" + (f", {efa} EFA)" if efa else ")")
     if not free:
         return PreflightResult(
@@ -370,7 +469,7 @@ def check_nodes(
         )
     capacity: dict[str, int] = defaultdict(int)
     for node in free:
-        capacity[node.zone] += _workers_fitting(node, cluster.gpus(), efa)
+        capacity[node.zone] += _workers_fitting(node, demand)
     for zone, slots in (reserved or {}).items():
         if zone in capacity:
             capacity[zone] = max(capacity[zone] - slots, 0)
@@ -398,9 +497,24 @@ def check_nodes(
         False,
         "InsufficientCapacity",
         f"{wanted} of {cluster.instance_type} does not fit in {where}: "
-        f"{dict(sorted(capacity.items()))} worker slots free",
+        f"{dict(sorted(capacity.items()))} worker slots free"
+        + _short_of([n for n in free if n.zone == best], demand, cluster.workers),
         capacity_by_zone=dict(capacity),
     )
+
+
+def _short_of(nodes: list[NodeFree], demand: WorkerDemand, workers: int) -> str:
+    """Which resources leave fewer worker slots than the run needs on `nodes`, and how many each leaves."""
+    if not nodes:
+        return ""
+    short = []
+    for index, (resource, asked, _) in enumerate(demand.dimensions(nodes[0])):
+        free = [demand.dimensions(node)[index][2] for node in nodes]
+        if asked and all(f is not None for f in free):
+            slots = sum(max(f or 0, 0) // asked for f in free)
+            if slots < workers:
+                short.append(f"{resource} ({slots} worker slots by it)")
+    return f"; short of {', '.join(short)}" if short else ""
 
 
 def check_instance_type(spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts) -> PreflightResult:

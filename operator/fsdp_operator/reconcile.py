@@ -35,7 +35,7 @@ from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
 from fsdp_operator.kueue import WorkloadObservation
-from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
+from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, WORKER_FITS_NO_NODE, PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
 from fsdp_trainer.contract import (
     LOGS_DIR,
@@ -721,6 +721,9 @@ class _Pass:
         if previous is None or previous.reason != result.reason or previous.status != "False":
             self.event(True, result.reason, result.message)
         self.condition(conditions.PREFLIGHT, False, result.reason, result.message)
+        if result.reason == WORKER_FITS_NO_NODE:  # nodes the group adds have the same shape: no waiting
+            self.finish(Phase.FAILED, result.reason, result.message)
+            return self.decision
         if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
             self.finish(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}")
             return self.decision

@@ -85,7 +85,7 @@ class Settings(BaseSettings):
         description="Address ranges also admitted to each run's dashboard, comma-separated: the apiserver's "
         "with service-proxy.",
     )
-    metrics_scrape_namespaces: Annotated[list[str], NoDecode] = Field(
+    ray_metrics_scrape_namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Namespaces whose pods (Prometheus) each run's NetworkPolicy admits to Ray's metrics "
         "port, comma-separated.",
@@ -153,7 +153,7 @@ class Settings(BaseSettings):
     )
 
     @field_validator(
-        "watch_namespaces", "dashboard_ingress_cidrs", "metrics_scrape_namespaces", mode="before"
+        "watch_namespaces", "dashboard_ingress_cidrs", "ray_metrics_scrape_namespaces", mode="before"
     )
     @classmethod
     def _split_commas(cls, value: object) -> object:

@@ -99,25 +99,62 @@ def test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster
     assert run["status"]["phase"] == "Pending" and rayclusters(namespace) == []
 
 
-def test_a_worker_no_node_can_take_is_named_in_the_status_and_the_daily_view(
+def test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_daily_view(
     namespace: str, operator: OperatorProcess
 ) -> None:
-    """Preflight counts GPUs and EFA; the real scheduler also weighs the worker's disk (600Gi on nodes with
-    500Gi): its message reaches PodsScheduled, the run's message and `kubectl get trainingruns` at once."""
-    apply(namespace, example("aws-sample", **{"cluster.ephemeralStorage": "600Gi"}))
+    """Preflight subtracts what pods holding GPUs or EFA request; another team's CPU pods on the GPU nodes it
+    does not see. The real scheduler refuses the workers: its message reaches PodsScheduled, the run's
+    message and `kubectl get trainingruns` while the run provisions."""
+    gpu_nodes = kubectl_json("get", "nodes", "-l", "node.kubernetes.io/instance-type=g6.12xlarge")["items"]
+    hogs = [f"cpu-hog-{node['metadata']['name']}" for node in gpu_nodes]
+    for hog, node in zip(hogs, gpu_nodes, strict=True):
+        container = {"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "40"}}}
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": hog}}
+        apply(namespace, {**pod, "spec": {"nodeName": node["metadata"]["name"], "containers": [container]}})
+    try:
+        apply(namespace, example("aws-sample"))
+        started = time.monotonic()
+
+        def unscheduled() -> dict[str, Any] | None:
+            found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsScheduled")
+            return found if found and found["status"] == "False" else None
+
+        shown = wait_until("PodsScheduled=False with the scheduler's message", unscheduled, timeout=60)
+        print(f"the unschedulable worker named in the status {time.monotonic() - started:.1f}s after apply")
+        assert "Insufficient cpu" in shown["message"], shown
+        run = run_of(namespace, "qwen25-sample")
+        assert run["status"]["phase"] == "Provisioning"
+        assert "Insufficient cpu" in run["status"]["message"]
+        assert "Insufficient cpu" in kubectl("get", "trainingruns", "-n", namespace).stdout
+    finally:
+        kubectl("delete", "pod", "-n", namespace, "--wait", *hogs)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        (
+            "cluster.ephemeralStorage",
+            "600Gi",
+            "600Gi ephemeral-storage per worker, at most 500Gi ephemeral-storage on a node",
+        ),
+        ("cluster.cpu", "64", "64 CPU per worker, at most 48 CPU on a node"),
+        ("cluster.memory", "300Gi", "300Gi memory per worker, at most 192Gi memory on a node"),
+    ],
+)
+def test_a_worker_larger_than_every_node_fails_at_once_naming_the_resource(
+    namespace: str, operator: OperatorProcess, field: str, value: str, named: str
+) -> None:
+    """Nodes a group adds have the shape of the nodes it has: a worker no empty node can take would wait
+    for ever under the default Wait policy. It fails at once, saying what to change; nothing is created."""
+    apply(namespace, example("aws-sample", **{field: value}))
     started = time.monotonic()
-
-    def unscheduled() -> dict[str, Any] | None:
-        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsScheduled")
-        return found if found and found["status"] == "False" else None
-
-    shown = wait_until("PodsScheduled=False with the scheduler's message", unscheduled, timeout=60)
-    print(f"the unschedulable worker named in the status {time.monotonic() - started:.1f}s after apply")
-    assert "Insufficient ephemeral-storage" in shown["message"], shown
-    run = run_of(namespace, "qwen25-sample")
-    assert run["status"]["phase"] == "Provisioning"
-    assert "Insufficient ephemeral-storage" in run["status"]["message"]
-    assert "Insufficient ephemeral-storage" in kubectl("get", "trainingruns", "-n", namespace).stdout
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=60)
+    print(f"{field}={value}: Failed {time.monotonic() - started:.1f}s after apply")
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == "WorkerFitsNoNode" and named in failed["message"], failed
+    assert f"lower spec.{field}" in failed["message"]
+    assert rayclusters(namespace) == []
 
 
 def test_three_workers_fit_only_across_zones_and_fail_by_policy(

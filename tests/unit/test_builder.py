@@ -155,6 +155,7 @@ def test_network_policy_admits_the_clusters_own_pods_and_only_the_operator_on_th
 def test_network_policy_admits_the_platforms_prometheus_to_rays_metrics_port_only() -> None:
     policy = builder.build_network_policy(RUN, "ops", {}, [], ["monitoring"])
     own, scrape = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": policy["spec"]["podSelector"]}]}  # the dashboard stays closed
     assert scrape == {
         "from": [
             {

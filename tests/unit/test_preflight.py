@@ -138,3 +138,81 @@ def test_scale_from_zero_refusals_name_the_reason() -> None:
     assert preflight.check_instance_type(spec(zone="eu-west-1a"), G6).reason == "InstanceTypeNotOffered"
     unknown = preflight.InstanceTypeFacts("x9.huge", False)
     assert preflight.check_instance_type(spec(), unknown).reason == "UnknownInstanceType"
+
+
+def eks_node(name: str, zone: str, disk: str = "18Gi", **allocatable: str) -> dict[str, Any]:
+    """A g6.12xlarge as an EKS managed node group makes it: a 20 GiB root volume, ~18Gi of it allocatable."""
+    found = node(name, zone)
+    found["status"]["allocatable"] |= {
+        "cpu": "47810m",
+        "memory": "187Gi",
+        "ephemeral-storage": disk,
+        **allocatable,
+    }
+    return found
+
+
+def admit_alone(run_spec: api.FSDPTrainingRunSpec, nodes: list[dict[str, Any]], pods: list[Any]) -> Any:
+    from fsdp_operator.admission import Admission
+    from fsdp_operator.builder import RunRef
+    from fsdp_operator.kube import Indexes
+
+    indexes = Indexes(
+        runs={}, rayclusters={}, ray_pods={}, nodes={None: nodes}, accelerator_pods={None: pods}
+    )
+    admission = Admission(watch_namespaces=[], kube=None, ec2=lambda: None)
+    return admission.admit(RunRef("r", "team-a", "uid-r"), run_spec, "2026-12-01T00:00:00Z", indexes)
+
+
+def test_a_worker_larger_than_every_node_is_refused_naming_each_resource_and_what_to_change() -> None:
+    """The default 200Gi worker disk on EKS's default 20 GiB root volume: the run would wait for ever."""
+    nodes = [eks_node("a0", "us-west-2a"), eks_node("a1", "us-west-2a")]
+    result = admit_alone(spec(), nodes, [])
+    assert not result.ok and result.reason == preflight.WORKER_FITS_NO_NODE
+    assert "200Gi ephemeral-storage per worker, at most 18Gi ephemeral-storage on a node" in result.message
+    assert "diskSize" in result.message and "localStorage" in result.message
+    too_big = admit_alone(spec(cpu="64", memory="300Gi", ephemeralStorage="10Gi"), nodes, [])
+    assert "64 CPU per worker, at most 47.81 CPU on a node (lower spec.cluster.cpu)" in too_big.message
+    assert (
+        "300Gi memory per worker, at most 187Gi memory on a node (lower spec.cluster.memory)"
+        in too_big.message
+    )
+    assert "ephemeral-storage" not in too_big.message
+    assert admit_alone(spec(ephemeralStorage="10Gi"), nodes, []).ok
+
+
+def test_cpu_memory_and_disk_other_workers_hold_are_counted_and_the_short_one_named() -> None:
+    nodes = [eks_node(f"a{i}", "us-west-2a", disk="450Gi", **{"nvidia.com/gpu": "8"}) for i in range(2)]
+    holding = [
+        {
+            "spec": {
+                "nodeName": f"a{i}",
+                "containers": [{"resources": {"requests": {"nvidia.com/gpu": "4", "cpu": "20"}}}],
+            },
+            "status": {"phase": "Running"},
+        }
+        for i in range(2)
+    ]
+    two_gpus = spec(
+        gpusPerWorker=2, efaPerWorker=0, cpu="16", memory="40Gi", ephemeralStorage="100Gi", workers=4
+    )
+    result = check(two_gpus, nodes, holding)
+    assert not result.ok and result.reason == "InsufficientCapacity"
+    assert "short of cpu (2 worker slots by it)" in result.message, result.message
+    assert check(two_gpus, nodes, []).ok  # without the other workers they fit
+
+
+def test_a_worker_that_fits_no_node_fails_the_run_at_once_under_the_wait_policy() -> None:
+    import datetime as dt
+
+    from fsdp_operator import conditions
+    from fsdp_operator.reconcile import Observation, reconcile
+
+    refused = preflight.PreflightResult(
+        False, preflight.WORKER_FITS_NO_NODE, "no g6.12xlarge node can take one"
+    )
+    now = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
+    decision = reconcile(spec(), api.FSDPTrainingRunStatus(), Observation(now, 1, None, preflight=refused))
+    assert decision.status.phase == api.Phase.FAILED and not decision.create_cluster
+    failed = conditions.condition(decision.status.conditions, conditions.FAILED)
+    assert failed is not None and failed.reason == preflight.WORKER_FITS_NO_NODE
