@@ -304,8 +304,10 @@ class RecoverySpec(ContractModel):
         default=300,
         ge=0,
         description="Head or worker pods that cannot start (ErrImagePull, ImagePullBackOff, "
-        "CreateContainerConfigError, RunContainerError, CrashLoopBackOff after 3 restarts) or a head no node "
-        "can take (HeadUnschedulable) for this long fail the run with that reason, and its RayCluster is "
+        "CreateContainerConfigError, RunContainerError, CrashLoopBackOff after 3 restarts, also in KubeRay's "
+        "init containers), pods KubeRay cannot create (FailedCreateHeadPod, FailedCreateWorkerPod: a "
+        "ResourceQuota, a missing service account) or a head no node can take (HeadUnschedulable) for this "
+        "long fail the run with that reason, and its RayCluster is "
         "deleted, which gives the workers' GPUs back; condition PodsHealthy shows the reason at once.",
     )
     in_job_max_failures: int = Field(

@@ -560,10 +560,19 @@ class _Pass:
         self.requeue(STILL_ENDING_REQUEUE_SECONDS)
         return True
 
+    def pods_that_cannot_start(self) -> tuple[PodProblem, ...]:
+        """Pods KubeRay cannot create (a ResourceQuota exceeded, a service account that does not exist, an
+        admission webhook's refusal: its ReplicaFailure), then containers that cannot start."""
+        failure = self.obs.cluster.replica_failure if self.obs.cluster else None
+        reason = failure.split(":", 1)[0] if failure else ""
+        if failure is None or not reason.startswith("FailedCreate"):  # not a failed deletion
+            return self.obs.pod_problems
+        return (PodProblem(reason, f"KubeRay cannot create a pod: {failure}"), *self.obs.pod_problems)
+
     def absorb_pods_health(self) -> None:
-        """PodsHealthy from the cluster's pods: False with the first reasons while any cannot start, and a
-        pass due when podErrorTimeoutSeconds would be over."""
-        problems = self.obs.pod_problems
+        """PodsHealthy from the cluster's pods: False with the first reasons while any cannot start (also the
+        message of a provisioning run), and a pass due when podErrorTimeoutSeconds would be over."""
+        problems = self.pods_that_cannot_start()
         if self.obs.cluster is None:
             return
         if not problems:
@@ -573,6 +582,8 @@ class _Pass:
         if not self.condition_is(conditions.PODS_HEALTHY, "False"):
             self.event(True, problems[0].reason, message)
         self.condition(conditions.PODS_HEALTHY, False, problems[0].reason, message)
+        if self.new.phase == Phase.PROVISIONING:
+            self.new.message = conditions.bounded(f"waiting for KubeRay: {message}")
         since = self.condition_is(conditions.PODS_HEALTHY, "False")
         limit = self.spec.recovery.pod_error_timeout_seconds
         self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
@@ -598,11 +609,12 @@ class _Pass:
         """Pods that could not start for podErrorTimeoutSeconds fail the run."""
         stuck = self.condition_is(conditions.PODS_HEALTHY, "False")
         limit = self.spec.recovery.pod_error_timeout_seconds
-        if self.obs.cluster is None or not self.obs.pod_problems or stuck is None:
+        problems = self.pods_that_cannot_start()
+        if self.obs.cluster is None or not problems or stuck is None:
             return False
         if self.seconds_since(stuck.last_transition_time) < limit:
             return False
-        first, message = self.obs.pod_problems[0], "; ".join(p.message for p in self.obs.pod_problems[:3])
+        first, message = problems[0], "; ".join(p.message for p in problems[:3])
         self.finish(Phase.FAILED, first.reason, f"pods could not start for {limit}s: {message}")
         self.decision.delete_cluster = True  # nothing ran; the GPUs go back whatever cleanupPolicy says
         return True

@@ -157,6 +157,29 @@ def test_a_worker_larger_than_every_node_fails_at_once_naming_the_resource(
     assert rayclusters(namespace) == []
 
 
+def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_within_the_bound(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """A service account that does not exist: the apiserver refuses every pod, which only KubeRay's
+    ReplicaFailure tells. The run says so at once and fails after podErrorTimeoutSeconds, not after a
+    provisioning timeout and a return to Pending."""
+    changes = {"cluster.serviceAccountName": "no-such-account", "recovery.podErrorTimeoutSeconds": 20}
+    apply(namespace, example("aws-sample", **changes))
+    started = time.monotonic()
+
+    def pods_unhealthy() -> dict[str, Any] | None:
+        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsHealthy")
+        return found if found and found["status"] == "False" else None
+
+    shown = wait_until("PodsHealthy=False naming the missing service account", pods_unhealthy, timeout=60)
+    print(f"the refused pods named in the status {time.monotonic() - started:.1f}s after apply")
+    assert shown["reason"].startswith("FailedCreate") and "no-such-account" in shown["message"], shown
+    assert "no-such-account" in kubectl("get", "trainingruns", "-n", namespace).stdout
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=90)
+    assert conditions_of(run)["Failed"]["reason"].startswith("FailedCreate")
+    wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
+
+
 def test_three_workers_fit_only_across_zones_and_fail_by_policy(
     namespace: str, operator: OperatorProcess
 ) -> None:

@@ -284,3 +284,32 @@ def test_kuberays_init_container_that_cannot_start_is_named() -> None:
             "not found",
         )
     ]
+
+
+def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_after_the_bound() -> None:
+    """A service account that does not exist: the apiserver refuses the pods, and only KubeRay's
+    ReplicaFailure says so. Before, the run waited in Provisioning ("waiting for KubeRay") for 900 s."""
+    refused = {
+        "type": "ReplicaFailure",
+        "status": "True",
+        "reason": "FailedCreateHeadPod",
+        "message": 'pods "r-head-x" is forbidden: error looking up service account team-a/trainer: '
+        'serviceaccount "trainer" not found',
+    }
+    cluster = observe_cluster({"status": {"conditions": [refused]}})
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    first = reconcile(spec(), provisioning, observe(cluster=cluster))
+    shown = conditions.condition(first.status.conditions, conditions.PODS_HEALTHY)
+    assert shown is not None and shown.status == "False" and shown.reason == "FailedCreateHeadPod"
+    assert 'serviceaccount "trainer" not found' in shown.message
+    assert 'serviceaccount "trainer" not found' in (first.status.message or "")
+    failed = reconcile(spec(), first.status, observe(301, cluster=cluster))
+    assert failed.status.phase == api.Phase.FAILED and failed.delete_cluster
+    deleting = dict(refused, reason="FailedDeleteWorkerPod", message="pods r-worker-x not found")
+    healthy = reconcile(
+        spec(), provisioning, observe(cluster=observe_cluster({"status": {"conditions": [deleting]}}))
+    )
+    found = conditions.condition(healthy.status.conditions, conditions.PODS_HEALTHY)
+    assert found is not None and found.status == "True"  # a failed deletion is not a pod that cannot start
