@@ -627,13 +627,12 @@ class _Pass:
         if new.phase != Phase.PROVISIONING or self.seconds_since(new.phase_transition_time) < limit:
             return False
         message = f"the RayCluster was not ready within provisioningTimeoutSeconds ({limit}s)"
+        waiting = self.obs.unschedulable
+        if waiting:  # the why first: messages are bounded
+            message += f": {len(waiting)} worker pod(s) had no node: {waiting[0]}"
         if self.obs.cluster is not None:
-            message += f": {self.obs.cluster.message}"
+            message += f"; KubeRay: {self.obs.cluster.message}"
             self.decision.delete_cluster = True
-        if self.obs.unschedulable:
-            message += (
-                f"; {len(self.obs.unschedulable)} worker pod(s) had no node: {self.obs.unschedulable[0]}"
-            )
         new.provisioning_timeouts += 1
         attempts = self.spec.recovery.provisioning_attempts
         if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:

@@ -104,7 +104,8 @@ def test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_dail
 ) -> None:
     """Preflight subtracts what pods holding GPUs or EFA request; another team's CPU pods on the GPU nodes it
     does not see. The real scheduler refuses the workers: its message reaches PodsScheduled, the run's
-    message and `kubectl get trainingruns` while the run provisions."""
+    message and `kubectl get trainingruns` while the run provisions; after provisioningAttempts RayClusters
+    that each timed out the run fails with that message instead of going back to Pending for ever."""
     gpu_nodes = kubectl_json("get", "nodes", "-l", "node.kubernetes.io/instance-type=g6.12xlarge")["items"]
     hogs = [f"cpu-hog-{node['metadata']['name']}" for node in gpu_nodes]
     for hog, node in zip(hogs, gpu_nodes, strict=True):
@@ -112,7 +113,12 @@ def test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_dail
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": hog}}
         apply(namespace, {**pod, "spec": {"nodeName": node["metadata"]["name"], "containers": [container]}})
     try:
-        apply(namespace, example("aws-sample"))
+        bounded = {
+            "recovery.provisioningTimeoutSeconds": 60,
+            "recovery.provisioningAttempts": 2,
+            "preflight.recheckSeconds": 5,
+        }
+        apply(namespace, example("aws-sample", **bounded))
         started = time.monotonic()
 
         def unscheduled() -> dict[str, Any] | None:
@@ -126,6 +132,11 @@ def test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_dail
         assert run["status"]["phase"] == "Provisioning"
         assert "Insufficient cpu" in run["status"]["message"]
         assert "Insufficient cpu" in kubectl("get", "trainingruns", "-n", namespace).stdout
+        failed = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=240)
+        print(f"Failed after two provisioning timeouts {time.monotonic() - started:.1f}s after apply")
+        reason = conditions_of(failed)["Failed"]
+        assert reason["reason"] == "ProvisioningTimeout" and "Insufficient cpu" in reason["message"], reason
+        assert failed["status"]["provisioningTimeouts"] == 2
     finally:
         kubectl("delete", "pod", "-n", namespace, "--wait", *hogs)
 
