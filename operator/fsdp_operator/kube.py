@@ -18,6 +18,7 @@ RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 RAY_AUTH_KEY_FIELD = "key"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the operator makes
 POD_LIST_PAGE = 250
+EVENTS_PER_POD = 100
 USER_AGENT = "fsdp-operator"
 
 
@@ -184,6 +185,15 @@ class Kube:
                 return []
             raise
         return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
+
+    def pod_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
+        """The Events about one pod (the scheduler's, an autoscaler's), at most EVENTS_PER_POD of them."""
+        query: list[tuple[str, Any]] = [
+            ("fieldSelector", f"involvedObject.kind=Pod,involvedObject.name={pod}"),
+            ("limit", EVENTS_PER_POD),
+        ]
+        found = self.request("GET", f"/api/v1/namespaces/{namespace}/events", query=query)
+        return cast(list[dict[str, Any]], found.get("items") or [])
 
     def accelerator_pods(self) -> list[dict[str, Any]]:
         """Pods of every namespace that hold GPUs or EFA, reduced as the pod index reduces them. Read a page

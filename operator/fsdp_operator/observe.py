@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import kopf
@@ -27,6 +28,11 @@ from fsdp_operator.reconcile import (
 from fsdp_trainer.contract import CheckpointRef, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
+# What autoscalers say on a pod they are adding a node for (cluster-autoscaler, Karpenter), and on one they
+# cannot add a node for.
+AUTOSCALER_ADDING = ("TriggeredScaleUp", "Nominated")
+AUTOSCALER_REFUSED = ("NotTriggerScaleUp",)
+AUTOSCALER_PODS_READ = 3
 
 
 def observe(
@@ -65,6 +71,7 @@ def observe(
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
     pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
+    scheduling = observe_scheduling(ctx, run.namespace, pods, cluster)
     memory = ctx.runs.of(run.uid)
     return Observation(
         now=now,
@@ -79,14 +86,9 @@ def observe(
         storage_read=active,
         storage_error=storage_error,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
-        pod_problems=tuple(
-            PodProblem(reason, message)
-            for pod in pods
-            for reason, message in pod["problems"]
-            # Workers exit while their head is down (no GCS) and loop until it is back: not a fault of theirs.
-            if not (reason == "CrashLoopBackOff" and not pod.get("head") and not (cluster and cluster.ready))
-        ),
-        unschedulable=tuple(pod["unschedulable"] for pod in pods if pod.get("unschedulable")),
+        pod_problems=scheduling.problems,
+        unschedulable=scheduling.waiting,
+        scale_up=scheduling.scale_up,
         oom_kills=tuple(
             OomKill(dt.datetime.fromisoformat(finished), message)
             for pod in pods
@@ -103,6 +105,74 @@ def observe(
         run_uri=storage.uri,
         package_sha256=ctx.package_sha256,
         archived_driver_log=memory.archived_driver_log,
+    )
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    problems: tuple[PodProblem, ...]  # pods that cannot start, or that no node can be added for
+    waiting: tuple[str, ...]  # pods waiting for a node, with the scheduler's (and an autoscaler's) message
+    scale_up: str | None  # an autoscaler adding a node for one of them, in its words
+
+
+def observe_scheduling(
+    ctx: Context, namespace: str, pods: list[dict[str, Any]], cluster: ClusterObservation | None
+) -> Scheduling:
+    """Why the Ray pods cannot start or wait. A pod no node can take is told apart by what an autoscaler
+    says in its events: adding a node (cluster-autoscaler's TriggeredScaleUp, Karpenter's Nominated) is
+    waited for, up to the provisioning timeout, the head's too; unable to (NotTriggerScaleUp) is a problem,
+    which fails the run after podErrorTimeoutSeconds; without an autoscaler, workers wait (a node group may
+    be resized by hand) and a head is a problem."""
+    waiting_pods = [pod["name"] for pod in pods if pod.get("unschedulable")]
+    verdicts = autoscaler_verdicts(ctx, namespace, waiting_pods) if waiting_pods else {}
+    problems, waiting, scale_up = [], [], None
+    for pod in pods:
+        verdict = verdicts.get(pod["name"])
+        adding = verdict is not None and verdict[0] in AUTOSCALER_ADDING
+        for reason, message in pod["problems"]:
+            if reason == "HeadUnschedulable" and adding:
+                continue
+            # Workers exit while their head is down (no GCS) and loop until it is back: not a fault of theirs.
+            if reason == "CrashLoopBackOff" and not pod.get("head") and not (cluster and cluster.ready):
+                continue
+            problems.append(PodProblem(reason, message))
+        if not pod.get("unschedulable"):
+            continue
+        if verdict is not None and verdict[0] in AUTOSCALER_REFUSED:
+            if not pod.get("head"):  # the head's HeadUnschedulable is already a problem
+                problems.append(PodProblem(verdict[0], f"{pod['unschedulable']}; {verdict[0]}: {verdict[1]}"))
+        elif adding or not pod.get("head"):
+            waiting.append(
+                pod["unschedulable"] + (f"; {verdict[0]}: {verdict[1]}" if verdict and adding else "")
+            )
+            if adding and verdict is not None and scale_up is None:
+                scale_up = f"{verdict[0]}: {verdict[1]}"
+    return Scheduling(tuple(problems), tuple(waiting), scale_up)
+
+
+def autoscaler_verdicts(ctx: Context, namespace: str, pods: list[str]) -> dict[str, tuple[str, str]]:
+    """Pod name -> (reason, message) of the newest autoscaler event about it, for at most
+    AUTOSCALER_PODS_READ pods a pass (one bounded LIST each). A read that fails is left out: the pod waits."""
+    verdicts = {}
+    for pod in pods[:AUTOSCALER_PODS_READ]:
+        try:
+            events = ctx.kube.pod_events(namespace, pod)
+        except Exception as error:
+            log.warning("%s: could not read the events of pod %s: %s", namespace, pod, error)
+            continue
+        said = [e for e in events if e.get("reason") in (*AUTOSCALER_ADDING, *AUTOSCALER_REFUSED)]
+        newest = max(said, key=_event_time, default=None)
+        if newest is not None:
+            verdicts[pod] = (str(newest["reason"]), str(newest.get("message") or "")[:500])
+    return verdicts
+
+
+def _event_time(event: dict[str, Any]) -> str:
+    return str(
+        event.get("lastTimestamp")
+        or event.get("eventTime")
+        or event["metadata"].get("creationTimestamp")
+        or ""
     )
 
 

@@ -98,7 +98,8 @@ class Observation:
     storage_error: str | None = None  # why they could not be read
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
-    unschedulable: tuple[str, ...] = ()  # worker pods the scheduler cannot place, with its message
+    unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
+    scale_up: str | None = None  # an autoscaler adding a node for one of them, in its words
     oom_kills: tuple[OomKill, ...] = ()
     requested_image: str | None = None  # spec.image or the operator's default
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>
@@ -598,10 +599,11 @@ class _Pass:
             if self.condition_is(conditions.PODS_SCHEDULED, "False"):
                 self.condition(conditions.PODS_SCHEDULED, True, "Scheduled", "every worker pod has a node")
             return
-        message = f"{len(waiting)} worker pod(s) wait for a node: " + "; ".join(waiting[:2])
-        if not self.condition_is(conditions.PODS_SCHEDULED, "False"):
-            self.event(True, "Unschedulable", message)
-        self.condition(conditions.PODS_SCHEDULED, False, "Unschedulable", message)
+        message = f"{len(waiting)} pod(s) wait for a node: " + "; ".join(waiting[:2])
+        reason = "WaitingForScaleUp" if self.obs.scale_up else "Unschedulable"
+        if self.reason_of(conditions.PODS_SCHEDULED) != reason:
+            self.event(True, reason, message)
+        self.condition(conditions.PODS_SCHEDULED, False, reason, message)
         if self.new.phase == Phase.PROVISIONING:
             self.new.message = conditions.bounded(f"waiting for KubeRay: {message}")
 
@@ -629,7 +631,7 @@ class _Pass:
         message = f"the RayCluster was not ready within provisioningTimeoutSeconds ({limit}s)"
         waiting = self.obs.unschedulable
         if waiting:  # the why first: messages are bounded
-            message += f": {len(waiting)} worker pod(s) had no node: {waiting[0]}"
+            message += f": {len(waiting)} pod(s) had no node: {waiting[0]}"
         if self.obs.cluster is not None:
             message += f"; KubeRay: {self.obs.cluster.message}"
             self.decision.delete_cluster = True

@@ -100,11 +100,9 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
             continue
         # Workers may wait for GPU nodes being added (scale-from-zero; provisioningTimeoutSeconds bounds it);
         # a head waits for nothing but a CPU node, which a cluster has or never gets.
-        message = f"pod {name}: {condition.get('message', '')}".strip()
-        if head:
-            problems.append(("HeadUnschedulable", message))
-        else:
-            unschedulable = message
+        unschedulable = f"pod {name}: {condition.get('message', '')}".strip()
+        if head:  # unless an autoscaler is adding a node for it (observe.py reads its events)
+            problems.append(("HeadUnschedulable", unschedulable))
     return {
         "name": name,
         "head": head,

@@ -104,6 +104,7 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
             ("create", "rayclusters.ray.io"),
             ("delete", "rayclusters.ray.io"),
             ("create", "events"),
+            ("list", "events"),  # an autoscaler's word on a pod that waits for a node
         ]
         for verb, resource in needed:
             assert can_i(verb, resource, namespace, sa), f"{sa} cannot {verb} {resource}"

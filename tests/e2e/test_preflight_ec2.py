@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +16,11 @@ from tests.harness import (
     apply,
     conditions_of,
     example,
+    kubectl,
+    kubectl_json,
     rayclusters,
     run_of,
+    wait_for_phase,
     wait_until,
 )
 
@@ -74,3 +79,116 @@ def test_operator_uses_ec2_when_gpu_nodes_scale_from_zero(
         assert rayclusters(namespace) == []
     finally:
         proc.stop()
+
+
+def autoscaler_says(namespace: str, pod: str, reason: str, message: str) -> None:
+    """An Event on the pod as cluster-autoscaler posts one (this test plays the autoscaler)."""
+    now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    event = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{pod}."},
+        "involvedObject": {"apiVersion": "v1", "kind": "Pod", "name": pod, "namespace": namespace},
+        "reason": reason,
+        "message": message,
+        "type": "Normal",
+        "source": {"component": "cluster-autoscaler"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(event))
+
+
+def p5_node(name: str, zone: str) -> dict[str, Any]:
+    """A p5.48xlarge as its node group adds it (KWOK runs its pods)."""
+    resources = {
+        "cpu": "192",
+        "memory": "2048Gi",
+        "pods": "110",
+        "ephemeral-storage": "3500Gi",
+        "nvidia.com/gpu": "8",
+        "vpc.amazonaws.com/efa": "32",
+    }
+    labels = {
+        "type": "kwok",
+        "kubernetes.io/hostname": name,
+        "node.kubernetes.io/instance-type": "p5.48xlarge",
+        "topology.kubernetes.io/zone": zone,
+        "topology.kubernetes.io/region": "us-west-2",
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels, "annotations": {"kwok.x-k8s.io/node": "fake"}},
+        "status": {"allocatable": resources, "capacity": resources},
+    }
+
+
+def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_is_refused(
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """Two runs on p5.48xlarge, of which no node exists: the autoscaler adds a node for one
+    (TriggeredScaleUp), which the run waits for and then uses; it says it cannot for the other
+    (NotTriggerScaleUp), which fails within podErrorTimeoutSeconds naming the autoscaler's reason."""
+    proc = OperatorProcess(
+        namespace=namespace,
+        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
+        log=tmp_path / "operator.log",
+    ).start()
+    node = f"p5-{namespace[-12:]}"
+    try:
+        common = {
+            "preflight.scaleFromZero": True,
+            "cluster.instanceType": "p5.48xlarge",
+            "cluster.workers": 1,
+            "recovery.podErrorTimeoutSeconds": 20,
+        }
+        for name in ("grows", "never"):
+            manifest = example("aws-sample", **common)
+            manifest["metadata"]["name"] = name
+            apply(namespace, manifest)
+
+        def waiting_worker(run: str) -> str | None:
+            pods = kubectl_json("get", "pods", "-n", namespace, "-l", "ray.io/node-type=worker")["items"]
+            cluster = (run_of(namespace, run).get("status") or {}).get("rayClusterName")
+            for pod in pods:
+                unschedulable = any(
+                    c.get("reason") == "Unschedulable" for c in pod.get("status", {}).get("conditions") or []
+                )
+                if pod["metadata"]["labels"].get("ray.io/cluster") == cluster and unschedulable:
+                    return str(pod["metadata"]["name"])
+            return None
+
+        grows = wait_until("the worker of 'grows' unschedulable", lambda: waiting_worker("grows"), timeout=90)
+        never = wait_until("the worker of 'never' unschedulable", lambda: waiting_worker("never"), timeout=90)
+        autoscaler_says(
+            namespace, grows, "TriggeredScaleUp", "pod triggered scale-up: [{eks-p5 0->1 (max: 2)}]"
+        )
+        autoscaler_says(
+            namespace,
+            never,
+            "NotTriggerScaleUp",
+            "pod didn't trigger scale-up: 1 max node group size reached",
+        )
+
+        failed = wait_for_phase(namespace, "never", "Failed", timeout=90)
+        reason = conditions_of(failed)["Failed"]
+        assert reason["reason"] == "NotTriggerScaleUp" and "max node group size reached" in reason["message"]
+
+        run = run_of(namespace, "grows")
+        scheduled = conditions_of(run)["PodsScheduled"]
+        assert (scheduled["status"], scheduled["reason"]) == ("False", "WaitingForScaleUp"), scheduled
+        assert "triggered scale-up" in scheduled["message"] and run["status"]["phase"] == "Provisioning"
+        kubectl("apply", "-f", "-", input=json.dumps(p5_node(node, run["status"]["zone"])))
+        wait_until(
+            "'grows' to use the node its group added",
+            lambda: conditions_of(run_of(namespace, "grows")).get("ClusterReady", {}).get("status") == "True",
+            timeout=120,
+        )
+        assert conditions_of(run_of(namespace, "grows"))["PodsScheduled"]["status"] == "True"
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        kubectl("delete", "node", node, "--ignore-not-found", check=False)
+        proc.stop()
+        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-6000:]}")

@@ -313,3 +313,16 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_after_the_bound()
     )
     found = conditions.condition(healthy.status.conditions, conditions.PODS_HEALTHY)
     assert found is not None and found.status == "True"  # a failed deletion is not a pod that cannot start
+
+
+def test_a_pod_an_autoscaler_adds_a_node_for_is_shown_waiting_for_it() -> None:
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    waiting = observe_cluster({"status": {"conditions": [{"type": "HeadPodReady", "status": "True"}]}})
+    added = "TriggeredScaleUp: pod triggered scale-up: [{eks-p5 0->1 (max: 2)}]"
+    seen = observe(cluster=waiting, unschedulable=(f"pod w: {NO_NODE}; {added}",), scale_up=added)
+    decision = reconcile(spec(), provisioning, seen)
+    shown = conditions.condition(decision.status.conditions, conditions.PODS_SCHEDULED)
+    assert shown is not None and (shown.status, shown.reason) == ("False", "WaitingForScaleUp")
+    assert "triggered scale-up" in shown.message and decision.status.phase == api.Phase.PROVISIONING
