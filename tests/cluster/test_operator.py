@@ -23,6 +23,12 @@ from tests.harness import (
 )
 
 
+def false_condition(namespace: str, run: str, type_: str) -> dict[str, Any] | None:
+    """The run's condition of that type when it is False (for wait_until)."""
+    found = conditions_of(run_of(namespace, run)).get(type_)
+    return found if found and found["status"] == "False" else None
+
+
 def test_example_run_reaches_cluster_ready_on_gpu_nodes_in_one_zone(
     namespace: str, operator: OperatorProcess
 ) -> None:
@@ -88,11 +94,9 @@ def test_run_asking_for_more_gpus_than_exist_gets_preflight_false_and_no_cluster
 ) -> None:
     apply(namespace, example("aws-sample", **{"cluster.workers": 5, "preflight.recheckSeconds": 5}))
 
-    def preflight_false() -> dict[str, Any] | None:
-        found = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
-        return found if found and found["status"] == "False" else None
-
-    condition = wait_until("Preflight=False", preflight_false, timeout=60)
+    condition = wait_until(
+        "Preflight=False", lambda: false_condition(namespace, "qwen25-sample", "Preflight"), timeout=60
+    )
     assert condition["reason"] == "InsufficientCapacity"
     assert "5 x (4 GPU, 1 EFA)" in condition["message"]
     run = run_of(namespace, "qwen25-sample")
@@ -121,11 +125,11 @@ def test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_dail
         apply(namespace, example("aws-sample", **bounded))
         started = time.monotonic()
 
-        def unscheduled() -> dict[str, Any] | None:
-            found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsScheduled")
-            return found if found and found["status"] == "False" else None
-
-        shown = wait_until("PodsScheduled=False with the scheduler's message", unscheduled, timeout=60)
+        shown = wait_until(
+            "PodsScheduled=False with the scheduler's message",
+            lambda: false_condition(namespace, "qwen25-sample", "PodsScheduled"),
+            timeout=60,
+        )
         print(f"the unschedulable worker named in the status {time.monotonic() - started:.1f}s after apply")
         assert "Insufficient cpu" in shown["message"], shown
         run = run_of(namespace, "qwen25-sample")
@@ -178,11 +182,11 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_within_the_bound(
     apply(namespace, example("aws-sample", **changes))
     started = time.monotonic()
 
-    def pods_unhealthy() -> dict[str, Any] | None:
-        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsHealthy")
-        return found if found and found["status"] == "False" else None
-
-    shown = wait_until("PodsHealthy=False naming the missing service account", pods_unhealthy, timeout=60)
+    shown = wait_until(
+        "PodsHealthy=False naming the missing service account",
+        lambda: false_condition(namespace, "qwen25-sample", "PodsHealthy"),
+        timeout=60,
+    )
     print(f"the refused pods named in the status {time.monotonic() - started:.1f}s after apply")
     assert shown["reason"].startswith("FailedCreate") and "no-such-account" in shown["message"], shown
     assert "no-such-account" in kubectl("get", "trainingruns", "-n", namespace).stdout
@@ -279,11 +283,9 @@ def test_an_image_that_never_pulls_fails_the_run_with_the_kubelets_reason(
     changes = {"image": "example.invalid/never-pulls:1", "recovery.podErrorTimeoutSeconds": 20}
     apply(namespace, example("aws-sample", **changes))
 
-    def pods_unhealthy() -> dict[str, Any] | None:
-        found = conditions_of(run_of(namespace, "qwen25-sample")).get("PodsHealthy")
-        return found if found and found["status"] == "False" else None
-
-    shown = wait_until("PodsHealthy=False", pods_unhealthy, timeout=60)
+    shown = wait_until(
+        "PodsHealthy=False", lambda: false_condition(namespace, "qwen25-sample", "PodsHealthy"), timeout=60
+    )
     assert shown["reason"] in ("ErrImagePull", "ImagePullBackOff") and "never-pulls" in shown["message"]
     run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=90)
     failed = conditions_of(run)["Failed"]
