@@ -137,6 +137,7 @@ def test_valid_runs_are_accepted_with_server_side_defaults(namespace: str, crd_i
         "hangTimeoutSeconds": 1800,
         "setupTimeoutSeconds": 1800,
         "provisioningTimeoutSeconds": 900,
+        "provisioningAttempts": 3,
         "podErrorTimeoutSeconds": 300,
         "inJobMaxFailures": 1,
     }

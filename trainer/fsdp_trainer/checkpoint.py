@@ -6,7 +6,7 @@ writing the DCP shards (in place on a local path; for S3 locally, then uploaded 
 and the manifest follow in the background. Rank 0 writes the
 manifest only once every rank's files are in storage at their sizes; a crash anywhere before that leaves a
 checkpoint without a manifest, which resumption never picks. Checkpoints are not reported to Ray Train:
-resumption scans storage, and `prune` keeps the newest `keep` complete ones.
+resumption scans storage, and `prune` keeps the newest `keep` complete ones and the newest with a finite loss.
 """
 
 from __future__ import annotations
@@ -250,13 +250,20 @@ def require_data_fingerprint(run: Location, found: Candidate, data_fingerprint: 
 
 
 def prune(run: Location, keep: int) -> None:
-    """Keeps the newest `keep` complete checkpoints and deletes the rest, plus incomplete leftovers older
-    than the newest complete one; for launches without Ray, whose CheckpointConfig does this otherwise."""
+    """Keeps the newest `keep` complete checkpoints, and the newest complete one whose manifest records a
+    finite loss however old, and deletes the rest, plus incomplete leftovers older than the newest complete
+    one; for launches without Ray, whose CheckpointConfig does this otherwise.
+
+    A loss that was not finite is stored as null, like a loss not yet measured; either way the checkpoint
+    does not count as known good, so a run whose newer checkpoints went bad keeps one to go back to."""
     candidates = run_checkpoints(run)
     complete = complete_oldest_first(candidates)
     if not complete:
         return
     kept = {c.location.uri for c in complete[-keep:]}
+    known_good = [c for c in complete if c.manifest is not None and _finite(c.manifest.loss)]
+    if known_good:
+        kept.add(known_good[-1].location.uri)
     newest = complete[-1].location.name
     doomed = [
         c for c in candidates if c.location.uri not in kept and (c.complete or c.location.name < newest)
@@ -264,6 +271,10 @@ def prune(run: Location, keep: int) -> None:
     for candidate in doomed:
         log.info("deleting checkpoint %s (keep %d)", candidate.location.uri, keep)
         candidate.location.delete_dir()
+
+
+def _finite(loss: float | None) -> bool:
+    return loss is not None and math.isfinite(loss)
 
 
 # ----------------------------------------------------------------------------------------------------------

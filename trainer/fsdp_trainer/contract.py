@@ -180,6 +180,13 @@ class TrainingSpec(ContractModel):
         ge=1,
         description="Steps between metric records; each costs a host sync and two small all-reduces.",
     )
+    max_non_finite_steps: int = Field(
+        default=3,
+        ge=1,
+        description="Steps in a row whose loss or gradient norm is not finite (inf or NaN) that fail the run "
+        "(reason NonFiniteLoss, not retried). Such a step's update is skipped on every worker: weights, "
+        "optimizer state and learning rate stay as they were, and its batch is not retried.",
+    )
 
 
 class DataSpec(ContractModel):
@@ -380,6 +387,7 @@ class ErrorKind(StrEnum):
     MODEL = "model"  # model or tokenizer could not be loaded or built
     OOM = "oom"  # device out of memory
     TRANSPORT = "transport"  # the network policy was violated (e.g. EFA required, socket used)
+    NON_FINITE_LOSS = "non-finite-loss"  # the loss or gradient norm stayed inf/NaN (maxNonFiniteSteps)
     RUNTIME = "runtime"  # anything else (lost workers, storage hiccups, collective timeouts): retryable
 
 
@@ -425,6 +433,11 @@ class ProgressRecord(ContractModel):
         "writing and uploading it continue in the background.",
     )
     tokens_seen: int = 0
+    non_finite_steps: int = Field(
+        default=0,
+        description="Steps of this attempt whose update was skipped because the loss or gradient norm was "
+        "not finite on some worker.",
+    )
     world_size: int = 1
     resumed_from_step: int | None = None
     transport: TransportReport | None = None

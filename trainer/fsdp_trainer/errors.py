@@ -29,6 +29,14 @@ class TransportError(TrainerError):
     kind = ErrorKind.TRANSPORT
 
 
+class NonFiniteLossError(TrainerError):
+    """training.maxNonFiniteSteps steps in a row had a non-finite loss or gradient norm. Permanent: a retry
+    resumes from the newest checkpoint with the same weights, data order and hyperparameters, so it meets
+    the same steps again; a lower learning rate or other data is the user's call."""
+
+    kind = ErrorKind.NON_FINITE_LOSS
+
+
 class DeviceError(TrainerError):
     """The node cannot run what was asked (no usable GPU): RUNTIME, since another node may."""
 

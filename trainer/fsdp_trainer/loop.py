@@ -33,7 +33,7 @@ from fsdp_trainer import (
 )
 from fsdp_trainer.checkpoint_manager import CheckpointManager
 from fsdp_trainer.contract import Precision, SetupStage
-from fsdp_trainer.errors import ConfigError, ModelError, classify
+from fsdp_trainer.errors import ConfigError, ModelError, NonFiniteLossError, classify
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
@@ -278,6 +278,10 @@ class Trainer:
         checkpoints, metrics = session.checkpoints, session.metrics
         fault = Fault.from_env()
         first_step = state.step + 1
+        skipped_in_a_row = 0
+        # A checkpoint due at a skipped step is saved after the next applied one: every checkpoint holds the
+        # state after a step whose loss was finite, never weights that came in non-finite.
+        save_pending = False
         if config.fsdp.compile:  # torch.compile runs in the first step, which can take minutes
             self.stage(SetupStage.COMPILING)
         else:
@@ -290,25 +294,44 @@ class Trainer:
                     fault.trigger()
                 learning_rate = float(session.scheduler.get_last_lr()[0])
                 try:
-                    loss, grad_norm = self.train_step(session)
+                    loss, grad_norm, applied = self.train_step(session)
                 except torch._dynamo.exc.Unsupported as error:  # evaluated only when something is raised
                     raise ModelError(
                         "fsdp.compile: torch.compile cannot compile a decoder layer whole (fullgraph=True): "
                         f"{error}. Turn fsdp.compile off for this model."
                     ) from error
+                # A skipped step still takes its step number: its samples were read, so the step, the data
+                # position and tokens seen move on together, the batch that went non-finite is not retried,
+                # and maxSteps still bounds the attempt.
                 state.step = step
                 state.tokens_seen += metrics.throughput.tokens_per_step
+                if applied:
+                    skipped_in_a_row = 0
+                else:
+                    skipped_in_a_row += 1
+                    metrics.step_skipped(step, loss)
+                    if skipped_in_a_row == training.max_non_finite_steps:
+                        raise NonFiniteLossError(
+                            f"step {step}: the loss or gradient norm was not finite for {skipped_in_a_row} "
+                            f"steps in a row (steps {step - skipped_in_a_row + 1}-{step}, "
+                            f"training.maxNonFiniteSteps {training.max_non_finite_steps}); none of their "
+                            "updates was applied. Lower the learning rate or check the data of these steps."
+                        )
                 if step == first_step and config.fsdp.compile:
                     metrics.training_started()
                 metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
                 if config.data.eval_every and step % config.data.eval_every == 0:
                     metrics.evaluated(session.validator.validate(session.lm, step), step)
-                if checkpoints.due(step):
+                save_pending = save_pending or checkpoints.due(step)
+                if save_pending and applied:
                     checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
+                    save_pending = False
 
-    def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor]:
+    def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
-        norm before clipping, as device tensors (reading them is the metrics processor's host sync)."""
+        norm before clipping, as device tensors (reading them is the metrics processor's host sync), and
+        whether the update was applied: a step whose loss or gradient norm is not finite on any rank is
+        skipped on every rank, its gradients dropped."""
         training = self.config.training
         loss_sum = optim.accumulate_gradients(
             session.lm,
@@ -318,11 +341,15 @@ class Trainer:
             self.config.fsdp.reduce_every_micro_step,
         )
         grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
+        applied = optim.all_finite(loss_sum, grad_norm)
         self.checkpoint_staged(session)  # a save's staging overlapped this step's forward and backward
-        session.optimizer.step()
-        session.scheduler.step()
+        if applied:
+            session.optimizer.step()
+            # The schedule counts applied updates: a skipped step leaves the learning rate as it was, so
+            # skipped steps never cut the warmup short (the decay then ends just above its floor).
+            session.scheduler.step()
         session.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm
+        return loss_sum, grad_norm, applied
 
     def checkpoint_staged(self, session: Session) -> None:
         """Waits for a save's staging (if one is in flight) and records how long it held training up."""

@@ -7,7 +7,9 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.contract import Schedule, TrainingSpec
 
@@ -78,6 +80,19 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
     return norm
+
+
+def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+    """Whether a step's loss and gradient norm are finite on every rank, so that every rank applies or skips
+    the update alike (a rank that skipped alone would leave FSDP's collectives out of step). One all-reduce
+    of two numbers and one host sync. Each rank adds its loss and the square of its local gradient norm: the
+    sums are finite exactly when every loss and the global norm are, since torch reduces a sharded 2-norm
+    from the same squares."""
+    local_norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
+    # On the loss's device: with cpu_offload the gradients, and so their norm, are in host memory.
+    summed = torch.stack([loss.float(), local_norm.to(loss.device, torch.float32) ** 2])
+    dist.all_reduce(summed)
+    return bool(torch.isfinite(summed).all())
 
 
 def build_scheduler(

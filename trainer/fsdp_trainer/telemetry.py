@@ -1,6 +1,7 @@
-"""The metrics processor: the training loop's only host synchronisations and its only metric collectives
-happen here, once per logging interval; records of steps, evaluations, checkpoints and the end of training
-go to the background progress writer."""
+"""The metrics processor: the training loop's metric collectives and their host synchronisations happen
+here, once per logging interval (each step's finiteness check, optim.all_finite, is the only other); records
+of steps, skipped steps, evaluations, checkpoints and the end of training go to the background progress
+writer."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class MetricsProcessor:
         self.interval_start = clock()
         self.interval_steps = 0
         self.last_loss: float | None = None
+        self.non_finite_steps = 0
         self.checkpoint_blocked_seconds: float | None = None  # of the latest save, once staged
         device = runtime.device
         self.peak_flops = peak_flops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
@@ -112,6 +114,19 @@ class MetricsProcessor:
         _reset_peak_memory(device)
         self.interval_start, self.interval_steps = self.clock(), 0
         return record
+
+    def step_skipped(self, step: int, loss: torch.Tensor) -> None:
+        """A step whose update was skipped for a non-finite loss or gradient norm (every rank calls this;
+        `loss` is this rank's, which the finiteness check has already waited for)."""
+        self.non_finite_steps += 1
+        log.warning(
+            "step %d: loss or gradient norm not finite (this rank's loss %s): update skipped, %d skipped so far",
+            step,
+            float(loss),
+            self.non_finite_steps,
+        )
+        if self.progress is not None:
+            self.progress.update(non_finite_steps=self.non_finite_steps)
 
     def exclude(self, seconds: float) -> None:
         """Time inside the interval that was not spent training."""
