@@ -57,6 +57,7 @@ def act(
             created and created[1] == attempt and time.monotonic() - created[0] < CREATED_MEMORY_SECONDS
         ):
             create_cluster_guards(ctx, run)
+            create_efa_claim_template(ctx, run, spec)
             ctx.kube.create_raycluster(ctx.desired_raycluster(run, spec, decision.status))
             memory.created = (time.monotonic(), attempt)
             fault_point("after-create-cluster", attempt)
@@ -101,6 +102,13 @@ def create_cluster_guards(ctx: Context, run: builder.RunRef) -> None:
         ctx.kube.create_if_absent(builder.build_ray_auth_secret(run, token))
     if settings.network_policy:
         ctx.kube.create_if_absent(ctx.network_policy(run))
+
+
+def create_efa_claim_template(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec) -> None:
+    """Where nodes expose EFA through DRA, the claim template the workers' pods name, before the cluster."""
+    device_class = ctx.settings.efa_device_class
+    if device_class is not None and builder.uses_efa(spec):
+        ctx.kube.create_if_absent(builder.build_efa_claim_template(spec, run, device_class))
 
 
 def restore_network_policy(ctx: Context, deleted: Mapping[str, Any], indexes: Indexes) -> None:

@@ -28,8 +28,17 @@ ADMISSION_MEMORY_SECONDS = 120.0
 
 
 class Admission:
-    def __init__(self, watch_namespaces: list[str], kube: Kube | None, ec2: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        watch_namespaces: list[str],
+        kube: Kube | None,
+        ec2: Callable[[], Any],
+        efa_through_dra: bool = False,
+    ) -> None:
         self.watch_namespaces = watch_namespaces
+        # Nodes that expose EFA through DRA advertise no vpc.amazonaws.com/efa: the scheduler allocates the
+        # interfaces with the pod, and admission counts GPUs, CPU, memory and disk only.
+        self.efa_through_dra = efa_through_dra
         self.kube = kube
         self.ec2 = ec2  # the EC2 client, built on first use
         self._lock = threading.Lock()
@@ -155,6 +164,8 @@ class Admission:
         if found is not None and _same_objects(found[0], nodes) and _same_objects(found[1], pods):
             return found[2]
         free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
+        if self.efa_through_dra:
+            free = tuple(dataclasses.replace(node, efa=preflight.EFA_NOT_COUNTED) for node in free)
         self._free_nodes[memo_key] = (nodes, pods, free)
         return free
 

@@ -23,6 +23,7 @@ ANNOTATION_IMAGE = f"{api.GROUP}/image"  # the image the cluster was built with 
 # and still puts its generated `ray start ... --block` in KUBERAY_GEN_RAY_START_CMD, which the command below
 # runs through the DLC's entrypoint (directly on an image without one).
 ANNOTATION_KEEP_COMMAND = "ray.io/overwrite-container-cmd"
+EFA_CLAIM = "efa"  # the worker's resource claim on its EFA interfaces, where they come through DRA
 RAY_METRICS_PORT = 8080  # KubeRay's default metrics-export-port of every Ray pod
 DLC_ENTRYPOINT = "/usr/local/bin/entrypoint.sh"
 RAY_START_COMMAND = ["/bin/bash", "-c", "--"]
@@ -64,6 +65,9 @@ class Platform:
     head_node_selector: dict[str, str] = field(default_factory=dict)
     head_tolerations: tuple[dict[str, Any], ...] = ()
     pod_env: dict[str, str] = field(default_factory=dict)
+    # Set where nodes expose EFA through DRA (AWS's EFA DRA driver): workers claim their interfaces from this
+    # DeviceClass through a ResourceClaimTemplate of the run, not as vpc.amazonaws.com/efa.
+    efa_device_class: str | None = None
 
 
 def pod_platform(settings: Settings) -> Platform:
@@ -74,6 +78,7 @@ def pod_platform(settings: Settings) -> Platform:
             t.model_dump(by_alias=True, exclude_none=True) for t in settings.head_tolerations
         ),
         pod_env=dict(settings.ray_pod_env),
+        efa_device_class=settings.efa_device_class,
     )
 
 
@@ -239,6 +244,27 @@ def build_network_policy(
     }
 
 
+def build_efa_claim_template(spec: api.FSDPTrainingRunSpec, run: RunRef, device_class: str) -> dict[str, Any]:
+    """Each worker's claim on its EFA interfaces where nodes expose them through DRA: that many devices of
+    the DeviceClass, allocated by the scheduler with the pod (one ResourceClaim per pod, from this)."""
+    request = {
+        "deviceClassName": device_class,
+        "allocationMode": "ExactCount",
+        "count": spec.cluster.efa(spec.network),
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {
+            "name": ray_cluster_name(run.name),
+            "namespace": run.namespace,
+            "labels": run_labels(run),
+            "ownerReferences": [owner_reference(run)],
+        },
+        "spec": {"spec": {"devices": {"requests": [{"name": EFA_CLAIM, "exactly": request}]}}},
+    }
+
+
 def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
@@ -344,7 +370,8 @@ def _worker_group(
 ) -> dict[str, Any]:
     cluster = spec.cluster
     resources = {"cpu": cluster.worker_cpu(), "memory": cluster.worker_memory(), GPU: str(cluster.gpus())}
-    if uses_efa(spec):
+    efa_by_claim = uses_efa(spec) and platform.efa_device_class is not None
+    if uses_efa(spec) and not efa_by_claim:
         resources[EFA] = str(cluster.efa(spec.network))
     node_selector = {**cluster.node_selector, LABEL_INSTANCE_TYPE: cluster.instance_type}
     placement_zone = cluster.zone or zone
@@ -376,6 +403,9 @@ def _worker_group(
             scratch,
         ],
     }
+    if efa_by_claim:
+        container["resources"]["claims"] = [{"name": EFA_CLAIM}]
+        pod["resourceClaims"] = [{"name": EFA_CLAIM, "resourceClaimTemplateName": ray_cluster_name(run.name)}]
     return {
         "groupName": WORKER_GROUP,
         "replicas": cluster.workers,

@@ -35,7 +35,12 @@ class Context:
     ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
 
     def __post_init__(self) -> None:
-        self.admission = Admission(self.settings.watch_namespaces, self.kube, self.ec2)
+        self.admission = Admission(
+            self.settings.watch_namespaces,
+            self.kube,
+            self.ec2,
+            efa_through_dra=self.settings.efa_device_class is not None,
+        )
 
     @property
     def platform(self) -> builder.Platform:

@@ -20,6 +20,12 @@ API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call th
 POD_LIST_PAGE = 250
 EVENTS_PER_POD = 100
 USER_AGENT = "fsdp-operator"
+# The API paths of the objects a run gets beside its RayCluster.
+CREATED_KINDS = {
+    "Secret": "/api/v1/namespaces/{namespace}/secrets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies",
+    "ResourceClaimTemplate": "/apis/resource.k8s.io/v1/namespaces/{namespace}/resourceclaimtemplates",
+}
 
 
 class Conflict(Exception):
@@ -81,17 +87,12 @@ class Kube:
                 raise
 
     def create_if_absent(self, manifest: dict[str, Any]) -> None:
-        """A Secret or NetworkPolicy of a run; an existing one of that name is taken as made by an earlier
-        pass (its content is derived from the run's name, so an older one says the same)."""
+        """A Secret, NetworkPolicy or ResourceClaimTemplate of a run; an existing one of that name is taken as
+        made by an earlier pass (its content is derived from the run, so an older one says the same)."""
         namespace = manifest["metadata"]["namespace"]
         body = cast(Any, manifest)
         try:
-            if manifest["kind"] == "Secret":
-                self.request("POST", f"/api/v1/namespaces/{namespace}/secrets", body)
-            else:
-                self.request(
-                    "POST", f"/apis/networking.k8s.io/v1/namespaces/{namespace}/networkpolicies", body
-                )
+            self.request("POST", CREATED_KINDS[manifest["kind"]].format(namespace=namespace), body)
         except ApiException as error:
             if error.status != 409:
                 raise

@@ -19,6 +19,9 @@ CPU, MEMORY, DISK = "cpu", "memory", "ephemeral-storage"
 # A waiting run whose single worker fits no node of its instance type, not even an empty one: nodes the
 # group adds have the same shape, so it would wait for ever. It fails at once, with what to change.
 WORKER_FITS_NO_NODE = "WorkerFitsNoNode"
+EFA_NOT_COUNTED = (
+    1 << 20
+)  # a node's EFA where the scheduler allocates it through DRA: never the short resource
 
 
 @dataclass(frozen=True)
@@ -229,7 +232,9 @@ def _shown(resource: str, amount: int) -> str:
 # What to change for each resource a worker asks more of than any node has.
 _REMEDY = {
     GPU: "lower spec.cluster.gpusPerWorker or pick an instanceType with more GPUs",
-    EFA: "lower spec.cluster.efaPerWorker",
+    EFA: "lower spec.cluster.efaPerWorker; nodes that expose EFA through DRA (AWS's EFA DRA driver, "
+    "DeviceClass efa.networking.k8s.aws) advertise no vpc.amazonaws.com/efa: then set the operator's "
+    "efa-device-class (chart efa.draDeviceClass)",
     CPU: "lower spec.cluster.cpu",
     MEMORY: "lower spec.cluster.memory",
     DISK: "lower spec.cluster.ephemeralStorage, or give the node group larger disks (an EKS managed node "

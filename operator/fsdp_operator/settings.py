@@ -90,6 +90,14 @@ class Settings(BaseSettings):
         description="Namespaces whose pods (Prometheus) each run's NetworkPolicy admits to Ray's metrics "
         "port, comma-separated.",
     )
+    efa_device_class: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=DNS_SUBDOMAIN,
+        description="The DRA DeviceClass of EFA interfaces where nodes expose them through DRA and advertise "
+        "no vpc.amazonaws.com/efa (AWS's EFA DRA driver installs efa.networking.k8s.aws): workers then claim "
+        "their interfaces through a ResourceClaimTemplate of the run.",
+    )
     head_node_selector: dict[str, str] = Field(
         default_factory=dict,
         description="Node labels of the nodes for Ray heads (JSON object), for runs that set none; empty: "

@@ -195,6 +195,76 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_within_the_bound(
     wait_until("the RayCluster to be deleted", lambda: rayclusters(namespace) == [], timeout=60)
 
 
+EFA_DEVICE_CLASS = "efa.networking.k8s.aws"  # what AWS's EFA DRA driver (aws-dranet) installs
+
+
+def efa_dra_objects(gpu_nodes: list[str]) -> list[dict[str, Any]]:
+    """The EFA DRA driver's DeviceClass and, per GPU node, a ResourceSlice of one EFA device as DRANET
+    publishes it (driver dra.net, attribute pciDevice); the nodes advertise no vpc.amazonaws.com/efa then."""
+    efa_device = 'device.attributes["dra.net"].pciDevice == "Elastic Fabric Adapter (EFA)"'
+    selector = f'device.driver == "dra.net" && {efa_device}'
+    device_class = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": EFA_DEVICE_CLASS},
+        "spec": {"selectors": [{"cel": {"expression": selector}}]},
+    }
+    efa = {"dra.net/pciDevice": {"string": "Elastic Fabric Adapter (EFA)"}, "dra.net/rdma": {"bool": True}}
+    slices = [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": f"efa-{node}"},
+            "spec": {
+                "driver": "dra.net",
+                "nodeName": node,
+                "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
+                "devices": [{"name": "pci-0000-10-1b-0", "attributes": efa}],
+            },
+        }
+        for node in gpu_nodes
+    ]
+    return [device_class, *slices]
+
+
+def test_workers_claim_efa_through_dra_where_nodes_expose_it_that_way(
+    namespace: str, crd_installed: None, tmp_path: Any
+) -> None:
+    """With the operator's efa-device-class set, each worker claims its EFA interface from the DeviceClass
+    through the run's ResourceClaimTemplate (no vpc.amazonaws.com/efa, which DRA nodes do not advertise): the
+    real scheduler allocates a device of the worker's node to each, and the run reaches ClusterReady."""
+    nodes = kubectl_json("get", "nodes", "-l", "node.kubernetes.io/instance-type=g6.12xlarge")["items"]
+    objects = efa_dra_objects([n["metadata"]["name"] for n in nodes])
+    kubectl("apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    proc = OperatorProcess(
+        namespace=namespace, env={"FSDP_OPERATOR_EFA_DEVICE_CLASS": EFA_DEVICE_CLASS}, log=tmp_path / "op.log"
+    ).start()
+    try:
+        apply(namespace, example("aws-sample"))
+        wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+        [cluster] = rayclusters(namespace)
+        worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+        assert worker["resourceClaims"] == [
+            {"name": "efa", "resourceClaimTemplateName": cluster["metadata"]["name"]}
+        ]
+        assert "vpc.amazonaws.com/efa" not in worker["containers"][0]["resources"]["limits"]
+        pods = kubectl_json("get", "pods", "-n", namespace, "-l", "ray.io/node-type=worker")["items"]
+        claims = {
+            c["metadata"]["name"]: c for c in kubectl_json("get", "resourceclaims", "-n", namespace)["items"]
+        }
+        assert len(pods) == 2
+        for pod in pods:
+            [status] = pod["status"]["resourceClaimStatuses"]
+            [allocated] = claims[status["resourceClaimName"]]["status"]["allocation"]["devices"]["results"]
+            assert (allocated["driver"], allocated["pool"]) == ("dra.net", pod["spec"]["nodeName"]), allocated
+    finally:
+        proc.stop()
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        for obj in objects:
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
+        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-6000:]}")
+
+
 def test_three_workers_fit_only_across_zones_and_fail_by_policy(
     namespace: str, operator: OperatorProcess
 ) -> None:

@@ -56,3 +56,27 @@ def test_the_table_says_what_ec2_says(name: str) -> None:
     assert ours.memory_gib * 1024 == ec2["MemoryInfo"]["SizeInMiB"]
     assert ours.gpus == sum(g["Count"] for g in ec2["GpuInfo"]["Gpus"])
     assert ours.efa_interfaces == ec2["NetworkInfo"]["EfaInfo"]["MaximumEfaInterfaces"]
+
+
+def test_where_nodes_expose_efa_through_dra_workers_claim_it_from_the_device_class() -> None:
+    spec = api.FSDPTrainingRunSpec.model_validate({**BASE, "cluster": {"instanceType": "p5.48xlarge"}})
+    platform = builder.Platform(efa_device_class="efa.networking.k8s.aws")
+    manifest = builder.build_raycluster(spec, RUN, IMAGE, zone="us-west-2a", platform=platform)
+    pod = manifest["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    name = builder.ray_cluster_name(RUN.name)
+    assert pod["resourceClaims"] == [{"name": "efa", "resourceClaimTemplateName": name}]
+    container = pod["containers"][0]
+    assert container["resources"]["claims"] == [{"name": "efa"}]
+    assert (
+        builder.EFA not in container["resources"]["limits"]
+        and builder.EFA not in container["resources"]["requests"]
+    )
+    template = builder.build_efa_claim_template(spec, RUN, "efa.networking.k8s.aws")
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    assert request == {
+        "name": "efa",
+        "exactly": {"deviceClassName": "efa.networking.k8s.aws", "allocationMode": "ExactCount", "count": 32},
+    }
+    assert (
+        template["metadata"]["name"] == name and template["metadata"]["ownerReferences"][0]["uid"] == RUN.uid
+    )

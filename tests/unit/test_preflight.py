@@ -216,3 +216,19 @@ def test_a_worker_that_fits_no_node_fails_the_run_at_once_under_the_wait_policy(
     assert decision.status.phase == api.Phase.FAILED and not decision.create_cluster
     failed = conditions.condition(decision.status.conditions, conditions.FAILED)
     assert failed is not None and failed.reason == preflight.WORKER_FITS_NO_NODE
+
+
+def test_nodes_without_efa_say_what_dra_needs_and_admission_through_dra_does_not_count_it() -> None:
+    no_efa = [eks_node("a0", "us-west-2a", disk="500Gi", **{"vpc.amazonaws.com/efa": "0"})]
+    refused = admit_alone(spec(), no_efa, [])
+    assert refused.reason == preflight.WORKER_FITS_NO_NODE and "efa-device-class" in refused.message
+    assert "efa.networking.k8s.aws" in refused.message
+
+    from fsdp_operator.admission import Admission
+    from fsdp_operator.builder import RunRef
+    from fsdp_operator.kube import Indexes
+
+    indexes = Indexes(runs={}, rayclusters={}, ray_pods={}, nodes={None: no_efa}, accelerator_pods={None: []})
+    through_dra = Admission(watch_namespaces=[], kube=None, ec2=lambda: None, efa_through_dra=True)
+    one = spec(workers=1)
+    assert through_dra.admit(RunRef("r", "team-a", "uid-r"), one, "2026-12-01T00:00:00Z", indexes).ok

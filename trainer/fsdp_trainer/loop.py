@@ -14,7 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -279,8 +279,8 @@ class Trainer:
         fault = Fault.from_env()
         first_step = state.step + 1
         skipped_in_a_row = 0
-        # A checkpoint due at a skipped step is saved after the next applied one: every checkpoint holds the
-        # state after a step whose loss was finite, never weights that came in non-finite.
+        # A checkpoint due at a skipped step is saved after the next applied one (if any): every checkpoint
+        # holds the state after a step whose loss was finite, never weights that came in non-finite.
         save_pending = False
         if config.fsdp.compile:  # torch.compile runs in the first step, which can take minutes
             self.stage(SetupStage.COMPILING)
@@ -311,12 +311,7 @@ class Trainer:
                     skipped_in_a_row += 1
                     metrics.step_skipped(step, loss)
                     if skipped_in_a_row == training.max_non_finite_steps:
-                        raise NonFiniteLossError(
-                            f"step {step}: the loss or gradient norm was not finite for {skipped_in_a_row} "
-                            f"steps in a row (steps {step - skipped_in_a_row + 1}-{step}, "
-                            f"training.maxNonFiniteSteps {training.max_non_finite_steps}); none of their "
-                            "updates was applied. Lower the learning rate or check the data of these steps."
-                        )
+                        self.fail_non_finite(checkpoints, step)
                 if step == first_step and config.fsdp.compile:
                     metrics.training_started()
                 metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
@@ -350,6 +345,21 @@ class Trainer:
             session.scheduler.step()
         session.optimizer.zero_grad(set_to_none=True)
         return loss_sum, grad_norm, applied
+
+    def fail_non_finite(self, checkpoints: CheckpointManager, step: int) -> NoReturn:
+        """Fails the attempt at the last of maxNonFiniteSteps skipped steps in a row. Every rank gets here at
+        the same step, so the save in flight (of the last applied step) can complete first."""
+        limit = self.config.training.max_non_finite_steps
+        error = NonFiniteLossError(
+            f"step {step}: the loss or gradient norm was not finite for {limit} steps in a row (steps "
+            f"{step - limit + 1}-{step}, training.maxNonFiniteSteps {limit}); none of their updates was "
+            "applied. Lower the learning rate or check the data of these steps."
+        )
+        try:
+            checkpoints.wait()
+        except OSError as save_failure:  # the failure to report is still the non-finite steps
+            raise error from save_failure
+        raise error
 
     def checkpoint_staged(self, session: Session) -> None:
         """Waits for a save's staging (if one is in flight) and records how long it held training up."""

@@ -84,15 +84,15 @@ def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) ->
 
 def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
     """Whether a step's loss and gradient norm are finite on every rank, so that every rank applies or skips
-    the update alike (a rank that skipped alone would leave FSDP's collectives out of step). One all-reduce
-    of two numbers and one host sync. Each rank adds its loss and the square of its local gradient norm: the
-    sums are finite exactly when every loss and the global norm are, since torch reduces a sharded 2-norm
-    from the same squares."""
-    local_norm = grad_norm.to_local() if isinstance(grad_norm, DTensor) else grad_norm
+    the update alike (a rank deciding alone would update only some of the model's shards, or fail alone and
+    leave the others waiting in a collective): one all-reduce of one number and one host sync."""
+    # The global norm: clip_gradients' DTensor comes replicated, so this is no collective.
+    norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
     # On the loss's device: with cpu_offload the gradients, and so their norm, are in host memory.
-    summed = torch.stack([loss.float(), local_norm.to(loss.device, torch.float32) ** 2])
-    dist.all_reduce(summed)
-    return bool(torch.isfinite(summed).all())
+    values = torch.stack([loss.float(), norm.to(loss.device, torch.float32)])
+    non_finite = (~torch.isfinite(values)).any().to(torch.int32)
+    dist.all_reduce(non_finite, op=dist.ReduceOp.MAX)
+    return not non_finite.item()
 
 
 def build_scheduler(

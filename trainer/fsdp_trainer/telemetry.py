@@ -120,7 +120,7 @@ class MetricsProcessor:
         `loss` is this rank's, which the finiteness check has already waited for)."""
         self.non_finite_steps += 1
         log.warning(
-            "step %d: loss or gradient norm not finite (this rank's loss %s): update skipped, %d skipped so far",
+            "step %d: loss or gradient norm not finite (this rank's loss %s): update skipped (%d so far)",
             step,
             float(loss),
             self.non_finite_steps,
