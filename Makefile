@@ -59,10 +59,11 @@ cluster-down: ## stop everything cluster-up started
 	@hack/cluster-down.sh
 
 .PHONY: lint
-lint: venv-operator ## ruff and mypy
+lint: venv-operator ## ruff, mypy and the import layers (import-linter)
 	$(VENV)/bin/ruff check operator trainer tests bench
 	$(VENV)/bin/ruff format --check operator trainer tests bench
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
+	PYTHONPATH=operator:trainer $(VENV)/bin/lint-imports
 
 .PHONY: test
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side

@@ -12,12 +12,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-import fsdp_trainer
 from fsdp_operator import api
 from fsdp_operator.builder import RunRef, ray_cluster_name
+from fsdp_trainer import contract
 from fsdp_trainer.contract import AttemptInfo, TrackingConfig, TrainerConfig
 
-TRAINER_PACKAGE = Path(fsdp_trainer.__file__).resolve().parent
+# The package the contract module belongs to: the operator reaches the trainer through the contract only.
+TRAINER_PACKAGE = Path(contract.__file__).resolve().parent
 
 
 def submission_prefix(run: RunRef) -> str:
