@@ -688,6 +688,8 @@ class _Pass:
             if new.phase == Phase.RUNNING:
                 self.running()  # the job may still be fine (a worker pod restarting) or already lost
             return self.decision
+        if new.phase in (Phase.PROVISIONING, Phase.CLUSTER_READY) and self.pods_disagree():
+            return self.decision
         self.condition(
             conditions.CLUSTER_READY, True, "RayClusterReady", "KubeRay reports the RayCluster ready"
         )
@@ -706,6 +708,25 @@ class _Pass:
         elif new.phase == Phase.RUNNING:
             self.running()
         return self.decision
+
+    def pods_disagree(self) -> bool:
+        """Pods of a new cluster that pulled different images for one tag (nodes holding different copies of a
+        republished tag: different NCCL builds in one job): before any job runs, the cluster is recreated on
+        the digest most of them run, pinned for every later attempt."""
+        ids = self.obs.pod_image_ids
+        submitted = self.new.job_submission_id is not None and self.new.phase == Phase.CLUSTER_READY
+        if len(set(ids)) < 2 or submitted:
+            return False
+        chosen = max(sorted(set(ids)), key=ids.count)
+        message = f"pods pulled different images ({', '.join(sorted(set(ids)))}): recreating on {chosen}"
+        self.event(True, "ImageMismatch", message)
+        self.new.image.digest, self.new.image.consistent = chosen, None
+        self.condition(conditions.IMAGE_CONSISTENT, False, "Recreating", message)
+        self.condition(conditions.CLUSTER_READY, False, "ImageMismatch", message)
+        self.transition(Phase.PROVISIONING, "ImageMismatch", message, announce=False)
+        self.decision.delete_cluster = True
+        self.requeue(STILL_ENDING_REQUEUE_SECONDS)
+        return True
 
     def pending(self) -> Decision:
         new, obs = self.new, self.obs

@@ -326,3 +326,21 @@ def test_a_pod_an_autoscaler_adds_a_node_for_is_shown_waiting_for_it() -> None:
     shown = conditions.condition(decision.status.conditions, conditions.PODS_SCHEDULED)
     assert shown is not None and (shown.status, shown.reason) == ("False", "WaitingForScaleUp")
     assert "triggered scale-up" in shown.message and decision.status.phase == api.Phase.PROVISIONING
+
+
+def test_pods_of_a_new_cluster_that_pulled_different_images_are_recreated_on_one_digest() -> None:
+    """A republished tag, cached differently on two nodes: before any job runs, the RayCluster is deleted
+    and created again on the digest most pods run, pinned for every later attempt."""
+    old, new = "dlc@sha256:" + "1" * 64, "dlc@sha256:" + "2" * 64
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    decision = reconcile(spec(), provisioning, observe(pod_image_ids=(new, new, old)))
+    assert decision.delete_cluster and decision.submit_attempt is None
+    assert decision.status.image.digest == new and decision.status.phase == api.Phase.PROVISIONING
+    shown = conditions.condition(decision.status.conditions, conditions.IMAGE_CONSISTENT)
+    assert shown is not None and (shown.status, shown.reason) == ("False", "Recreating")
+    gone = reconcile(spec(), decision.status, observe(cluster=None))
+    assert gone.create_cluster  # on the pinned digest: the glue builds the cluster from status.image.digest
+    agreeing = reconcile(spec(), provisioning, observe(pod_image_ids=(new, new, new)))
+    assert agreeing.submit_attempt == 1 and agreeing.status.image.digest == new
