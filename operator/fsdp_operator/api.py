@@ -506,6 +506,11 @@ class ProgressStatus(ContractModel):
     eval_perplexity: float | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
+    non_finite_steps: int | None = Field(
+        default=None,
+        description="Optimizer steps this attempt skipped for a non-finite loss or gradient norm "
+        "(training.maxNonFiniteSteps in a row fail it with reason NonFiniteLoss).",
+    )
     updated_at: dt.datetime | None = None
 
 

@@ -270,6 +270,7 @@ class _Pass:
                 eval_perplexity=_round(progress.eval_perplexity, 2),
                 tokens_per_second=_round(progress.tokens_per_second, 1),
                 mfu=_round(progress.mfu, 4),
+                non_finite_steps=progress.non_finite_steps or None,
                 updated_at=progress.updated_at,
             )
             new.record.versions = progress.versions

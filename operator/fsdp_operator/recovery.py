@@ -29,6 +29,7 @@ REASON_BY_KIND = {
     ErrorKind.MODEL: "ModelError",
     ErrorKind.OOM: "OutOfMemory",
     ErrorKind.TRANSPORT: "TransportPolicyViolated",
+    ErrorKind.NON_FINITE_LOSS: "NonFiniteLoss",
 }
 
 

@@ -303,3 +303,18 @@ def test_a_permanent_failure_names_its_reason_once() -> None:
     config = progress(0, phase="failed", error="unknown column", error_kind="config", updated_at=NOW)
     named = reconcile(spec(), running(), observe(job=job("FAILED"), progress=config)).status
     assert named.message == "InvalidConfig: unknown column"
+
+
+def test_every_permanent_trainer_verdict_fails_the_run_with_a_reason_of_its_own() -> None:
+    """A trainer error kind the operator has no reason for would fail every pass (KeyError), not the run."""
+    from fsdp_trainer.contract import PERMANENT_ERROR_KINDS
+
+    started = NOW - dt.timedelta(minutes=1)
+    for kind in sorted(PERMANENT_ERROR_KINDS):
+        record = progress(0, phase="failed", error_kind=str(kind), error=f"step 4: {kind}", updated_at=NOW)
+        failure = classify("", "", record, started)
+        assert failure.permanent and failure.reason[0].isupper(), (kind, failure)
+    nan = progress(4, phase="failed", error_kind="non-finite-loss", error="step 4: loss nan", updated_at=NOW)
+    assert classify("", "", nan, started).reason == "NonFiniteLoss"
+    skipped = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress(non_finite_steps=2)))
+    assert skipped.status.progress.non_finite_steps == 2
