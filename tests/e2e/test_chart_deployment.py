@@ -48,6 +48,7 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("", "services/proxy", "create"): "dashboard-address-mode service-proxy only (the test uses override)",
     ("", "services/proxy", "update"): "service-proxy's package upload, a PUT (the test uses override)",
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
+    ("", "events", "list"): "an autoscaler's events about a Ray pod that waits for a node (none waits here)",
 }
 # Granted, and used by a demo run only when a race happens, so a run may or may not use them.
 USED_BY_A_DEMO_RUN_ONLY_IN_A_RACE: dict[Grant, str] = {
