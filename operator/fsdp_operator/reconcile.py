@@ -172,10 +172,16 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         drift=drift,
         suspended=suspended,
         zone=zones.pop() if len(zones) == 1 else None,
-        replica_failure=(
-            f"{failure.get('reason')}: {failure.get('message')}" if failure.get("status") == "True" else None
-        ),
+        replica_failure=_replica_failure(failure) if failure.get("status") == "True" else None,
     )
+
+
+def _replica_failure(condition: dict[str, Any]) -> str:
+    """KubeRay's ReplicaFailure as "<reason>: <why>": its message joins errors one per line, the first being
+    the reason again (FailedCreateHeadPod, then the apiserver's refusal)."""
+    reason = str(condition.get("reason") or "ReplicaFailure")
+    lines = [line.strip() for line in str(condition.get("message") or "").splitlines() if line.strip()]
+    return f"{reason}: {'; '.join(lines[1:] if lines[:1] == [reason] else lines)}"
 
 
 def needs_preflight(
@@ -241,7 +247,12 @@ class _Pass:
                 self.event(warning, reason, message)
             self.new.phase_transition_time = self.obs.now
         self.new.phase = phase
-        self.new.message = conditions.bounded(message)
+        self.say(message)
+
+    def say(self, message: str) -> None:
+        """The run's message, on one line: `kubectl get` shows only the first line of a cell (KubeRay's and
+        the trainer's errors span several)."""
+        self.new.message = conditions.bounded(" ".join(message.split()))
 
     def requeue(self, seconds: float) -> None:
         current = self.decision.requeue_after
@@ -368,7 +379,7 @@ class _Pass:
         # The phase moves to Running once Ray reports the job; until then the submission is owed.
         self.condition(conditions.JOB_RUNNING, "Unknown", "Submitted", f"{message}; waiting for Ray")
         self.event(False, "JobSubmitted", after + message)
-        new.message = message
+        self.say(message)
 
     def checkpoint_mismatch(self) -> str | None:
         obs, latest = self.obs, self.obs.checkpoints[-1] if self.obs.checkpoints else None
@@ -585,7 +596,7 @@ class _Pass:
             self.event(True, problems[0].reason, message)
         self.condition(conditions.PODS_HEALTHY, False, problems[0].reason, message)
         if self.new.phase == Phase.PROVISIONING:
-            self.new.message = conditions.bounded(f"waiting for KubeRay: {message}")
+            self.say(f"waiting for KubeRay: {message}")
         since = self.condition_is(conditions.PODS_HEALTHY, "False")
         limit = self.spec.recovery.pod_error_timeout_seconds
         self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
@@ -606,7 +617,7 @@ class _Pass:
             self.event(True, reason, message)
         self.condition(conditions.PODS_SCHEDULED, False, reason, message)
         if self.new.phase == Phase.PROVISIONING:
-            self.new.message = conditions.bounded(f"waiting for KubeRay: {message}")
+            self.say(f"waiting for KubeRay: {message}")
 
     def pods_never_started(self) -> bool:
         """Pods that could not start for podErrorTimeoutSeconds fail the run."""
@@ -812,7 +823,7 @@ class _Pass:
             why = f"{workload.reason}: {workload.message}"
             self.condition(conditions.QUEUE_ADMITTED, False, workload.reason, workload.message)
             new.queue = (new.queue or api.QueueStatus()).model_copy(update={"workload": workload.name})
-        new.message = conditions.bounded(f"queued in LocalQueue {queue}: {why}")
+        self.say(f"queued in LocalQueue {queue}: {why}")
         return self.decision
 
     def preempted(self) -> None:

@@ -293,8 +293,9 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_after_the_bound()
         "type": "ReplicaFailure",
         "status": "True",
         "reason": "FailedCreateHeadPod",
-        "message": 'pods "r-head-x" is forbidden: error looking up service account team-a/trainer: '
-        'serviceaccount "trainer" not found',
+        # KubeRay joins its errors one per line (errors.Join): its own reason, then the apiserver's refusal.
+        "message": 'FailedCreateHeadPod\npods "r-head-x" is forbidden: error looking up service account '
+        'team-a/trainer: serviceaccount "trainer" not found',
     }
     cluster = observe_cluster({"status": {"conditions": [refused]}})
     provisioning = status(
@@ -304,7 +305,9 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_after_the_bound()
     shown = conditions.condition(first.status.conditions, conditions.PODS_HEALTHY)
     assert shown is not None and shown.status == "False" and shown.reason == "FailedCreateHeadPod"
     assert 'serviceaccount "trainer" not found' in shown.message
-    assert 'serviceaccount "trainer" not found' in (first.status.message or "")
+    message = first.status.message or ""
+    assert 'serviceaccount "trainer" not found' in message and "\n" not in message  # one line for kubectl get
+    assert "FailedCreateHeadPod: pods" in shown.message  # the reason said once
     failed = reconcile(spec(), first.status, observe(301, cluster=cluster))
     assert failed.status.phase == api.Phase.FAILED and failed.delete_cluster
     deleting = dict(refused, reason="FailedDeleteWorkerPod", message="pods r-worker-x not found")
