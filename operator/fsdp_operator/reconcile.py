@@ -602,14 +602,15 @@ class _Pass:
         self.requeue(max(limit - self.seconds_since(since.last_transition_time if since else None), 1.0))
 
     def absorb_scheduling(self) -> None:
-        """PodsScheduled=False with the scheduler's message while worker pods wait for a node (it is also the
-        message of a provisioning run); True again once they are placed. Not set for runs never short."""
+        """PodsScheduled=False with the scheduler's message (and an autoscaler's) while Ray pods wait for a
+        node (also the message of a provisioning run); True again once they are placed. Not set for runs
+        never short of one."""
         if self.obs.cluster is None:
             return
         waiting = self.obs.unschedulable
         if not waiting:
             if self.condition_is(conditions.PODS_SCHEDULED, "False"):
-                self.condition(conditions.PODS_SCHEDULED, True, "Scheduled", "every worker pod has a node")
+                self.condition(conditions.PODS_SCHEDULED, True, "Scheduled", "every Ray pod has a node")
             return
         message = f"{len(waiting)} pod(s) wait for a node: " + "; ".join(waiting[:2])
         reason = "WaitingForScaleUp" if self.obs.scale_up else "Unschedulable"

@@ -135,7 +135,8 @@ def test_the_operators_client_and_rays_agree_on_every_call(
         wait_until(f"{submission_id} failed", lambda s=submission_id: finished(ours, ray, s), timeout=TIMEOUT)
         seen = ours.observe(submission_id)
         assert seen.status == "FAILED" and seen.message == ray.get_job_info(submission_id).message
-        assert seen.logs_tail.endswith("line 79\n")
+        # The driver's last words; the job manager's own line may land after them (seen once in CI's order).
+        assert driver_lines(seen.logs_tail)[-1] == "line 79", seen.logs_tail[-300:]
 
     # Stop: each client stops the job the other submitted, and both then see it STOPPED.
     sleeping = {who: f"{submission_id}-stop" for who, submission_id in ids.items()}
