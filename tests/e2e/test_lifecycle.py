@@ -180,7 +180,11 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
         "runId": info["run_id"],
         "url": f"{mlflow.url}/#/experiments/{info['experiment_id']}/runs/{info['run_id']}",
     }
-    assert {m["step"] for m in mlflow.history(info["run_id"], "loss")} == set(range(2, 41, 2))  # logEvery 2
+    # logEvery 2. The killed attempt's last uploads may be lost with its process (os._exit, as its log is), so
+    # what is sure is every step from the resumed checkpoint on (a whole run once had none of attempt 1's).
+    logged = {m["step"] for m in mlflow.history(info["run_id"], "loss")}
+    resumed = restart["resumedFromStep"]
+    assert set(range(resumed + 2, 41, 2)) <= logged <= set(range(2, 41, 2)), sorted(logged)
     assert {t["key"]: t["value"] for t in tracked["data"]["tags"]}["fsdp.training.dev/attempt"] == "2"
     assert status["record"]["mlflowRun"]["url"] in trainingrun("describe", name, "-n", namespace)
     reliability.record(
