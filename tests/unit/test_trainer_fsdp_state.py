@@ -5,7 +5,7 @@ configuration, and the batch loader's position and stream cursors come back from
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +105,53 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(run: L
     assert restored.train.step == 1
     for name, tensor in weights(restored).items():
         torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0)
+
+
+class QueuedDeviceWork:
+    """Stands in for a GPU's compute stream on the CPU: work queued on it (the optimizer step's kernels) is
+    done when a fence recorded after it is synchronized, or when the device gets to it (`run_late`)."""
+
+    def __init__(self) -> None:
+        self.queued: list[Callable[[], None]] = []
+
+    def fence(self, device: torch.device) -> QueuedDeviceWork:
+        return self
+
+    def synchronize(self) -> None:
+        self.run_late()
+
+    def run_late(self) -> None:
+        while self.queued:
+            self.queued.pop(0)()
+
+
+def test_a_checkpoint_stages_the_weights_after_the_optimizer_step_still_queued_on_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    device = QueuedDeviceWork()
+    monkeypatch.setattr(checkpoint, "compute_fence", device.fence)
+    app = sharded_app(TrainingSpec())
+    train_step(app)
+
+    def optimizer_step() -> None:
+        with torch.no_grad():
+            for parameter in app.model.parameters():
+                parameter.add_(1.0)
+
+    device.queued.append(optimizer_step)  # launched, not yet done: the save is started right after it
+    run = Location.parse(str(tmp_path))
+    checkpoints = saver(run)
+    checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
+    checkpoints.wait_for_staging()
+    device.run_late()  # without the fence the device finishes the step only now, after the copy
+    checkpoints.wait()
+    checkpoints.close()
+    found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
+    assert found is not None
+    restored = sharded_app(TrainingSpec())
+    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    for name, tensor in weights(restored).items():
+        torch.testing.assert_close(tensor, weights(app)[name], rtol=0, atol=0)
 
 
 def test_a_save_that_fails_midway_leaves_nothing_resumable(

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -311,20 +311,61 @@ Writer = Literal["thread", "process"]
 DEFAULT_WRITER: Writer = "thread"
 
 
+StateDict = dict[str, Any]
+
+
+class ComputeFence(Protocol):
+    def synchronize(self) -> None:
+        """Returns once the device has done the work queued before the fence."""
+        ...
+
+
+def compute_fence(device: torch.device) -> ComputeFence | None:
+    """A fence after the work queued so far on `device`'s current stream (the optimizer step), or None where
+    that work is done by the time the call that queued it returns (the CPU)."""
+    if device.type != "cuda":
+        return None
+    fence = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    fence.record(torch.cuda.current_stream(device))
+    return fence
+
+
+class StepOrderedStager(DefaultStager):
+    """DefaultStager whose copy starts only when the device has finished the work queued before the save.
+
+    DefaultStager copies on a CUDA stream of its own, which does not wait for the compute stream: the
+    optimizer step's kernels may still be writing the weights and moments it copies, and a step-N checkpoint
+    would hold a half-updated state. The staging thread waits on a fence recorded at `stage`; training does
+    not wait."""
+
+    def __init__(self, options: StagingOptions, device: torch.device) -> None:
+        super().__init__(options)
+        self.device = device
+
+    def stage(self, state_dict: StateDict, **kwargs: Any) -> StateDict | Future[StateDict]:
+        return super().stage(state_dict, fence=compute_fence(self.device), **kwargs)
+
+    def _stage(self, state_dict: StateDict, fence: ComputeFence | None = None, **kwargs: Any) -> StateDict:
+        if fence is not None:
+            fence.synchronize()
+        return super()._stage(state_dict, **kwargs)
+
+
 class CheckpointSaver:
     """Saves checkpoints as torchtitan's async_with_pinned_mem mode does: training waits only while the state
     is staged into host memory, and that staging overlaps the next step's forward and backward.
 
     `start` hands the state dict to DCP's DefaultStager, which copies it into host memory in a thread of its
-    own (on CUDA: pinned buffers, reused between saves, filled by non-blocking copies on a side stream) and
-    returns at once; `wait_for_staging`, called before the next optimizer step changes the weights, waits for
-    the copy. The staged shards are then written by DCP from `writer`: a thread of this process, or a process
-    of its own (dcp.async_save's PROCESS checkpointer: the staged tensors in shared memory, the writing off
-    this process's GIL); bench/trainer_checkpoint.py measures both. A local storage path is written in place,
-    synced; for S3 the shards go to a local temporary directory first and this rank uploads them. Every
-    rank's file list is then gathered, which also tells rank 0 that every rank's files are in storage; rank 0
-    checks storage holds every file at its size, writes the manifest last, prunes, and tells the other ranks.
-    A crash before the manifest leaves a checkpoint that resumption never picks.
+    own (on CUDA: pinned buffers, reused between saves, filled by non-blocking copies on a side stream, once
+    the optimizer step queued before the save is done: StepOrderedStager) and returns at once;
+    `wait_for_staging`, called before the next optimizer step changes the weights, waits for the copy. The
+    staged shards are then written by DCP from `writer`: a thread of this process, or a process of its own
+    (dcp.async_save's PROCESS checkpointer: the staged tensors in shared memory, the writing off this
+    process's GIL); bench/trainer_checkpoint.py measures both. A local storage path is written in place,
+    synced; for S3 the shards go to a local temporary directory first and this rank uploads them. Every rank's
+    file list is then gathered, which also tells rank 0 that every rank's files are in storage; rank 0 checks
+    storage holds every file at its size, writes the manifest last, prunes, and tells the other ranks. A crash
+    before the manifest leaves a checkpoint that resumption never picks.
 
     The background collectives run on a gloo group of their own, so they never interleave with training's.
     At most one save is in flight: `start` and `wait` first finish the previous one. Before each save the
@@ -346,13 +387,14 @@ class CheckpointSaver:
         self.writer, self.ranks_per_node = writer, ranks_per_node
         self.group = dist.new_group(backend="gloo")  # a collective: every rank builds it at the same point
         on_cuda = device.type == "cuda"
-        self.stager = DefaultStager(
+        self.stager = StepOrderedStager(
             StagingOptions(
                 use_pinned_memory=on_cuda,
                 use_shared_memory=writer == "process",  # the writer process maps the staged tensors
                 use_async_staging=True,
                 use_non_blocking_copy=on_cuda,
-            )
+            ),
+            device,
         )
         self._staging: Future[Any] | None = None
         self._pending: _BackgroundSave | None = None
