@@ -190,10 +190,12 @@ def test_every_request_carries_the_headers_and_a_missing_route_is_not_an_unknown
 
 
 def test_a_head_that_never_answers_costs_one_read_timeout(dashboard: Dashboard) -> None:
+    """One request, cut by its read timeout and not retried: the operator's next pass is the retry."""
     client = jobclient.JobClient(dashboard.url, timeout=(1.0, 0.5))
     dashboard.hang.set()
     with pytest.raises(urllib3.exceptions.ReadTimeoutError):
         client.job_info("j")
+    assert [(method, path) for method, path, _, _ in dashboard.seen] == [("GET", "/api/jobs/j")]
 
 
 def test_a_refused_connection_raises_at_once() -> None:
