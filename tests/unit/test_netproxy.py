@@ -6,7 +6,6 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -74,10 +73,10 @@ def test_pass_through_then_black_hole_then_pass_through(proxy: BlackHoleProxy) -
 
     proxy.black_hole()
     accepted = proxy.accepted
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):  # a refused or reset connection would raise URLError/ConnectionError
+    # Only the client's own read timeout raises TimeoutError: a refused or reset connection raises
+    # URLError/ConnectionError, an answer or a close returns.
+    with pytest.raises(TimeoutError):
         get(proxy.url, timeout=2)
-    assert time.monotonic() - started >= 1.9
     assert proxy.accepted == accepted + 1, "the black hole must accept the connection"
 
     proxy.pass_through()
@@ -114,13 +113,14 @@ def test_crash_resets_open_and_new_connections_until_pass_through(proxy: BlackHo
         connection.request("GET", "/")
         assert connection.getresponse().read() == b"hello"
         proxy.crash()
-        started = time.monotonic()
-        with pytest.raises(ConnectionError):  # reset (or seen closed), at once: no timeout
+        # Reset (or seen closed), not timed out: TimeoutError is no ConnectionError, and urllib's URLError
+        # names a timeout as its reason.
+        with pytest.raises(ConnectionError):
             connection.request("GET", "/")  # same keep-alive connection
             connection.getresponse()
-        with pytest.raises((ConnectionError, http.client.RemoteDisconnected, urllib.error.URLError)):
+        with pytest.raises((ConnectionError, urllib.error.URLError)) as new_connection:
             get(proxy.url, timeout=5)
-        assert time.monotonic() - started < 2
+        assert not isinstance(getattr(new_connection.value, "reason", None), TimeoutError), new_connection
     finally:
         connection.close()
     proxy.pass_through()
