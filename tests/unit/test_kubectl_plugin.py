@@ -80,39 +80,43 @@ def test_kubectls_options_are_taken_before_or_after_the_command() -> None:
 def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_when_the_run_ends(
     s3_storage: str,
 ) -> None:
+    """Counted in the plugin's polls, not in seconds: the trainer stores one line between each two reads
+    (the plugin's sleep), each read prints that line and only it, and the read after the run ended is the
+    last."""
     run = run_object(s3_storage)
     target = Location.parse(f"{s3_storage}/team-a/tiny").child(rank_log_name(2, 1))
-    writer = runlog.RankLog(target, runlog.Redactor([]), upload_seconds=1.0)
-    emitted: dict[str, float] = {}
+    writer = runlog.RankLog(target, runlog.Redactor([]), upload_seconds=3600)  # stored on flush() only
     printed: list[str] = []
-    seen: dict[str, float] = {}
+    polls = 0
 
-    def write(text: str) -> None:
-        printed.append(text)
-        for line in text.splitlines():
-            seen.setdefault(line.rsplit(": ", 1)[-1], time.monotonic())
-
-    def train() -> None:
-        for step in range(1, 9):
-            emitted[f"step {step}"] = time.monotonic()
+    def trainer_steps_meanwhile(seconds: float) -> None:
+        nonlocal polls
+        assert seconds == kubectl_plugin.FOLLOW_POLL_SECONDS
+        polls += 1
+        assert polls <= 20, "still following long after the run ended"
+        if polls <= 8:
             writer.emit(
-                logging.LogRecord("fsdp_trainer", logging.INFO, __file__, 1, f"step {step}", None, None)
+                logging.LogRecord("fsdp_trainer", logging.INFO, __file__, 1, f"step {polls}", None, None)
             )
-            time.sleep(0.5)
-        writer.close()
-        run["status"]["phase"] = "Succeeded"
+            writer.flush()
+        if polls == 8:
+            writer.close()
+            run["status"]["phase"] = "Succeeded"
 
-    trainer = threading.Thread(target=train)
-    trainer.start()
     objects = kubectl_plugin.RunObjects(boto3.client("s3"), kubectl_plugin.storage_prefix(run))
-    kubectl_plugin.logs(options("logs", "tiny", "-f", "--rank", "1"), run, objects, write, lambda: run)
-    trainer.join()
+    kubectl_plugin.logs(
+        options("logs", "tiny", "-f", "--rank", "1"),
+        run,
+        objects,
+        printed.append,
+        lambda: run,
+        sleep=trainer_steps_meanwhile,
+    )
 
-    lines = "".join(printed).splitlines()
-    assert [line.rsplit(": ", 1)[-1] for line in lines] == [f"step {step}" for step in range(1, 9)]
-    delays = [seen[line] - emitted[line] for line in emitted]
-    # The trainer stores every second here (15 s in a run); the plugin reads every 2 s.
-    assert max(delays) < 1.0 + kubectl_plugin.FOLLOW_POLL_SECONDS + 2.0, delays
+    # What each read printed: nothing before the first line, then the one line stored since the read before.
+    per_read = [[line.rsplit(": ", 1)[-1] for line in text.splitlines()] for text in printed]
+    assert per_read == [[], *([f"step {step}"] for step in range(1, 9)), []], printed
+    assert polls == 9  # one read after the run ended, for the last lines, and no more
 
 
 def test_following_a_capped_log_continues_after_the_last_line_printed() -> None:
