@@ -7,6 +7,7 @@ import concurrent.futures
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import aiohttp
 import pytest
@@ -41,9 +42,24 @@ async def get(url: str) -> tuple[int, str]:
         return response.status, await response.text()
 
 
-async def first_answer(url: str, status: int, within: float = 5.0) -> tuple[int, str]:
-    """Polls `url` until it answers with `status`; the last answer after `within` seconds otherwise."""
-    deadline = time.monotonic() + within
+class Clock:
+    """The probes' clock: moves only when the test moves it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# How long a thread or the event loop gets to do what takes it milliseconds: a bound on being scheduled at
+# all, never a measure of the probes' timing (that is the test clock's).
+SCHEDULED = 30.0
+
+
+async def first_answer(url: str, status: int) -> tuple[int, str]:
+    """Polls `url` until it answers with `status`; the last answer after SCHEDULED seconds otherwise."""
+    deadline = time.monotonic() + SCHEDULED
     while True:
         answer = await get(url)
         if answer[0] == status or time.monotonic() > deadline:
@@ -51,20 +67,48 @@ async def first_answer(url: str, status: int, within: float = 5.0) -> tuple[int,
         await asyncio.sleep(0.05)
 
 
+class CountingPool(ThreadPoolExecutor):
+    """The handler pool, counting the probes' no-ops sent through it."""
+
+    def __init__(self) -> None:
+        super().__init__(2)
+        self.no_ops = 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        self.no_ops += fn is health._nothing
+        return super().submit(fn, *args, **kwargs)
+
+
 def test_blocked_handler_pool_fails_liveness_and_a_freed_one_passes_again() -> None:
-    pool = ThreadPoolExecutor(2)
-    released = threading.Event()
+    """On the test clock: a no-op stuck in the pool is fine for pool_timeout, then fails /healthz."""
+    pool = CountingPool()
+    released, busy = threading.Event(), threading.Semaphore(0)
+    clock = Clock()
+
+    def hang() -> None:
+        busy.release()
+        released.wait(SCHEDULED)
 
     async def scenario() -> list[tuple[int, str]]:
         port = free_port()
-        state = Health(executor=pool, pool_timeout=0.3, probe_interval=0.05)
+        state = Health(executor=pool, pool_timeout=10, probe_interval=0.01, clock=clock)
         runner = await health.serve(state, "127.0.0.1", port)
         url = f"http://127.0.0.1:{port}/healthz"
         try:
             answers = [await get(url)]
             for _ in range(2):  # every handler thread hangs, as on a call without a timeout
-                pool.submit(released.wait, 30)
-            answers.append(await first_answer(url, 500))
+                pool.submit(hang)
+            for _ in range(2):
+                assert await asyncio.to_thread(busy.acquire, timeout=SCHEDULED)
+            # The next no-op waits behind them, sent at the clock's time, which has not moved.
+            sent_before = pool.no_ops
+            while pool.no_ops == sent_before:
+                await asyncio.sleep(0.01)
+            assert state.pool_probe_sent_at == clock.now
+            clock.now += 9.9
+            answers.append(await get(url))  # waited less than pool_timeout
+            clock.now += 0.2
+            answers.append(await get(url))
             released.set()
             answers.append(await first_answer(url, 200))
             return answers
@@ -72,11 +116,11 @@ def test_blocked_handler_pool_fails_liveness_and_a_freed_one_passes_again() -> N
             await runner.cleanup()
 
     try:
-        healthy, stuck, recovered = asyncio.run(scenario())
+        healthy, waiting, stuck, recovered = asyncio.run(scenario())
     finally:
         released.set()
         pool.shutdown()
-    assert healthy[0] == 200 and recovered[0] == 200
+    assert healthy[0] == 200 and waiting[0] == 200 and recovered[0] == 200, (healthy, waiting, recovered)
     assert stuck[0] == 500 and "handler pool stuck" in stuck[1]
 
 
@@ -105,26 +149,39 @@ def test_readyz_follows_the_role() -> None:
 
 
 def test_a_frozen_event_loop_is_seen_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(health, "LOOP_TICK", 0.02)
-    monkeypatch.setattr(health, "LOOP_STALL_LIMIT", 0.3)
-    state = Health(executor=ThreadPoolExecutor(1))
+    """On the test clock: a loop blocked for less than LOOP_STALL_LIMIT is fine, longer is stalled."""
+    monkeypatch.setattr(health, "LOOP_TICK", 0.01)
+    clock = Clock()
+    state = Health(executor=ThreadPoolExecutor(1), clock=clock)
     assert state.loop_stall() is None  # not ticking yet: nothing to judge
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
+    blocking, released = threading.Event(), threading.Event()
+
+    def block() -> None:  # a handler that blocks the loop
+        blocking.set()
+        released.wait(SCHEDULED)
+
     try:
         ticking = asyncio.run_coroutine_threadsafe(state.tick_forever(), loop)
-        time.sleep(0.5)
-        assert state.loop_stall() is None  # ticking along
-        loop.call_soon_threadsafe(time.sleep, 1.5)  # a handler that blocks the loop
-        time.sleep(0.9)
-        assert (state.loop_stall() or "").startswith("event loop stalled for")
-        assert wait_until(
-            "the loop to tick again", lambda: state.loop_stall() is None, timeout=5, interval=0.05
-        )
+        wait_until("the loop to tick", lambda: state.loop_ticked_at, timeout=SCHEDULED, interval=0.01)
+        clock.now += health.LOOP_STALL_LIMIT + 5
+        wait_until("a tick at the new time", lambda: state.loop_ticked_at == clock.now, SCHEDULED, 0.01)
+        assert state.loop_stall() is None  # ticking along, however long it has run
+        loop.call_soon_threadsafe(block)
+        assert blocking.wait(SCHEDULED)
+        blocked_at = clock.now
+        clock.now = blocked_at + health.LOOP_STALL_LIMIT - 0.5
+        assert state.loop_stall() is None
+        clock.now = blocked_at + health.LOOP_STALL_LIMIT + 2
+        assert state.loop_stall() == f"event loop stalled for {health.LOOP_STALL_LIMIT + 2:.0f}s"
+        released.set()
+        wait_until("the loop to tick again", lambda: state.loop_stall() is None, SCHEDULED, 0.01)
         ticking.cancel()
-        concurrent.futures.wait([ticking], timeout=5)
+        concurrent.futures.wait([ticking], timeout=SCHEDULED)
     finally:
+        released.set()
         loop.call_soon_threadsafe(loop.stop)
-        runner.join(timeout=5)
+        runner.join(timeout=SCHEDULED)
         loop.close()
