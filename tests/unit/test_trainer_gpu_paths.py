@@ -102,8 +102,10 @@ def test_a_graph_break_under_compile_fails_the_first_forward(one_rank: None) -> 
         lm(input_ids=batch, labels=batch)
 
 
-def test_gpus_asked_for_without_cuda_are_refused_not_trained_on_the_cpu() -> None:
-    assert not torch.cuda.is_available()
+def test_gpus_asked_for_without_cuda_are_refused_not_trained_on_the_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # CPU-only here, on a GPU host too
     with pytest.raises(DeviceError, match="GPUs were asked for") as refused:
         distributed.start(use_gpu=True)
     assert not dist.is_initialized(), "refused before any process group exists"
