@@ -183,10 +183,6 @@ def _named(cases: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str,
     return named
 
 
-def test_there_are_at_least_40_cases() -> None:
-    assert len(REFUSED) + len(ACCEPTED) >= 40
-
-
 @pytest.mark.parametrize(("case", "run", "field"), REFUSED, ids=[case for case, _, _ in REFUSED])
 def test_refused_at_admission_naming_the_field(
     case: str, run: dict[str, Any], field: str, namespace: str, crd_installed: None
@@ -196,6 +192,26 @@ def test_refused_at_admission_naming_the_field(
     assert field in created.stderr, f"{case}: the refusal does not name {field}: {created.stderr[-600:]}"
     listed = kubectl_json("get", "fsdptrainingruns", "-n", namespace)["items"]
     assert listed == [] and rayclusters(namespace) == []
+
+
+def kopfs_oversized_annotation(traceback: str, name: str) -> bool:
+    """The one known limit: kopf keeps the last handled spec in an annotation, and annotations are capped at
+    256 KiB, so for the near-1.5-MiB spec kopf's own bookkeeping patch is refused (422) and it retries; the
+    run is still handled. Its traceback is two (aiohttp's 422 for that run, the direct cause of kopf's
+    error saying the annotations are too long); anything else, about that run or any other, is a defect."""
+    lines = traceback.splitlines()
+    at = next(i for i, line in enumerate(lines) if i and line and not line.startswith(" "))
+    error, after = lines[at], "\n".join(lines[at + 1 :]).strip()
+    if error.startswith("aiohttp.client_exceptions.ClientResponseError: "):
+        return (
+            error.startswith("aiohttp.client_exceptions.ClientResponseError: 422, message='Unprocessable")
+            and error.endswith(f"/fsdptrainingruns/{name}'")
+            and after == "The above exception was the direct cause of the following exception:"
+        )
+    return "kopf/_core/actions/application.py" in traceback and error.startswith(
+        "kopf._cogs.clients.errors.APIUnprocessableEntityError: ('FSDPTrainingRun.fsdp.training.dev "
+        f'"{name}" is invalid: [metadata.annotations: Too long: may not be more than 262144 bytes'
+    )
 
 
 def test_accepted_inputs_are_handled_without_an_operator_crash(
@@ -213,12 +229,9 @@ def test_accepted_inputs_are_handled_without_an_operator_crash(
 
     wait_until("the operator to give every accepted run a phase", all_handled, timeout=120)
     assert operator.process is not None and operator.process.poll() is None, "the operator exited"
-    # Known limit: kopf keeps the last handled spec in an annotation, and annotations are capped at 256 KiB:
-    # for the near-1.5-MiB spec kopf's own bookkeeping patch is refused (422) and it retries; the run is
-    # still handled. Any other exception is a defect.
     oversized = cases[-1][1]["metadata"]["name"]
     tracebacks = operator.log.read_text().split("Traceback (most recent call last):")[1:]
-    unexpected = [t[-400:] for t in tracebacks if oversized not in t]
+    unexpected = [t[:1500] for t in tracebacks if not kopfs_oversized_annotation(t, oversized)]
     assert unexpected == [], f"the operator logged an unexpected exception: {unexpected}"
     stored = run_of(namespace, cases[2][1]["metadata"]["name"])
     assert stored["spec"]["data"]["source"] == f"s3://fsdp-e2e/{SHELL}.jsonl"  # kept verbatim, never run
