@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -34,6 +35,35 @@ S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attemp
 FOLLOW_POLL_SECONDS = 2.0  # S3 reads while following; the trainer stores a rank's log every 15 s
 FOLLOW_RUN_POLL_SECONDS = 10.0  # kubectl reads of the run while following: is it still active?
 ENDED_PHASES = (api.Phase.SUCCEEDED, api.Phase.FAILED)
+# What the plugin prints is the tenant's text (logs, the trainer's records, status fields it fed). In a
+# terminal, control characters (C0 but newline and tab, DEL, C1, whose \x9b is a CSI) act rather than read:
+# they move the cursor, rewrite lines, set the title or the clipboard; bidirectional overrides make text read
+# otherwise than it is. Each is printed escaped (\x1b); in describe's one-line fields newlines and tabs too.
+_TERMINAL_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_LINE_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def printable(text: str) -> str:
+    """Text as the terminal may be given it: lines stay lines (a carriage return ends one), every other
+    control character is escaped."""
+    return _TERMINAL_CONTROL.sub(_escaped, text.replace("\r\n", "\n").replace("\r", "\n"))
+
+
+def one_line(value: Any) -> Any:
+    """A value read from the run (strings at any depth) with every control character escaped, newlines and
+    tabs too: a field of describe's output cannot start a line of its own."""
+    if isinstance(value, str):
+        return _LINE_CONTROL.sub(_escaped, value)
+    if isinstance(value, dict):
+        return {one_line(k): one_line(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [one_line(v) for v in value]
+    return value
 
 
 class PluginError(RuntimeError):
@@ -176,6 +206,7 @@ def _number(value: Any, spec: str = ".4f") -> str:
 
 def describe(run: dict[str, Any]) -> str:
     """The run at a glance: what ran, how far it got, where everything is."""
+    run = one_line(run)
     meta, spec, status = run["metadata"], run["spec"], run.get("status") or {}
     image, record, progress = (
         status.get("image") or {},
@@ -288,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _write(text: str) -> None:
-    sys.stdout.write(text)
+    sys.stdout.write(printable(text))
     sys.stdout.flush()
 
 
@@ -305,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             plot_command(options, objects, _write)
     except (PluginError, BotoCoreError, ClientError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {printable(str(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -25,6 +25,7 @@ from fsdp_operator.reconcile import (
     needs_workload,
     observe_cluster,
 )
+from fsdp_operator.records import RecordTooLarge
 from fsdp_trainer.contract import CheckpointRef, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
@@ -58,6 +59,7 @@ def observe(
         except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
             dashboard_error = f"{type(error).__name__}: {error}"[:500]
     progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None
+    storage_error_reason = "StorageError"
     checkpoints: tuple[CheckpointRef, ...] = ()
     storage = ctx.storage(spec, run)
     if active:
@@ -68,6 +70,8 @@ def observe(
             stored = storage.complete_checkpoints()
             checkpoints = tuple(s.ref for s in stored)
             latest_fingerprint = stored[-1].fingerprint if stored else None
+        except RecordTooLarge as error:  # the tenant's object, refused unread: its run's condition says which
+            storage_error, storage_error_reason = str(error)[:1000], RecordTooLarge.reason
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
     pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
@@ -85,6 +89,7 @@ def observe(
         expected_fingerprint=config.resume_fingerprint(),
         storage_read=active,
         storage_error=storage_error,
+        storage_error_reason=storage_error_reason,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
         pod_problems=scheduling.problems,
         unschedulable=scheduling.waiting,

@@ -26,6 +26,7 @@ status field is set here, from the observation: the glue only writes what this r
 from __future__ import annotations
 
 import datetime as dt
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -37,14 +38,18 @@ from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, WORKER_FITS_NO_NODE, PreflightResult
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
+from fsdp_operator.tenancy import NOT_ALLOWED
 from fsdp_trainer.contract import (
     LOGS_DIR,
+    MAX_URI,
     RUN_RECORD_FILE,
     CheckpointRef,
     MlflowRunRef,
     ProgressRecord,
     RestartEntry,
     Transport,
+    TransportReport,
+    Versions,
 )
 
 RECENT_CHECKPOINTS = 5
@@ -53,6 +58,18 @@ RAY_ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
 # Ray's memory monitor's verdict on a task or actor it killed near the node's (the pod's) memory limit.
 RAY_MEMORY_MONITOR_KILL = re.compile(r"OutOfMemoryError|killed due to the node running low on memory")
 ZONE_LABEL = "topology.kubernetes.io/zone"
+# What the trainer writes (progress.json, mlflow.json: the tenant's code writes them) enters the status
+# bounded: free text (a version, a transport evidence line) is cut to MAX_TRAINER_TEXT characters ending in
+# TRUNCATED, evidence beyond MAX_EVIDENCE_LINES lines is counted in a last line; values that are only useful
+# whole (the exported model's URI, the MLflow run's ids) are refused beyond their bound and left out; counts
+# are clamped to what the CRD's int64 holds, non-finite numbers are left out.
+MAX_TRAINER_TEXT = 256
+MAX_EVIDENCE_LINES = 8
+MAX_TRAINER_URI = MAX_URI
+MAX_MLFLOW_ID = 256
+MAX_COUNT = 2**63 - 1
+TRUNCATED = "...[truncated]"
+_CONTROL = re.compile(r"[\x00-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
 
 
 @dataclass(frozen=True)
@@ -88,6 +105,7 @@ class Observation:
     generation: int
     cluster: ClusterObservation | None  # None: no RayCluster of this run exists
     preflight: PreflightResult | None = None  # computed only when `needs_preflight` says so
+    refusals: tuple[str, ...] = ()  # what the run asks that its namespace does not grant (tenancy.py)
     job: JobObservation | None = None  # status.jobSubmissionId's job, when Ray answered
     dashboard_error: str | None = None  # why Ray could not be asked about the job
     progress: ProgressRecord | None = None
@@ -96,6 +114,8 @@ class Observation:
     expected_fingerprint: str | None = None  # this run's; None skips the check
     storage_read: bool = False  # progress and checkpoints were looked for in S3 this pass
     storage_error: str | None = None  # why they could not be read
+    # StorageError, or RecordTooLarge: an object under the run's prefix beyond the operator's cap
+    storage_error_reason: str = "StorageError"
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
     unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
@@ -182,6 +202,14 @@ def _replica_failure(condition: dict[str, Any]) -> str:
     reason = str(condition.get("reason") or "ReplicaFailure")
     lines = [line.strip() for line in str(condition.get("message") or "").splitlines() if line.strip()]
     return f"{reason}: {'; '.join(lines[1:] if lines[:1] == [reason] else lines)}"
+
+
+def creates_cluster_next(
+    spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster_exists: bool
+) -> bool:
+    """A run whose next step is a RayCluster (through preflight or Kueue): what it asks of its namespace is
+    checked first (tenancy.py), every time: a grant the platform withdraws holds from the next cluster on."""
+    return not spec.suspend and status.phase in (None, Phase.PENDING, Phase.SUSPENDED) and not cluster_exists
 
 
 def needs_preflight(
@@ -274,18 +302,20 @@ class _Pass:
                 stage_since=(new.progress.stage_since if same_stage else progress.updated_at)
                 if stage
                 else None,
-                step=progress.step,
-                max_steps=progress.max_steps,
+                step=_count(progress.step),
+                max_steps=_count(progress.max_steps),
                 loss=_round(progress.loss, 4),
                 eval_loss=_round(progress.eval_loss, 4),
                 eval_perplexity=_round(progress.eval_perplexity, 2),
                 tokens_per_second=_round(progress.tokens_per_second, 1),
                 mfu=_round(progress.mfu, 4),
-                non_finite_steps=progress.non_finite_steps or None,
+                non_finite_steps=_count(progress.non_finite_steps) or None,
                 updated_at=progress.updated_at,
             )
-            new.record.versions = progress.versions
-            new.record.exported_model_uri = progress.exported_model_uri or new.record.exported_model_uri
+            new.record.versions = bounded_versions(progress.versions)
+            new.record.exported_model_uri = (
+                _whole(progress.exported_model_uri, MAX_TRAINER_URI) or new.record.exported_model_uri
+            )
             if progress.transport is not None:
                 self.absorb_transport(progress)
         if obs.checkpoints:
@@ -302,17 +332,20 @@ class _Pass:
             )
             return
         message = f"cannot read progress and checkpoints, so hang detection waits: {error}"
-        if not self.condition_is(conditions.STORAGE_READABLE, "False"):
-            self.event(True, "StorageUnreadable", message)
-        self.condition(conditions.STORAGE_READABLE, False, "StorageError", message)
+        reason = self.obs.storage_error_reason
+        if self.reason_of(conditions.STORAGE_READABLE) != reason or not self.condition_is(
+            conditions.STORAGE_READABLE, "False"
+        ):
+            self.event(True, "StorageUnreadable" if reason == "StorageError" else reason, message)
+        self.condition(conditions.STORAGE_READABLE, False, reason, message)
 
     def absorb_transport(self, progress: ProgressRecord) -> None:
         assert progress.transport is not None
-        self.new.transport = progress.transport
+        self.new.transport = bounded_transport(progress.transport)
         fell_back = uses_efa(self.spec) and progress.transport.observed == Transport.SOCKET
         if fell_back:
             message = "NCCL used TCP sockets although the workers have EFA: " + "; ".join(
-                progress.transport.evidence[:2]
+                self.new.transport.evidence[:2]
             )
             if not self.condition_is(conditions.TRANSPORT_DEGRADED, "True"):
                 self.event(True, "TransportDegraded", message)
@@ -506,10 +539,20 @@ class _Pass:
         if obs.run_uri is not None:
             new.record.uri = f"{obs.run_uri}/{RUN_RECORD_FILE}"
             new.record.logs_uri = f"{obs.run_uri}/{LOGS_DIR}"
-        if obs.mlflow_run is not None:
+        if obs.mlflow_run is not None and self.mlflow_run_is_plausible(obs.mlflow_run):
             new.record.mlflow_run = api.MlflowRunStatus.of(obs.mlflow_run)
         if self.decision.submit_attempt is not None and obs.package_sha256 is not None:
             new.record.package_sha256 = obs.package_sha256
+
+    def mlflow_run_is_plausible(self, ref: MlflowRunRef) -> bool:
+        """mlflow.json links the status to the tracking server the spec names, with ids of a sane size;
+        any other (a tenant's own mlflow.json pointing elsewhere) is left out of the status."""
+        mlflow = self.spec.tracking.mlflow
+        return (
+            mlflow is not None
+            and ref.tracking_uri == mlflow.tracking_uri
+            and all(_whole(v, MAX_MLFLOW_ID) for v in (ref.experiment_id, ref.run_id))
+        )
 
     def suspend(self) -> None:
         new = self.new
@@ -743,6 +786,9 @@ class _Pass:
 
     def pending(self) -> Decision:
         new, obs = self.new, self.obs
+        if obs.refusals:  # nothing is created with powers the namespace's users were not given
+            self.finish(Phase.FAILED, NOT_ALLOWED, "; ".join(obs.refusals))
+            return self.decision
         if self.spec.cluster.queue_name is not None:
             return self.enqueue(self.spec.cluster.queue_name)
         result = obs.preflight
@@ -1076,7 +1122,42 @@ class _Pass:
 
 
 def _round(value: float | None, digits: int) -> float | None:
-    return None if value is None else round(value, digits)
+    return None if value is None or not math.isfinite(value) else round(value, digits)
+
+
+def _count(value: int) -> int:
+    return min(max(value, 0), MAX_COUNT)
+
+
+def bounded_text(text: str, limit: int = MAX_TRAINER_TEXT) -> str:
+    """Trainer-written text as the status keeps it: control characters replaced, at most `limit`
+    characters, a cut one ending in TRUNCATED."""
+    text = _CONTROL.sub("?", text)
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
+
+
+def _whole(value: str | None, limit: int) -> str | None:
+    """A value that means something only whole: kept if within `limit` and plain, else refused (None)."""
+    if value is None or len(value) > limit or _CONTROL.search(value):
+        return None
+    return value
+
+
+def bounded_versions(versions: Versions) -> Versions:
+    fields = versions.model_dump()
+    return Versions(**{k: None if v is None else bounded_text(v, 128) for k, v in fields.items()})
+
+
+def bounded_transport(report: TransportReport) -> TransportReport:
+    lines = [bounded_text(line) for line in report.evidence[:MAX_EVIDENCE_LINES]]
+    if len(report.evidence) > MAX_EVIDENCE_LINES:
+        lines.append(f"{TRUNCATED} {len(report.evidence) - MAX_EVIDENCE_LINES} more lines")
+    bandwidth = report.bus_bandwidth_gbps
+    return TransportReport(
+        observed=report.observed,
+        evidence=lines,
+        bus_bandwidth_gbps=bandwidth if bandwidth is None or math.isfinite(bandwidth) else None,
+    )
 
 
 def reconcile(spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> Decision:

@@ -43,7 +43,13 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         checkpoint=spec.checkpoint,
         network=spec.network,
         tracking=TrackingConfig(mlflow=spec.tracking.mlflow.trainer_view()) if spec.tracking.mlflow else None,
-        secret_env_names=sorted(spec.runtime_env.secret_env),
+        # The MLflow credentials are Secrets in the pods' environment too: redacted like secretEnv.
+        secret_env_names=sorted(
+            {
+                *spec.runtime_env.secret_env,
+                *(spec.tracking.mlflow.credentials.env() if spec.tracking.mlflow else {}),
+            }
+        ),
     )
 
 

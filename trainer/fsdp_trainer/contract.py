@@ -45,6 +45,11 @@ SCHEMA_VERSION = 1
 # a value at admission, naming the field.
 PLAIN_TEXT = r"^[^\x00-\x1f\x7f\x{202a}-\x{202e}\x{2066}-\x{2069}]*$"
 MAX_URI = 1024
+# model.fromConfig, a free-form map: at most this deep (the map itself is level 1; transformers' configs
+# nest 3) and this long as compact JSON. A 1,500-deep map is valid JSON to the apiserver and past Python's
+# recursion limit; and the config travels on the job's command line, where one argument holds 128 KiB.
+MAX_FROM_CONFIG_DEPTH = 8
+MAX_FROM_CONFIG_BYTES = 64 << 10
 # NCCL and libfabric settings: the only environment network.ncclEnv may set.
 NCCL_ENV_NAME = r"^(NCCL|FI|OFI)_[A-Z0-9_]{1,120}$"
 
@@ -125,6 +130,39 @@ class ModelSpec(ContractModel):
         description="Tokenizer source (hub id, s3:// prefix or local path); defaults to source. "
         "'byte-level' is the built-in 256-symbol byte tokenizer, needing no download.",
     )
+
+    @field_validator("from_config")
+    @classmethod
+    def _from_config_bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        if _nesting_exceeds(value, MAX_FROM_CONFIG_DEPTH):
+            raise ValueError(
+                f"spec.model.fromConfig is nested deeper than {MAX_FROM_CONFIG_DEPTH} levels (maps and lists)"
+            )
+        size = len(json.dumps(value, separators=(",", ":")).encode())
+        if size > MAX_FROM_CONFIG_BYTES:
+            raise ValueError(
+                f"spec.model.fromConfig is {size} bytes as JSON, more than {MAX_FROM_CONFIG_BYTES} bytes"
+            )
+        return value
+
+
+def _nesting_exceeds(value: Any, depth: int) -> bool:
+    """Whether maps and lists nest deeper than `depth` (`value` itself is level 1); iterative, so that no
+    depth is too deep to measure."""
+    level, current = 0, [value]
+    while current:
+        level += 1
+        if level > depth:
+            return True
+        current = [
+            child
+            for node in current
+            for child in (node.values() if isinstance(node, dict) else node)
+            if isinstance(child, dict | list)
+        ]
+    return False
 
 
 class FsdpSpec(ContractModel):
