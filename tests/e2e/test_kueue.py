@@ -15,10 +15,13 @@ from typing import Any
 
 import pytest
 
+from fsdp_operator import tenancy
 from tests.e2e.demo import BUCKET, RUN_TIMEOUT, demo_run, run_record, wait_for_step
 from tests.harness import (
     OperatorProcess,
     conditions_of,
+    grant,
+    kubectl,
     kubectl_json,
     run_of,
     wait_for_phase,
@@ -53,6 +56,14 @@ def admitted(run: dict[str, Any]) -> dict[str, Any]:
     return conditions_of(run).get("Admitted", {})
 
 
+def printed_phase(namespace: str, name: str) -> str:
+    """The PHASE printer column of `kubectl get`, as a user reads it (the CRD's additionalPrinterColumns)."""
+    table = kubectl("get", "fsdptrainingrun", name, "-n", namespace).stdout.splitlines()
+    header, row = table[0].split(), table[1].split()
+    assert header[:2] == ["NAME", "PHASE"] and row[0] == name, table
+    return row[1]
+
+
 def test_second_run_waits_queued_with_kueues_reason_then_runs_after_the_first(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, queue: Queue
 ) -> None:
@@ -69,8 +80,7 @@ def test_second_run_waits_queued_with_kueues_reason_then_runs_after_the_first(
     assert "insufficient unused quota for nvidia.com/gpu" in admitted(held)["message"], admitted(held)
     assert "insufficient unused quota" in held["status"]["message"]
     assert run_of(namespace, first)["status"]["phase"] in ("Running", "Succeeded")
-    table = kubectl_json("get", "fsdptrainingrun", second, "-n", namespace)
-    assert table["status"]["phase"] == "Queued"  # the PHASE printer column
+    assert printed_phase(namespace, second) == "Queued"
 
     wait_for_phase(namespace, first, "Succeeded", timeout=RUN_TIMEOUT)
     done = wait_for_phase(namespace, second, "Succeeded", timeout=RUN_TIMEOUT)
@@ -94,6 +104,7 @@ def test_preempted_run_is_queued_keeps_its_checkpoints_spends_no_restart_and_res
     low, high = unique("low"), unique("high")
     kueue.priority_class(low, 100)
     kueue.priority_class(high, 1000)
+    grant(namespace, tenancy.WORKLOAD_PRIORITY_CLASSES, f"{low},{high}")
     victim = demo_run(
         namespace,
         **{
