@@ -35,6 +35,10 @@ USER_AGENT = "fsdp-operator"
 # Every entry of a package zip gets this time, so that the same files always make the same bytes.
 ZIP_DATE = (1980, 1, 1, 0, 0, 0)
 POOL_SIZE = 32  # connections kept per dashboard host: one per handler thread (settings.worker_threads)
+# The most of an answer read whole (a job's status, a submit's reply): the head runs the tenant's code, and
+# Ray's own answers are a few KiB. A longer one is refused (ResponseTooLarge) after reading one byte more,
+# and its connection closed, not drained.
+MAX_RESPONSE_BYTES = 1 << 20
 
 
 class DashboardError(RuntimeError):
@@ -44,6 +48,15 @@ class DashboardError(RuntimeError):
         super().__init__(f"Request failed with status code {status}: {text}.")
         self.status = status
         self.text = text
+
+
+class ResponseTooLarge(RuntimeError):
+    """The dashboard's answer is longer than the operator reads (MAX_RESPONSE_BYTES)."""
+
+    def __init__(self, url: str, cap: int) -> None:
+        super().__init__(f"the answer to {url} is longer than the operator's cap of {cap} bytes: not read")
+        self.url = url
+        self.cap = cap
 
 
 @dataclass(frozen=True)
@@ -136,7 +149,9 @@ class JobClient:
         params: Mapping[str, Any] | None = None,
         limit: int | None = None,
     ) -> Response:
-        """One request; the body is read whole, or only its first `limit` bytes (a streamed log)."""
+        """One request; the body is read whole up to MAX_RESPONSE_BYTES (longer: ResponseTooLarge), or only
+        its first `limit` bytes (a streamed log). Never more: an answer not read to its end closes its
+        connection (draining it could read without end)."""
         url = self.address + endpoint + (f"?{urlencode(params)}" if params else "")
         headers = dict(self.headers)
         body = data
@@ -144,15 +159,20 @@ class JobClient:
             body = json.dumps(json_data).encode()
             headers["Content-Type"] = "application/json"
         answer = self.http.request(
-            method, url, body=body, headers=headers, timeout=self.timeout, preload_content=limit is None
+            method, url, body=body, headers=headers, timeout=self.timeout, preload_content=False
         )
+        cap = MAX_RESPONSE_BYTES if limit is None else limit
+        ended = False
         try:
-            raw = answer.data if limit is None else answer.read(limit, decode_content=True)
+            raw = answer.read(cap + 1, decode_content=True)
+            ended = len(raw) <= cap and not answer.read(1, decode_content=True)
         finally:
-            if limit is not None:
-                answer.drain_conn()
-                answer.release_conn()
-        return Response(answer.status, raw.decode(errors="replace"))
+            if not ended:
+                answer.close()  # the rest is never read: the connection goes, not back to the pool
+            answer.release_conn()
+        if len(raw) > cap and limit is None:
+            raise ResponseTooLarge(self.address + endpoint, cap)
+        return Response(answer.status, raw[:cap].decode(errors="replace"))
 
     def ok(self, response: Response) -> Response:
         if response.status != 200:

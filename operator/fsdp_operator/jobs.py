@@ -16,6 +16,10 @@ LOG_TAIL_LINES = 60
 DRIVER_LOG_LINES = 50_000
 MAX_DRIVER_LOG_BYTES = 8 << 20
 ENDED_JOB_STATUSES = ("SUCCEEDED", "FAILED", "STOPPED")
+# What of a job's status reply is kept: its status and driver node id as short text, its message's start
+# (classification reads it; conditions keep 1 KiB of it).
+MAX_JOB_FIELD = 128
+MAX_JOB_MESSAGE = 16 << 10
 # (connect, read) seconds for every dashboard request: a head that accepts and never answers costs its own
 # run at most this per call, and never blocks a worker thread for good.
 REQUEST_TIMEOUT = (5.0, 15.0)
@@ -85,14 +89,18 @@ class Jobs:
         if job_not_found(response.status, response.text, submission_id):
             return JobObservation(submission_id, None, "Ray has no job with this submission id")
         info = self.client.ok(response).json()
-        status = str(info.get("status"))
+        if not isinstance(info, dict):
+            raise ValueError(f"the job's status is not a JSON object but {type(info).__name__}")
+        # The head runs the tenant's code: what it says is text of a bounded length (the reply is capped).
+        status = str(info.get("status"))[:MAX_JOB_FIELD]
+        node = info.get("driver_node_id")
+        node_id = str(node)[:MAX_JOB_FIELD] if node else None
         ended = with_logs and status in ("FAILED", "STOPPED")
-        logs = self.logs_tail(submission_id, info.get("driver_node_id")) if ended else ""
+        logs = self.logs_tail(submission_id, node_id) if ended else ""
         started = info.get("start_time")
-        start_time = dt.datetime.fromtimestamp(started / 1000, dt.UTC) if started else None
-        return JobObservation(
-            submission_id, status, info.get("message") or "", logs, start_time, info.get("driver_node_id")
-        )
+        start_time = dt.datetime.fromtimestamp(float(started) / 1000, dt.UTC) if started else None
+        message = str(info.get("message") or "")[:MAX_JOB_MESSAGE]
+        return JobObservation(submission_id, status, message, logs, start_time, node_id)
 
     def logs_tail(self, submission_id: str, node_id: str | None = None) -> str:
         """The driver log's last lines, from the dashboard's log API (it reads only the tail), never the

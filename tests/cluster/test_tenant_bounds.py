@@ -1,0 +1,189 @@
+"""What a tenant writes, read by the operator from real servers: an S3 API (the local cluster's, or a moto
+server of the test's own) and a hostile Ray head's HTTP. Each read costs the operator a bounded number of
+bytes and requests, and a clear refusal naming what and the cap; a normal read next to it works as before."""
+
+from __future__ import annotations
+
+import json
+import threading
+import uuid
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import boto3
+import pytest
+
+from fsdp_operator import jobclient, records
+from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
+from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
+from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
+from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
+
+MIB = 1 << 20
+
+
+def s3_run(storage: str) -> tuple[Any, str, str]:
+    """(the client, the bucket, the run's key prefix) of a run under `storage`."""
+    bucket = storage.removeprefix("s3://").split("/")[0]
+    return boto3.client("s3"), bucket, f"runs/team-b/run-{uuid.uuid4().hex[:6]}/"
+
+
+def test_a_progress_record_over_its_cap_is_refused_with_its_size_and_a_normal_one_is_read(
+    s3_storage: str,
+) -> None:
+    s3, bucket, prefix = s3_run(s3_storage)
+    cap = MAX_RECORD_BYTES[PROGRESS_FILE]
+    record = {
+        "runName": "r",
+        "phase": "training",
+        "step": 5,
+        "maxSteps": 10,
+        "updatedAt": "2026-12-03T12:00:00Z",
+    }
+    padded = json.dumps({**record, "error": "x" * (3 * MIB)}).encode()
+    s3.put_object(Bucket=bucket, Key=prefix + PROGRESS_FILE, Body=padded)
+    storage = RunStorage(s3, f"s3://{bucket}/{prefix}")
+    with pytest.raises(RecordTooLarge) as refused:
+        storage.progress()
+    said = str(refused.value)
+    assert f"s3://{bucket}/{prefix}{PROGRESS_FILE}" in said
+    assert f"{len(padded)} bytes" in said and f"cap of {cap} bytes" in said
+
+    s3.put_object(Bucket=bucket, Key=prefix + PROGRESS_FILE, Body=json.dumps(record).encode())
+    progress = storage.progress()
+    assert progress is not None and progress.step == 5
+    s3.put_object(Bucket=bucket, Key=prefix + PROGRESS_FILE, Body=b"")  # empty: unreadable, as before
+    with pytest.raises(ValueError):
+        storage.progress()
+
+
+def test_the_checkpoints_listing_stops_at_its_page_cap_and_lists_only_checkpoints(
+    s3_storage: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(records, "LIST_PAGE_KEYS", 4)
+    monkeypatch.setattr(records, "MAX_LIST_PAGES", 2)
+    s3, bucket, prefix = s3_run(s3_storage)
+    checkpoint = f"{prefix}checkpoint_000001/"
+    manifest = {
+        "runName": "r",
+        "step": 10,
+        "tokensSeen": 1,
+        "worldSize": 1,
+        "createdAt": "2026-12-03T12:00:00Z",
+        "files": {"__0_0.distcp": 3},
+    }
+    s3.put_object(Bucket=bucket, Key=checkpoint + MANIFEST_FILE, Body=json.dumps(manifest).encode())
+    s3.put_object(Bucket=bucket, Key=checkpoint + ".metadata", Body=b"m")
+    s3.put_object(Bucket=bucket, Key=checkpoint + "__0_0.distcp", Body=b"abc")
+    for i in range(20):  # logs beside the checkpoints: never listed
+        s3.put_object(Bucket=bucket, Key=f"{prefix}logs/attempt-1/rank-{i}.log", Body=b"l")
+    storage = RunStorage(s3, f"s3://{bucket}/{prefix}")
+    [found] = storage.complete_checkpoints()
+    assert found.ref.step == 10
+
+    for i in range(6):  # 9 objects under checkpoint_*: more than 2 pages of 4
+        s3.put_object(Bucket=bucket, Key=f"{prefix}checkpoint_junk/{i}", Body=b"j")
+    with pytest.raises(RecordTooLarge, match=r"checkpoint_\* holds more than 8 objects"):
+        storage.complete_checkpoints()
+
+
+class HostileHead(ThreadingHTTPServer):
+    """A Ray head that runs the tenant's code: answers a job's status with an endless JSON body (streamed,
+    up to `limit` bytes), a driver log without end, and anything else as Ray does. Counts what it sent."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), HostileHandler)
+        self.sent = 0
+        self.limit = 256 * MIB
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class HostileHandler(BaseHTTPRequestHandler):
+    server: HostileHead
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        replies = {
+            "/api/jobs/honest-1": {"status": "RUNNING", "message": "ok", "driver_node_id": "n1"},
+            # within the reply's cap, and still more than a status holds
+            "/api/jobs/chatty-1": {
+                "status": "RUNNING",
+                "message": "m" * 900_000,
+                "driver_node_id": "n" * 9000,
+            },
+            "/api/jobs/odd-1": ["not", "an", "object"],
+        }
+        if self.path in replies:
+            body = json.dumps(replies[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        endless = self.path.startswith("/api/jobs/") or self.path.startswith("/api/v0/logs/file")
+        assert endless, self.path
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        start = b'{"status": "RUNNING", "message": "' if self.path.startswith("/api/jobs/") else b""
+        chunk = start + b"x" * (MIB - len(start))
+        try:
+            while self.server.sent < self.server.limit:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.server.sent += len(chunk)
+                chunk = chunk if not start else b"x" * MIB
+                start = b""
+            self.wfile.write(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the client closed the connection: what a bounded reader does
+
+
+@pytest.fixture
+def head() -> Iterator[HostileHead]:
+    server = HostileHead()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_endless_job_status_reply_is_refused_after_its_cap_and_the_next_request_works(
+    head: HostileHead,
+) -> None:
+    jobs = Jobs(head.url)
+    with pytest.raises(ResponseTooLarge) as refused:
+        jobs.observe("hostile-1")
+    assert f"{head.url}/api/jobs/hostile-1" in str(refused.value) and str(MAX_RESPONSE_BYTES) in str(
+        refused.value
+    )
+    # The connection was closed, not drained: the head sent its cap and what the sockets' buffers hold, not
+    # the 256 MiB it had (the operator read at most the cap and one byte of it).
+    assert head.sent < 64 * MIB, head.sent
+    honest = jobs.observe("honest-1", with_logs=False)
+    assert (honest.status, honest.message) == ("RUNNING", "ok")
+
+
+def test_an_endless_driver_log_is_cut_at_its_limit_not_drained(head: HostileHead) -> None:
+    response = Jobs(head.url).client.log_tail("hostile-1", "n1", lines=60, limit=16_000)
+    assert response.status == 200 and len(response.text) == 16_000
+    assert head.sent < 64 * MIB, head.sent
+    assert jobclient.MAX_RESPONSE_BYTES == MIB
+
+
+def test_a_job_status_within_the_cap_is_kept_to_what_a_status_holds(head: HostileHead) -> None:
+    jobs = Jobs(head.url)
+    chatty = jobs.observe("chatty-1", with_logs=False)
+    assert chatty.status == "RUNNING" and len(chatty.message) == MAX_JOB_MESSAGE
+    assert chatty.driver_node_id is not None and len(chatty.driver_node_id) == MAX_JOB_FIELD
+    with pytest.raises(ValueError, match="not a JSON object"):
+        jobs.observe("odd-1")
