@@ -1,11 +1,10 @@
-"""The operator's metrics: series read from the runs at scrape time, counters recorded by the handlers."""
+"""The operator's metrics: series read from the runs at scrape time, counters recorded by the handlers (served
+over HTTP: tests/cluster/test_metrics_server.py)."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import re
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,7 +14,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fsdp_operator import api, metrics
 from fsdp_trainer.contract import RestartEntry
-from tests.harness import free_port
 
 NOW = dt.datetime(2026, 11, 30, 12, 0, tzinfo=dt.UTC)
 
@@ -208,27 +206,3 @@ def test_errors_by_kind_and_reconcile_results() -> None:
     }
     samples = scrape()
     assert one(samples, "fsdp_operator_reconcile_duration_seconds_count", result="error") >= 2
-
-
-def test_metrics_are_served_over_http(index: dict[tuple[str, str], Store]) -> None:
-    index[("ml", "tiny")] = Store([RUNNING])
-    port = free_port()
-
-    async def scrape_once() -> tuple[str, str]:
-        runner = await metrics.serve("127.0.0.1", port, leading=lambda: False)
-        try:
-            with await asyncio.to_thread(
-                urllib.request.urlopen, f"http://127.0.0.1:{port}/metrics"
-            ) as answer:
-                return answer.headers["Content-Type"], answer.read().decode()
-        finally:
-            await runner.cleanup()
-
-    content_type, text = asyncio.run(scrape_once())
-    assert content_type.startswith("text/plain; version=0.0.4")
-    assert (
-        "fsdp_operator_leader 0.0" in text
-        and 'fsdp_operator_run_step{name="tiny",namespace="ml"} 25.0' in text
-    )
-    tasks = re.search(r"^fsdp_operator_asyncio_tasks (\d+)", text, re.M)
-    assert tasks and int(tasks.group(1)) >= 2, "the scrape's own task and the test's are on the loop"
