@@ -35,7 +35,7 @@ else
   pod_env=$(printf '{"AWS_ENDPOINT_URL": "%s", "AWS_ACCESS_KEY_ID": "%s", "AWS_SECRET_ACCESS_KEY": "%s", "AWS_DEFAULT_REGION": "%s", "HF_HUB_OFFLINE": "1", "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300"}' \
     "$FSDP_POD_S3_ENDPOINT" "$AWS_ACCESS_KEY_ID" "$AWS_SECRET_ACCESS_KEY" "$AWS_DEFAULT_REGION")
   operator_env+=("FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS=$FSDP_HOST_POD_ADDRESS/32"
-    "FSDP_OPERATOR_DEFAULT_IMAGE=$FSDP_DLC_IMAGE" "FSDP_OPERATOR_RAY_POD_ENV=$pod_env"
+    "FSDP_OPERATOR_DEFAULT_IMAGE=$FSDP_DLC_IMAGE" FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY=IfNotPresent "FSDP_OPERATOR_RAY_POD_ENV=$pod_env"
     FSDP_OPERATOR_TRAINER_DEVICE=cpu "FSDP_OPERATOR_AWS_ENDPOINT_URL=$AWS_ENDPOINT_URL")
   log "uploading the demo corpus to s3://fsdp-demo/data/"
   "$PY" - <<'EOF2'
@@ -52,6 +52,9 @@ kubectl apply --server-side --force-conflicts -f "$root/crds" >/dev/null
 wait_for "CRD established" 60 kubectl wait --for condition=established --timeout 5s \
   crd/fsdptrainingruns.fsdp.training.dev
 kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -f - >/dev/null
+# The platform's grant (docs/security.md): the demo's runs may tolerate the real node's taint.
+kubectl annotate namespace "$NAMESPACE" --overwrite \
+  'fsdp.training.dev/run-tolerations=[{"key": "fsdp.training.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]' >/dev/null
 
 log "starting the operator (log: $STATE/logs/demo-operator.log)"
 env "${operator_env[@]}" FSDP_OPERATOR_WATCH_NAMESPACES="$NAMESPACE" FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS=5 \

@@ -67,6 +67,9 @@ NODE_CGROUP=fsdp-node-$INSTANCE # the kubelet's cgroupRoot, in every cgroup hier
 # At the default, one process's worth, a loaded host leaves all the node's pods a tenth of a CPU, and Ray's
 # head dies starting (its client server gives the raylet 30 s to register, a bound Ray does not expose).
 NODE_CPU_SHARES=4096
+# Its allocatable ephemeral-storage: an EKS node's on the default 20 GiB root volume (hack/real-node.sh).
+NODE_ALLOCATABLE_DISK=$((17 * 1024 ** 3))
+NODE_DISK_EVICTION_PERCENT=5 # hack/node/kubelet.yaml's nodefs.available
 # Only pods that tolerate it run on the real node: the KWOK-node tests' runs, which train on the shared Ray
 # head, must never start real containers (nor count the node's fake GPUs in preflight).
 REAL_NODE_TAINT=fsdp.training.dev/real-node=true:NoSchedule

@@ -52,7 +52,7 @@ render() { # TEMPLATE DEST: the template with this instance's values
     -e "s|@POD_NET_PREFIX@|$POD_NET_PREFIX|g" -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" \
     -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@CNI_BIN@|$CNI_BIN|g" \
     -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" -e "s|@CONTAINERD_ROOT@|$NODE_CONTAINERD_ROOT|g" \
-    "$root/hack/node/$1" >"$2"
+    -e "s|@DISK_RESERVED@|${NODE_DISK_RESERVED:-0}|g" "$root/hack/node/$1" >"$2"
 }
 
 # A kubeconfig for the node's processes: they reach the apiserver through the forwarder on the host's end of
@@ -256,6 +256,12 @@ start() {
   node_certificates
   node_kubeconfig "$NODE_DIR/kubelet/kubeconfig" "$NODE_DIR/kubelet/pki/client.crt" "$NODE_DIR/kubelet/pki/client.key"
   node_kubeconfig "$NODE_DIR/admin.kubeconfig"
+  # Allocatable ephemeral-storage of an EKS node on a 20 GiB root volume (about 17 GiB), whatever this host's
+  # disk: a worker asking for more is really unschedulable here, as it would be there.
+  local disk
+  disk=$(df -B1 --output=size "$NODE_DIR" | tail -1)
+  NODE_DISK_RESERVED=$((disk - disk * NODE_DISK_EVICTION_PERCENT / 100 - NODE_ALLOCATABLE_DISK))
+  ((NODE_DISK_RESERVED > 0)) || NODE_DISK_RESERVED=0
   render kubelet.yaml "$NODE_DIR/kubelet/config.yaml"
   echo "nameserver $NODE_IP" >"$NODE_DIR/kubelet/resolv.conf"
   start_daemon kubelet nsenter --target "$(holder_pid)" --net --mount -- \
@@ -282,6 +288,9 @@ start() {
   # g6.12xlarge workers' worth, so that a whole GPU-shaped RayCluster fits on this one node.
   kubectl patch node "$REAL_NODE_NAME" --subresource status --type merge \
     -p '{"status":{"capacity":{"nvidia.com/gpu":"8","vpc.amazonaws.com/efa":"2"}}}' >/dev/null
+  # The kubelet derives allocatable at its next status update: until then preflight sees no GPU here.
+  wait_for "the real node's fake GPUs allocatable" 60 bash -c \
+    "kubectl get node '$REAL_NODE_NAME' -o jsonpath='{.status.allocatable.nvidia\.com/gpu}' | grep -qx 8"
   wait_for "cluster DNS" 60 bash -c "exec 3<>/dev/tcp/$NODE_IP/53" # from the host: the node's address is on-link
   log "real node $REAL_NODE_NAME Ready"
 }

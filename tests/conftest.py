@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -14,9 +15,11 @@ from typing import Any
 import boto3
 import pytest
 
+from fsdp_operator import tenancy
 from tests import reliability as reliability_table
 from tests.harness import (
     INSTANCE,
+    REAL_NODE_TOLERATION,
     REPO,
     LocalCluster,
     MlflowServer,
@@ -25,6 +28,7 @@ from tests.harness import (
     apply_crd,
     delete_namespace,
     free_port,
+    grant,
     kubectl,
     mlflow_server,
     wait_until,
@@ -116,6 +120,7 @@ def namespace(local_cluster: LocalCluster) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards with everything in it."""
     name = f"t-{uuid.uuid4().hex[:8]}"
     kubectl("create", "namespace", name)
+    grant(name, tenancy.TOLERATIONS, json.dumps([REAL_NODE_TOLERATION]))
     try:
         yield name
     finally:

@@ -193,6 +193,16 @@ def answers(url: str, headers: dict[str, str] | None = None) -> bool:
         return False
 
 
+# The toleration of the real node's taint: the platform grants it to the suite's namespaces (tenancy.py), as a
+# platform grants a team the tolerations of its node pool.
+REAL_NODE_TOLERATION = {"key": "fsdp.training.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def grant(namespace: str, annotation: str, value: str) -> None:
+    """What the platform grants runs in a namespace, as the namespace annotation the operator reads."""
+    kubectl("annotate", "namespace", namespace, "--overwrite", f"{annotation}={value}")
+
+
 def delete_namespace(name: str) -> None:
     """Deletes a test's namespace once its operator is stopped: releases the runs' finalizers and waits for
     the pods only, so that the next test finds the fake GPUs free; the namespace may finish deleting later.

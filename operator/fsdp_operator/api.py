@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from fsdp_operator import instancetypes
+from fsdp_operator import instancetypes, localdisk
 from fsdp_trainer.contract import (
     PLAIN_TEXT,
     CheckpointRef,
@@ -57,13 +57,43 @@ PIP_REQUIREMENT = (
 )
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 # Environment a run may not set for its job: it would steer the runtime (loader, interpreter, Ray, the
-# cloud identity) rather than configure the training; NCCL/libfabric settings go in network.ncclEnv.
-RESERVED_ENV_PREFIXES = ("LD_", "PYTHON", "RAY_", "AWS_", "KUBERNETES_", "NCCL_", "FI_", "OFI_")
-RESERVED_ENV_NAMES = ("PATH", "HOME")
+# cloud identity), where code comes from (pip, uv and conda, which Ray's runtime env runs with the job's
+# environment; the model hub's endpoint) or where traffic goes and whom it trusts (proxies, CA bundles),
+# rather than configure the training; NCCL/libfabric settings go in network.ncclEnv. Compared in upper case:
+# most tools also read http_proxy and the like in lower case.
+RESERVED_ENV_PREFIXES = (
+    "LD_",
+    "PYTHON",
+    "RAY_",
+    "AWS_",
+    "KUBERNETES_",
+    "NCCL_",
+    "FI_",
+    "OFI_",
+    "PIP_",
+    "UV_",
+    "CONDA",
+    "HF_HUB_",
+)
+RESERVED_ENV_NAMES = (
+    "PATH",
+    "HOME",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "ALL_PROXY",
+    "NO_PROXY",
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
+    "REQUESTS_CA_BUNDLE",
+    "CURL_CA_BUNDLE",
+    "HF_ENDPOINT",
+    "HF_HOME",
+)
 
 
 def reserved_env(name: str) -> bool:
-    return name in RESERVED_ENV_NAMES or name.startswith(RESERVED_ENV_PREFIXES)
+    upper = name.upper()
+    return upper in RESERVED_ENV_NAMES or upper.startswith(RESERVED_ENV_PREFIXES)
 
 
 IMAGE_PATTERN = r"^[a-z0-9]+([._/:-][a-zA-Z0-9_.-]+)*(@sha256:[0-9a-f]{64})?$"
@@ -126,11 +156,11 @@ class HeadSpec(ContractModel):
         description="Head tolerations, beside the operator's (by default the ray.io/head-node taint's).",
     )
     ephemeral_storage: str = Field(
-        default="20Gi",
+        default="8Gi",
         max_length=32,
         pattern=QUANTITY,
         description="Local disk the head requests, and the size of its /tmp volume (Ray's session logs, the "
-        "job's driver).",
+        "job's driver). The default fits an EKS managed node group's default 20 GiB root volume.",
     )
 
 
@@ -174,12 +204,16 @@ class ClusterSpec(ContractModel):
     shm_size: str = Field(
         default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
     )
-    ephemeral_storage: str = Field(
-        default="200Gi",
+    ephemeral_storage: str | None = Field(
+        default=None,
         max_length=32,
         pattern=QUANTITY,
         description="Local disk each worker requests, and the size of its /tmp volume (checkpoint staging, "
-        "the model cache, Ray's logs and object spilling); beyond it the kubelet evicts the pod.",
+        "the model cache, Ray's logs and object spilling); beyond it the kubelet evicts the pod. Default: "
+        "what the run writes at its peak, from the model's size (model.fromConfig, or the size in "
+        "model.source's name such as 1.5B): the downloaded model (2 bytes per parameter) and a whole "
+        "checkpoint copied on resume (12 bytes per parameter), plus 8Gi for Ray and a quarter more "
+        "(Qwen2.5-1.5B: 33Gi); 200Gi when the size is unknown.",
     )
     zone: str | None = Field(
         default=None,
@@ -457,6 +491,14 @@ class FSDPTrainingRunSpec(ContractModel):
         description="After the run finishes: DeleteCluster frees the GPUs (the CR and run.json remain); "
         "KeepCluster leaves the RayCluster for inspection.",
     )
+
+    def worker_disk(self) -> localdisk.DiskPlan:
+        """What each worker writes locally at its peak, from which its disk request defaults."""
+        return localdisk.plan(self.model, self.fsdp.mixed_precision, self.cluster.workers)
+
+    def worker_ephemeral_storage(self) -> str:
+        """The disk each worker requests: as set, or what it writes at its peak."""
+        return self.cluster.ephemeral_storage or self.worker_disk().quantity
 
     @model_validator(mode="after")
     def _mlflow_credentials_in_one_place(self) -> FSDPTrainingRunSpec:

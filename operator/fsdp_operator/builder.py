@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import hmac
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +70,13 @@ class Platform:
     # Set where nodes expose EFA through DRA (AWS's EFA DRA driver): workers claim their interfaces from this
     # DeviceClass through a ResourceClaimTemplate of the run, not as vpc.amazonaws.com/efa.
     efa_device_class: str | None = None
+    image_pull_policy: str | None = None  # None: by the image reference (image_pull_policy)
+
+
+def image_pull_policy(image: str, platform: Platform) -> str:
+    """Always for a tag: each node resolves it at the registry, not from an older copy it holds; a digest
+    names one image, which a node that has it need not ask for."""
+    return platform.image_pull_policy or ("IfNotPresent" if "@sha256:" in image else "Always")
 
 
 def pod_platform(settings: Settings) -> Platform:
@@ -79,6 +88,7 @@ def pod_platform(settings: Settings) -> Platform:
         ),
         pod_env=dict(settings.ray_pod_env),
         efa_device_class=settings.efa_device_class,
+        image_pull_policy=settings.ray_image_pull_policy,
     )
 
 
@@ -197,6 +207,10 @@ def _ray_auth_env(run: RunRef) -> list[dict[str, Any]]:
     return [{"name": "RAY_AUTH_MODE", "value": "token"}, {"name": "RAY_AUTH_TOKEN", "valueFrom": token}]
 
 
+# Every address but the EC2 instance metadata service's (IPv4, and IPv6 on Nitro instances).
+NOT_METADATA = (("0.0.0.0/0", "169.254.169.254/32"), ("::/0", "fd00:ec2::254/128"))
+
+
 def build_network_policy(
     run: RunRef,
     operator_namespace: str,
@@ -206,8 +220,9 @@ def build_network_policy(
 ) -> dict[str, Any]:
     """Ingress to the run's Ray pods: from each other on any port (Ray's own traffic); on the dashboard port
     (jobs, logs: code execution) from the operator's pods and the given address ranges only; on Ray's metrics
-    port from the pods of the namespaces that scrape it (Prometheus). Egress is open: the pods read the hub
-    and S3."""
+    port from the pods of the namespaces that scrape it (Prometheus). Egress: anywhere (the hub, S3, the
+    tracking server, each other) but the instance metadata service, where the node's IAM role is one request
+    away for the tenant's code, and the operator's pods (its metrics name every tenant's runs)."""
     ray_pods = {"matchLabels": {LABEL_RAY_CLUSTER: ray_cluster_name(run.name)}}
     dashboard_peers: list[dict[str, Any]] = [{"ipBlock": {"cidr": cidr}} for cidr in cidrs]
     if operator_pod_labels:
@@ -240,7 +255,33 @@ def build_network_policy(
             "labels": run_labels(run),
             "ownerReferences": [owner_reference(run)],
         },
-        "spec": {"podSelector": ray_pods, "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {
+            "podSelector": ray_pods,
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": ingress,
+            "egress": [
+                {
+                    "to": [
+                        {"ipBlock": {"cidr": block, "except": [metadata]}} for block, metadata in NOT_METADATA
+                    ]
+                },
+                {
+                    "to": [
+                        {
+                            "namespaceSelector": {
+                                "matchExpressions": [
+                                    {
+                                        "key": LABEL_NAMESPACE_NAME,
+                                        "operator": "NotIn",
+                                        "values": [operator_namespace],
+                                    }
+                                ]
+                            }
+                        }
+                    ]
+                },
+            ],
+        },
     }
 
 
@@ -269,10 +310,19 @@ def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
 
+# Ray pods run the tenant's code: no way up to more privilege than the container starts with, no Linux
+# capability (Ray, PyTorch and NCCL need none; EFA's pinned memory needs RLIMIT_MEMLOCK raised, which the EKS
+# accelerated AMIs' container runtime does, not CAP_IPC_LOCK), the runtime's default seccomp filter.
+RAY_CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+RAY_POD_SECURITY = {"seccompProfile": {"type": "RuntimeDefault"}}
+
+
 def _pod_common(spec: api.FSDPTrainingRunSpec, run: RunRef) -> dict[str, Any]:
-    common: dict[str, Any] = {}
-    if spec.cluster.service_account_name:
+    common: dict[str, Any] = {"securityContext": copy.deepcopy(RAY_POD_SECURITY)}
+    if spec.cluster.service_account_name:  # one the namespace grants runs (tenancy.py): its token is wanted
         common["serviceAccountName"] = spec.cluster.service_account_name
+    else:  # the namespace's default account, whose token Ray never uses: not in the tenant's code's reach
+        common["automountServiceAccountToken"] = False
     if spec.cluster.priority_class_name:
         common["priorityClassName"] = spec.cluster.priority_class_name
     return common
@@ -306,6 +356,8 @@ def _head_group(
             {
                 "name": "ray-head",
                 "image": image,
+                "imagePullPolicy": image_pull_policy(image, platform),
+                "securityContext": copy.deepcopy(RAY_CONTAINER_SECURITY),
                 "command": RAY_START_COMMAND,
                 "args": RAY_START_ARGS,
                 "env": env,
@@ -352,12 +404,18 @@ def _head_group(
     }
 
 
+EFA_TAINTS = ("vpc.amazonaws.com/efa", "aws.amazon.com/efa")
+
+
 def worker_tolerations(spec: api.FSDPTrainingRunSpec) -> list[api.Toleration]:
     """The taints GPU and EFA node groups carry (EKS, AWS's tested manifest), then the spec's own: what the
     workers tolerate, and so what preflight counts them able to land on."""
-    keys = [GPU, *(["vpc.amazonaws.com/efa", "aws.amazon.com/efa"] if uses_efa(spec) else [])]
-    defaults = [api.Toleration(key=key, operator="Exists", effect="NoSchedule") for key in keys]
-    return defaults + list(spec.cluster.tolerations)
+    keys = [GPU, *(EFA_TAINTS if uses_efa(spec) else [])]
+    return accelerator_tolerations(keys) + list(spec.cluster.tolerations)
+
+
+def accelerator_tolerations(keys: Iterable[str] = (GPU, *EFA_TAINTS)) -> list[api.Toleration]:
+    return [api.Toleration(key=key, operator="Exists", effect="NoSchedule") for key in keys]
 
 
 def _worker_group(
@@ -377,14 +435,17 @@ def _worker_group(
     placement_zone = cluster.zone or zone
     if placement_zone:  # EFA traffic does not cross availability zones
         node_selector[LABEL_ZONE] = placement_zone
-    scratch, scratch_mount = _scratch(cluster.ephemeral_storage)
+    disk = spec.worker_ephemeral_storage()
+    scratch, scratch_mount = _scratch(disk)
     container: dict[str, Any] = {
         "name": "ray-worker",
         "image": image,
+        "imagePullPolicy": image_pull_policy(image, platform),
+        "securityContext": copy.deepcopy(RAY_CONTAINER_SECURITY),
         "command": RAY_START_COMMAND,
         "args": RAY_START_ARGS,
         "resources": {
-            "requests": {**resources, "ephemeral-storage": cluster.ephemeral_storage},
+            "requests": {**resources, "ephemeral-storage": disk},
             "limits": dict(resources),
         },
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount],

@@ -4,11 +4,12 @@ dashboard), admission, and each run's memory."""
 from __future__ import annotations
 
 import datetime as dt
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, builder, submission
+from fsdp_operator import api, builder, submission, tenancy
 from fsdp_operator.admission import Admission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kube import Kube
@@ -18,6 +19,7 @@ from fsdp_operator.settings import DashboardAddressMode, Settings
 from fsdp_trainer.contract import run_prefix
 
 RAY_TOKEN_HEADER = "X-Ray-Authorization"  # Ray's header for callers behind a proxy that owns Authorization
+POLICY_SECONDS = 10.0
 
 
 @dataclass
@@ -33,6 +35,8 @@ class Context:
     # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
     disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
     ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
+    # namespace -> when its grants were read, and them (or why they cannot be read)
+    policies: dict[str, tuple[float, tenancy.NamespacePolicy | str]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.admission = Admission(
@@ -116,6 +120,28 @@ class Context:
         if memory.storage is None or memory.storage.uri != uri:
             memory.storage = RunStorage(self.s3, uri)
         return memory.storage
+
+    def refusals(self, namespace: str, spec: api.FSDPTrainingRunSpec) -> tuple[str, ...]:
+        """What the run asks for that its namespace does not grant; its policy read at most once per
+        POLICY_SECONDS (a grant the platform adds is seen within that)."""
+        now = time.monotonic()
+        kept = self.policies.get(namespace)
+        if kept is None or now - kept[0] > POLICY_SECONDS:
+            try:
+                policy: tenancy.NamespacePolicy | str = tenancy.NamespacePolicy.of(
+                    namespace, self.kube.namespace_annotations(namespace)
+                )
+            except tenancy.PolicyError as error:
+                policy = str(error)
+            kept = self.policies[namespace] = (now, policy)
+        if isinstance(kept[1], str):
+            return (f"the namespace's grants cannot be read: {kept[1]}",)
+        settings = self.settings
+        return tuple(
+            tenancy.refusals(
+                spec, kept[1], frozenset(settings.allowed_hosts), tuple(settings.head_tolerations)
+            )
+        )
 
     def forget(self, uid: str) -> None:
         """Everything kept about a deleted run: its memory, and what admission kept of it."""

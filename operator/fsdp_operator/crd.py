@@ -44,8 +44,8 @@ SPEC_RULES: list[tuple[str, str, str]] = [
     *(
         (
             f"!has(self.runtimeEnv.{field}) || self.runtimeEnv.{field}.all(k, k.matches('{api.ENV_NAME}')"
-            " && !(k in " + _cel_list(api.RESERVED_ENV_NAMES) + ")"
-            " && !" + _cel_list(api.RESERVED_ENV_PREFIXES) + ".exists(p, k.startsWith(p)))",
+            " && !(k.upperAscii() in " + _cel_list(api.RESERVED_ENV_NAMES) + ")"
+            " && !" + _cel_list(api.RESERVED_ENV_PREFIXES) + ".exists(p, k.upperAscii().startsWith(p)))",
             f"spec.runtimeEnv.{field} names must be environment names and must not steer the runtime: "
             + ", ".join(api.RESERVED_ENV_NAMES)
             + ", "

@@ -1,7 +1,8 @@
 """What a worker gets when its spec leaves a size unset: every GPU and EFA interface of its EC2 instance type,
 and the CPU and memory a pod can have on such a node.
 
-The facts are EC2's (DescribeInstanceTypes: DefaultVCpus, MemoryInfo, GpuInfo, EfaInfo.MaximumEfaInterfaces);
+The facts are EC2's (DescribeInstanceTypes: DefaultVCpus, MemoryInfo, GpuInfo, EfaInfo.MaximumEfaInterfaces,
+InstanceStorageInfo.TotalSizeInGB);
 a unit test checks this table against that data as moto ships it. A type not listed keeps the defaults of the
 AWS sample's g6.12xlarge shape and its one EFA interface.
 """
@@ -22,6 +23,7 @@ class InstanceType:
     memory_gib: int
     gpus: int
     efa_interfaces: int
+    instance_store_gb: int  # NVMe the node's disk request can use only where the AMI mounts it
 
     @property
     def worker_cpu(self) -> str:
@@ -33,18 +35,18 @@ class InstanceType:
 
 
 GPU_INSTANCE_TYPES: dict[str, InstanceType] = {
-    "g5.12xlarge": InstanceType(48, 192, 4, 1),
-    "g5.48xlarge": InstanceType(192, 768, 8, 1),
-    "g6.12xlarge": InstanceType(48, 192, 4, 1),
-    "g6.48xlarge": InstanceType(192, 768, 8, 1),
-    "g6e.12xlarge": InstanceType(48, 384, 4, 1),
-    "g6e.48xlarge": InstanceType(192, 1536, 8, 4),
-    "p4d.24xlarge": InstanceType(96, 1152, 8, 4),
-    "p4de.24xlarge": InstanceType(96, 1152, 8, 4),
-    "p5.48xlarge": InstanceType(192, 2048, 8, 32),
-    "p5e.48xlarge": InstanceType(192, 2048, 8, 32),
-    "p5en.48xlarge": InstanceType(192, 2048, 8, 16),
-    "p6-b200.48xlarge": InstanceType(192, 2048, 8, 8),
+    "g5.12xlarge": InstanceType(48, 192, 4, 1, 3800),
+    "g5.48xlarge": InstanceType(192, 768, 8, 1, 7600),
+    "g6.12xlarge": InstanceType(48, 192, 4, 1, 3760),
+    "g6.48xlarge": InstanceType(192, 768, 8, 1, 7520),
+    "g6e.12xlarge": InstanceType(48, 384, 4, 1, 3800),
+    "g6e.48xlarge": InstanceType(192, 1536, 8, 4, 7600),
+    "p4d.24xlarge": InstanceType(96, 1152, 8, 4, 8000),
+    "p4de.24xlarge": InstanceType(96, 1152, 8, 4, 8000),
+    "p5.48xlarge": InstanceType(192, 2048, 8, 32, 30400),
+    "p5e.48xlarge": InstanceType(192, 2048, 8, 32, 30400),
+    "p5en.48xlarge": InstanceType(192, 2048, 8, 16, 30400),
+    "p6-b200.48xlarge": InstanceType(192, 2048, 8, 8, 30400),
 }
 # A type the table does not know: the g6.12xlarge shape (the AWS sample's), one EFA interface.
 UNKNOWN = GPU_INSTANCE_TYPES["g6.12xlarge"]

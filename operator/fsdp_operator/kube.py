@@ -142,6 +142,11 @@ class Kube:
             if error.status != 404:
                 raise
 
+    def namespace_annotations(self, namespace: str) -> dict[str, str]:
+        """The Namespace's annotations: what the platform grants runs there (tenancy.py)."""
+        found = self.request("GET", f"/api/v1/namespaces/{namespace}")
+        return dict((found.get("metadata") or {}).get("annotations") or {})
+
     def get_run(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             found = self.custom.get_namespaced_custom_object(

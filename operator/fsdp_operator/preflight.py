@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from fsdp_operator import api, quantity
+from fsdp_operator import api, instancetypes, quantity
 from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa, worker_tolerations
 
 CPU, MEMORY, DISK = "cpu", "memory", "ephemeral-storage"
@@ -56,7 +56,7 @@ class WorkerDemand:
             efa=cluster.efa(spec.network) if uses_efa(spec) else 0,
             cpu_m=quantity.milli(cluster.worker_cpu()),
             memory=quantity.whole(cluster.worker_memory()),
-            disk=quantity.whole(cluster.ephemeral_storage),
+            disk=quantity.whole(spec.worker_ephemeral_storage()),
         )
 
     def dimensions(self, node: NodeFree) -> list[tuple[str, int, int | None]]:
@@ -237,16 +237,39 @@ _REMEDY = {
     "efa-device-class (chart efa.draDeviceClass)",
     CPU: "lower spec.cluster.cpu",
     MEMORY: "lower spec.cluster.memory",
-    DISK: "lower spec.cluster.ephemeralStorage, or give the node group larger disks (an EKS managed node "
-    "group's diskSize is 20 GiB unless set; AL2023's nodeadm localStorage puts the instance store's NVMe "
-    "behind ephemeral-storage)",
 }
+
+
+def _remedy(resource: str, spec: api.FSDPTrainingRunSpec) -> str:
+    if resource != DISK:
+        return _REMEDY[resource]
+    cluster = spec.cluster
+    asked = (
+        "lower spec.cluster.ephemeralStorage"
+        if cluster.ephemeral_storage
+        else f"the default is what a worker writes, {spec.worker_disk().explain()}; set "
+        "spec.cluster.ephemeralStorage to override it"
+    )
+    store = instancetypes.of(cluster.instance_type).instance_store_gb
+    nvme = (
+        f"; {cluster.instance_type} has {store} GB of NVMe instance store, which counts once the AMI "
+        "mounts it (AL2023 nodeadm: localStorage strategy RAID0)"
+        if store and cluster.instance_type in instancetypes.GPU_INSTANCE_TYPES
+        else "; or an instance store the AMI mounts (AL2023 nodeadm: localStorage strategy RAID0)"
+    )
+    return (
+        f"{asked}, or give the node group larger disks (an EKS managed node group's diskSize is 20 GiB "
+        f"unless set){nvme}"
+    )
 
 
 def worker_fits_no_node(spec: api.FSDPTrainingRunSpec, empty: list[NodeFree]) -> PreflightResult | None:
     """A failed result naming each resource a worker asks more of than any empty node of its type has, or
     None when one worker fits some node (or there is no such node to judge by: a group scaled to zero)."""
     demand = WorkerDemand.of(spec)
+    zone = spec.cluster.zone
+    if zone:  # the zone the run names: a node elsewhere will never take its workers
+        empty = [node for node in empty if node.zone == zone]
     if not empty or any(_workers_fitting(node, demand) for node in empty):
         return None
     short = []
@@ -255,13 +278,13 @@ def worker_fits_no_node(spec: api.FSDPTrainingRunSpec, empty: list[NodeFree]) ->
         if asked and known and max(known) < asked:
             short.append(
                 f"{_shown(resource, asked)} per worker, at most {_shown(resource, max(known))} on a node "
-                f"({_REMEDY[resource]})"
+                f"({_remedy(resource, spec)})"
             )
     return PreflightResult(
         False,
         WORKER_FITS_NO_NODE,
-        f"no {spec.cluster.instance_type} node can take one worker, not even an empty one: "
-        + "; ".join(short),
+        f"no {spec.cluster.instance_type} node{f' in {zone}' if zone else ''} can take one worker, not even "
+        "an empty one: " + "; ".join(short),
     )
 
 

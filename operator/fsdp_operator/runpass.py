@@ -24,7 +24,7 @@ from fsdp_operator import actions, api, builder, conditions, metrics, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Conflict, Indexes
 from fsdp_operator.observe import observe
-from fsdp_operator.reconcile import Decision, needs_preflight, reconcile
+from fsdp_operator.reconcile import Decision, creates_cluster_next, needs_preflight, reconcile
 from fsdp_operator.statuspatch import merge_patch
 from fsdp_operator.watched import kept
 
@@ -73,7 +73,9 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     spec, status = parse(body, stored)
     config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
     obs = observe(ctx, run, stored, spec, status, config, indexes)
-    if needs_preflight(spec, status, obs.cluster is not None, obs.now):
+    if creates_cluster_next(spec, status, obs.cluster is not None):
+        obs = dataclasses.replace(obs, refusals=ctx.refusals(run.namespace, spec))
+    if not obs.refusals and needs_preflight(spec, status, obs.cluster is not None, obs.now):
         verdict = ctx.admission.admit(run, spec, meta.get("creationTimestamp", ""), indexes)
         obs = dataclasses.replace(obs, preflight=verdict)
     memory = ctx.runs.of(run.uid)

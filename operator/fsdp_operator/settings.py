@@ -5,7 +5,7 @@ from __future__ import annotations
 import ipaddress
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Self
+from typing import Annotated, Literal, Self
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -42,6 +42,13 @@ class Settings(BaseSettings):
         description="Namespaces to watch, comma-separated; empty watches all namespaces.",
     )
     default_image: str = Field(default=DEFAULT_IMAGE, description="Ray Train DLC image when a run sets none.")
+    ray_image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = Field(
+        default=None,
+        description="imagePullPolicy of the Ray containers. Unset: Always for an image named by tag, so "
+        "that every node asks the registry what the tag names now instead of running an older copy it holds "
+        "(one NCCL build per cluster; layers already on the node are not pulled again), IfNotPresent for one "
+        "named by digest (as every attempt after the first is). Clusters with no registry set IfNotPresent.",
+    )
     dashboard_address_mode: DashboardAddressMode = Field(
         default=DashboardAddressMode.SERVICE_DNS,
         description="How the operator reaches each run's Ray dashboard.",
@@ -84,6 +91,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Address ranges also admitted to each run's dashboard, comma-separated: the apiserver's "
         "with service-proxy.",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Hosts runs may send credentials to (an MLflow tracking server named with "
+        "tracking.mlflow.credentials), comma-separated; empty: none.",
     )
     ray_metrics_scrape_namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -161,7 +173,11 @@ class Settings(BaseSettings):
     )
 
     @field_validator(
-        "watch_namespaces", "dashboard_ingress_cidrs", "ray_metrics_scrape_namespaces", mode="before"
+        "watch_namespaces",
+        "dashboard_ingress_cidrs",
+        "ray_metrics_scrape_namespaces",
+        "allowed_hosts",
+        mode="before",
     )
     @classmethod
     def _split_commas(cls, value: object) -> object:

@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
+from fsdp_operator import tenancy
 from tests.harness import (
     OperatorProcess,
     apply,
     conditions_of,
     example,
+    grant,
     kubectl,
     kubectl_json,
     rayclusters,
@@ -178,6 +180,8 @@ def test_pods_kuberay_cannot_create_are_named_and_fail_the_run_within_the_bound(
     """A service account that does not exist: the apiserver refuses every pod, which only KubeRay's
     ReplicaFailure tells. The run says so at once and fails after podErrorTimeoutSeconds, not after a
     provisioning timeout and a return to Pending."""
+    # The platform granted the namespace's runs an account that nobody has created yet.
+    grant(namespace, tenancy.SERVICE_ACCOUNTS, "no-such-account")
     changes = {"cluster.serviceAccountName": "no-such-account", "recovery.podErrorTimeoutSeconds": 20}
     apply(namespace, example("aws-sample", **changes))
     started = time.monotonic()

@@ -11,6 +11,7 @@ import boto3
 
 from fsdp_operator import api, preflight
 from tests.harness import (
+    DELETE,
     LocalCluster,
     OperatorProcess,
     apply,
@@ -142,6 +143,9 @@ def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_i
             "preflight.scaleFromZero": True,
             "cluster.instanceType": "p5.48xlarge",
             "cluster.workers": 1,
+            # Sized by the instance type: every GPU and EFA interface of a p5.48xlarge.
+            "cluster.gpusPerWorker": DELETE,
+            "cluster.efaPerWorker": DELETE,
             "recovery.podErrorTimeoutSeconds": 20,
         }
         for name in ("grows", "never"):
@@ -187,6 +191,14 @@ def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_i
             timeout=120,
         )
         assert conditions_of(run_of(namespace, "grows"))["PodsScheduled"]["status"] == "True"
+        [cluster] = [
+            c
+            for c in rayclusters(namespace)
+            if c["metadata"]["name"] == run_of(namespace, "grows")["status"]["rayClusterName"]
+        ]
+        worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+        limits = worker["resources"]["limits"]
+        assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"]) == ("8", "32"), limits
     finally:
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         kubectl("delete", "node", node, "--ignore-not-found", check=False)

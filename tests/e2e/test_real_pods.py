@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fsdp_trainer.contract import PROGRESS_FILE, ProgressRecord
 from tests.chart import CHART, render
 from tests.e2e.demo import BUCKET, CORPUS
 from tests.harness import (
@@ -146,6 +147,7 @@ def proxied_operator(
         "FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": f"{real_node.host_address}/32",
         "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
         "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
+        "FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY": "IfNotPresent",  # the node has the image; no registry here
         "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
@@ -246,7 +248,7 @@ def step_of(namespace: str, run: str) -> int:
 # than the suite's per-test bound.
 @pytest.mark.timeout(1500)
 def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives_killed_containers(
-    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, reliability: Recorder
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, s3: Any, reliability: Recorder
 ) -> None:
     """One run for the whole real-pod path (each RayCluster start costs minutes of the node's 2 CPUs): a
     worker container killed (Ray Train restarts its workers in the job), then the head's (the kubelet starts
@@ -264,13 +266,28 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     )
     pods = pods_of(namespace, run)
     [head] = [p for p in pods if node_type(p) == "head"]
-    kill_container(real_node, next(p for p in pods if node_type(p) == "worker"))
+    worker = next(p for p in pods if node_type(p) == "worker")
+    kill_container(real_node, worker)
     killed_at = step_of(namespace, run)
     wait_until(
         "training to go on after the worker's kill (the kubelet restarts the container)",
         lambda: step_of(namespace, run) > killed_at + every,
         timeout=RUN_TIMEOUT,
     )
+    # Ray Train restarted its workers inside the job: the same job (attempt 1, no restart of the run) whose
+    # trainer resumed from a checkpoint, in the container the kubelet started again.
+    status = run_of(namespace, run)["status"]
+    assert status["attempt"] == 1 and status["restarts"]["count"] == 0, status
+    record = ProgressRecord.model_validate_json(
+        s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{run}/{PROGRESS_FILE}")["Body"].read()
+    )
+    assert record.submission_id == status["jobSubmissionId"], record
+    resumed = record.resumed_from_step
+    assert resumed is not None and resumed >= every and resumed % every == 0, (
+        f"no resume in the job: {record}"
+    )
+    [again] = [p for p in pods_of(namespace, run) if p["metadata"]["uid"] == worker["metadata"]["uid"]]
+    assert ray_container(again)["restartCount"] >= 1, ray_container(again)
     phase = run_of(namespace, run)["status"]["phase"]
     assert phase == "Running", f"the run is {phase} before its head's kill: it needs more steps"
     step_at_head_kill = step_of(namespace, run)  # the status's: at most what the trainer had reached
@@ -459,6 +476,7 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         "replicaCount": 1,
         "watchNamespaces": [namespace],
         "defaultImage": real_node.image,
+        "rayImagePullPolicy": "IfNotPresent",
         "dashboardAddressMode": "service-dns",
         "aws": {"region": "us-west-2", "endpointUrl": real_node.pod_s3_endpoint},
         "observeIntervalSeconds": 3,

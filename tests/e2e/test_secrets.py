@@ -8,10 +8,11 @@ import json
 import uuid
 from typing import Any
 
+from fsdp_operator import tenancy
 from fsdp_operator.settings import Settings
 from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
 from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, demo_run
-from tests.harness import OperatorProcess, kubectl, rayclusters, run_of, wait_for_phase
+from tests.harness import OperatorProcess, grant, kubectl, rayclusters, run_of, wait_for_phase
 
 
 def test_a_secret_for_the_pods_env_is_passed_by_reference_and_its_value_is_recorded_nowhere(
@@ -20,6 +21,7 @@ def test_a_secret_for_the_pods_env_is_passed_by_reference_and_its_value_is_recor
     since = dt.datetime.now(dt.UTC)
     value = f"hf_{uuid.uuid4().hex}"
     kubectl("create", "secret", "generic", "hf", f"--from-literal=token={value}", "-n", namespace)
+    grant(namespace, tenancy.SECRETS, "hf")
     secret_env = {"HF_TOKEN": {"name": "hf", "key": "token"}}
     name = demo_run(namespace, cleanupPolicy="KeepCluster", **SMALL, **{"runtimeEnv.secretEnv": secret_env})
     wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)

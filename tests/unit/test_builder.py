@@ -136,7 +136,7 @@ def test_network_policy_admits_the_clusters_own_pods_and_only_the_operator_on_th
     )
     cluster = {"matchLabels": {"ray.io/cluster": builder.ray_cluster_name(RUN.name)}}
     spec = policy["spec"]
-    assert spec["podSelector"] == cluster and spec["policyTypes"] == ["Ingress"]
+    assert spec["podSelector"] == cluster and spec["policyTypes"] == ["Ingress", "Egress"]
     own, dashboard = spec["ingress"]
     assert own == {"from": [{"podSelector": cluster}]}  # Ray's own traffic, every port
     assert dashboard["ports"] == [{"protocol": "TCP", "port": 8265}]

@@ -56,6 +56,7 @@ def test_the_table_says_what_ec2_says(name: str) -> None:
     assert ours.memory_gib * 1024 == ec2["MemoryInfo"]["SizeInMiB"]
     assert ours.gpus == sum(g["Count"] for g in ec2["GpuInfo"]["Gpus"])
     assert ours.efa_interfaces == ec2["NetworkInfo"]["EfaInfo"]["MaximumEfaInterfaces"]
+    assert ours.instance_store_gb == ec2["InstanceStorageInfo"]["TotalSizeInGB"]
 
 
 def test_where_nodes_expose_efa_through_dra_workers_claim_it_from_the_device_class() -> None:

@@ -165,12 +165,19 @@ def admit_alone(run_spec: api.FSDPTrainingRunSpec, nodes: list[dict[str, Any]], 
 
 
 def test_a_worker_larger_than_every_node_is_refused_naming_each_resource_and_what_to_change() -> None:
-    """The default 200Gi worker disk on EKS's default 20 GiB root volume: the run would wait for ever."""
+    """Qwen2.5-1.5B's worker disk on EKS's default 20 GiB root volume: the run would wait for ever. The
+    message says what the default is made of and what to change on the node group."""
     nodes = [eks_node("a0", "us-west-2a"), eks_node("a1", "us-west-2a")]
     result = admit_alone(spec(), nodes, [])
     assert not result.ok and result.reason == preflight.WORKER_FITS_NO_NODE
-    assert "200Gi ephemeral-storage per worker, at most 18Gi ephemeral-storage on a node" in result.message
-    assert "diskSize" in result.message and "localStorage" in result.message
+    assert "33Gi ephemeral-storage per worker, at most 18Gi ephemeral-storage on a node" in result.message
+    assert (
+        "33Gi for a 1.5B-parameter model: 3Gi model download, 17Gi checkpoint copied whole" in result.message
+    )
+    assert "diskSize is 20 GiB" in result.message and "localStorage" in result.message
+    assert "g6.12xlarge has 3760 GB of NVMe instance store" in result.message
+    explicit = admit_alone(spec(ephemeralStorage="100Gi"), nodes, []).message
+    assert "(lower spec.cluster.ephemeralStorage, or give the node group larger disks" in explicit
     too_big = admit_alone(spec(cpu="64", memory="300Gi", ephemeralStorage="10Gi"), nodes, [])
     assert "64 CPU per worker, at most 47.81 CPU on a node (lower spec.cluster.cpu)" in too_big.message
     assert (
@@ -232,3 +239,12 @@ def test_nodes_without_efa_say_what_dra_needs_and_admission_through_dra_does_not
     through_dra = Admission(watch_namespaces=[], kube=None, ec2=lambda: None, efa_through_dra=True)
     one = spec(workers=1)
     assert through_dra.admit(RunRef("r", "team-a", "uid-r"), one, "2026-12-01T00:00:00Z", indexes).ok
+
+
+def test_a_worker_too_large_for_the_nodes_of_the_zone_it_names_is_refused_whatever_other_zones_have() -> None:
+    small = eks_node("c0", "us-west-2c")
+    large = eks_node("a0", "us-west-2a", disk="500Gi")
+    result = admit_alone(spec(zone="us-west-2c"), [small, large], [])
+    assert result.reason == preflight.WORKER_FITS_NO_NODE, result
+    assert "no g6.12xlarge node in us-west-2c can take one worker" in result.message
+    assert admit_alone(spec(), [small, large], []).reason != preflight.WORKER_FITS_NO_NODE

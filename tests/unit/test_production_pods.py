@@ -347,3 +347,21 @@ def test_pods_of_a_new_cluster_that_pulled_different_images_are_recreated_on_one
     assert gone.create_cluster  # on the pinned digest: the glue builds the cluster from status.image.digest
     agreeing = reconcile(spec(), provisioning, observe(pod_image_ids=(new, new, new)))
     assert agreeing.submit_attempt == 1 and agreeing.status.image.digest == new
+
+
+def test_a_tag_is_pulled_from_the_registry_by_every_node_and_a_digest_only_where_missing() -> None:
+    """A node holding an older copy of a republished tag would otherwise run it (IfNotPresent, the
+    default for any tag but latest): one cluster, two NCCL builds."""
+
+    def pull_policies(image: str, platform: builder.Platform | None = None) -> set[str]:
+        spec = api.FSDPTrainingRunSpec.model_validate(
+            {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+        )
+        manifest = builder.build_raycluster(spec, RUN, image, zone="us-west-2a", platform=platform)
+        groups = [manifest["spec"]["headGroupSpec"], *manifest["spec"]["workerGroupSpecs"]]
+        return {c["imagePullPolicy"] for g in groups for c in g["template"]["spec"]["containers"]}
+
+    assert pull_policies(settings.DEFAULT_IMAGE) == {"Always"}
+    assert pull_policies(f"{settings.DEFAULT_IMAGE.split(':')[0]}@sha256:{'0' * 64}") == {"IfNotPresent"}
+    no_registry = builder.pod_platform(settings.Settings(ray_image_pull_policy="IfNotPresent"))
+    assert pull_policies(settings.DEFAULT_IMAGE, no_registry) == {"IfNotPresent"}

@@ -1,0 +1,94 @@
+"""Runs the real node cannot start, said in the run's status: a worker disk larger than the node's (an EKS
+node on its default 20 GiB root volume, which the real node's allocatable copies), and a Secret that does not
+exist. The kubelet, not a stand-in, reports the second."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+from fsdp_operator import quantity, tenancy
+from tests.e2e import test_real_pods
+from tests.harness import (
+    OperatorProcess,
+    conditions_of,
+    grant,
+    kubectl_json,
+    rayclusters,
+    run_of,
+    wait_for_phase,
+    wait_until,
+)
+
+# The operator with nothing but the chart's RBAC, and the real node, as test_real_pods.py starts them.
+proxied_operator = test_real_pods.proxied_operator
+real_node = test_real_pods.real_node
+real_pods_run = test_real_pods.real_pods_run
+
+
+def test_the_real_node_offers_what_an_eks_node_on_a_20_gib_root_volume_offers(
+    real_node: test_real_pods.RealNode,
+) -> None:
+    allocatable = kubectl_json("get", "node", real_node.name)["status"]["allocatable"]["ephemeral-storage"]
+    # The kubelet takes its 5% eviction threshold of the disk with a rounding of its own: bytes apart.
+    assert abs(quantity.whole(allocatable) - 17 * 2**30) < 2**20, allocatable
+
+
+def test_a_worker_disk_the_real_node_cannot_hold_fails_at_once_naming_it(
+    namespace: str, proxied_operator: OperatorProcess
+) -> None:
+    started = time.monotonic()
+    run = real_pods_run(namespace, **{"cluster.ephemeralStorage": "20Gi"})["metadata"]["name"]
+    failed = wait_for_phase(namespace, run, "Failed", timeout=60)
+    print(f"Failed {time.monotonic() - started:.1f}s after apply")
+    reason = conditions_of(failed)["Failed"]
+    assert reason["reason"] == "WorkerFitsNoNode", reason
+    # 17Gi less the bytes of the kubelet's rounding: "17.0Gi".
+    assert re.search(
+        r"20Gi ephemeral-storage per worker, at most 17(\.0)?Gi ephemeral-storage on a node",
+        reason["message"],
+    ), reason
+    assert "diskSize is 20 GiB" in reason["message"] and "instance store" in reason["message"]
+    assert rayclusters(namespace) == []
+
+
+def test_a_secret_that_does_not_exist_is_named_from_the_workers_and_fails_the_run_within_the_bound(
+    namespace: str, proxied_operator: OperatorProcess
+) -> None:
+    """The kubelet refuses to start a container whose env names a missing Secret; in a worker that is
+    KubeRay's init container first (it copies the worker's env), which only initContainerStatuses show."""
+    bound = 30
+    grant(namespace, tenancy.SECRETS, "no-such-secret")  # granted, but nobody has created it
+    changes: dict[str, Any] = {
+        "cluster.workers": 1,
+        "runtimeEnv.secretEnv": {"HF_TOKEN": {"name": "no-such-secret", "key": "token"}},
+        "recovery.podErrorTimeoutSeconds": bound,
+    }
+    started = time.monotonic()
+    run = real_pods_run(namespace, **changes)["metadata"]["name"]
+
+    def worker_init_refused() -> dict[str, Any] | None:
+        pods = kubectl_json("get", "pods", "-n", namespace, "-l", "ray.io/node-type=worker")["items"]
+        for pod in pods:
+            for status in pod["status"].get("initContainerStatuses") or []:
+                waiting = status.get("state", {}).get("waiting") or {}
+                if waiting.get("reason") == "CreateContainerConfigError":
+                    return dict(waiting)
+        return None
+
+    seen = wait_until("the worker's init container refused by the kubelet", worker_init_refused, timeout=180)
+    assert "no-such-secret" in seen.get("message", ""), seen
+    shown = wait_until(
+        "PodsHealthy False naming the missing Secret",
+        lambda: (
+            (c := conditions_of(run_of(namespace, run)).get("PodsHealthy")) and c["status"] == "False" and c
+        ),
+        timeout=60,
+    )
+    print(f"the missing Secret named in the status {time.monotonic() - started:.1f}s after apply")
+    assert shown["reason"] == "CreateContainerConfigError" and "no-such-secret" in shown["message"], shown
+    assert "no-such-secret" in run_of(namespace, run)["status"]["message"]
+    failed = wait_for_phase(namespace, run, "Failed", timeout=bound + 120)
+    assert conditions_of(failed)["Failed"]["reason"] == "CreateContainerConfigError"
+    wait_until("the RayCluster deleted", lambda: not rayclusters(namespace), timeout=120)
