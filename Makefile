@@ -88,6 +88,7 @@ bench: venv tools ## benchmarks (never in CI): control plane on the local cluste
 	$(PY) bench/trainer_cpu.py
 	$(PY) bench/trainer_checkpoint.py
 	$(PY) bench/trainer_mlflow.py
+	$(PY) bench/trainer_prefetch.py
 	$(DLC_PY) bench/attempt_cpu.py
 	$(PY) bench/load.py
 

@@ -9,7 +9,9 @@ shard sequence made of one seeded permutation of the training shards per epoch, 
 shard's rows in a seeded order of their own. A job's batches tile the global stream exactly as before
 (BatchLayout: micro-step-major, then rank-major), and `streams` is the first attempt's world size times its
 micro-batch size, so every rank reads only its own `micro_batch_size` streams: the shards it needs, one
-at a time, read and tokenised when first needed.
+at a time. A stream's next shard is read and tokenised by a background thread as soon as the stream enters
+a shard, so crossing into it costs the step nothing (docs/benchmarks.md, trainer-prefetch, has the
+measurement); a rank holds at most two shards' rows per stream.
 
 Resumption. The data position (global samples consumed) alone fixes which samples come next, but reaching
 a stream's next sample from it would mean tokenising the stream's earlier shards again; so the checkpoint
@@ -39,6 +41,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -117,12 +120,16 @@ def _shard_order(seed: int, epoch: int, shards: int) -> np.ndarray:
 
 class StreamedSamples:
     """Training samples from shards read as the streams reach them (see the module docstring). Each stream
-    keeps its cursor and the rows of the one shard it is in: the only data a rank holds."""
+    keeps its cursor, the rows of the one shard it is in, and the read of its next shard in flight: the only
+    data a rank holds."""
 
     def __init__(self, shards: list[Shard], packer: ShardPacker, seed: int, streams: int) -> None:
         self.shards, self.packer, self.seed, self.streams = shards, packer, seed, streams
         self._cursors: dict[int, tuple[int, int, int]] = {}  # stream -> (next sample, its visit, its row)
         self._visited: dict[int, tuple[int, np.ndarray]] = {}  # stream -> (visit, that shard's rows)
+        self._ahead: dict[int, tuple[int, Future[np.ndarray]]] = {}  # stream -> (next visit, its rows)
+        # One thread: reads queue behind each other, one per stream at most, never ahead of the training.
+        self._prefetch = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-prefetch")
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self._sample(index) for index in indices]))
@@ -139,6 +146,7 @@ class StreamedSamples:
         self.streams = int(state_dict["data_streams"])
         self._cursors = {int(s): (int(i), int(v), int(r)) for s, i, v, r in state_dict["data_cursors"]}
         self._visited.clear()
+        self._ahead.clear()  # reads of a position that no longer applies: their results are never used
 
     def _sample(self, index: int) -> np.ndarray:
         stream, wanted = index % self.streams, index // self.streams
@@ -164,12 +172,21 @@ class StreamedSamples:
         cached = self._visited.get(stream)
         if cached is not None and cached[0] == visit:
             return cached[1]
+        ahead = self._ahead.pop(stream, None)
+        if ahead is not None and ahead[0] == visit:
+            rows = ahead[1].result()  # raises what the read raised, when the stream needs the shard
+        else:
+            rows = self._read_visit(stream, visit)
+        self._visited[stream] = (visit, rows)
+        self._ahead[stream] = (visit + 1, self._prefetch.submit(self._read_visit, stream, visit + 1))
+        return rows
+
+    def _read_visit(self, stream: int, visit: int) -> np.ndarray:
+        """The rows of a stream's `visit`-th shard, in their seeded order."""
         slot = stream + visit * self.streams  # in the endless shard sequence
         epoch, place = divmod(slot, len(self.shards))
         rows = self.packer.rows(self.shards[int(_shard_order(self.seed, epoch, len(self.shards))[place])])
-        rows = rows[np.random.default_rng([self.seed, ROW_ORDER, slot]).permutation(len(rows))]
-        self._visited[stream] = (visit, rows)
-        return rows
+        return rows[np.random.default_rng([self.seed, ROW_ORDER, slot]).permutation(len(rows))]
 
 
 def merge_rank_states(states: list[dict[str, Any]]) -> dict[str, Any]:
