@@ -11,7 +11,6 @@ trainer before the background read).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -150,8 +149,9 @@ def main() -> None:
     ]
     table = "\n".join(
         [
-            f"Shard reads ahead of the stream (`python bench/trainer_prefetch.py`): {args.steps} CPU steps of a "
-            f"tiny Qwen2, {on_demand['shards']} shards, {args.shard_latency} s added to every shard read.",
+            f"Shard reads ahead of the stream (`python bench/trainer_prefetch.py`): {args.steps} CPU "
+            f"steps of a tiny Qwen2, {on_demand['shards']} shards, {args.shard_latency} s added to every "
+            "shard read.",
             "",
             "| | read when reached | read ahead | ratio |",
             "|---|---|---|---|",
