@@ -28,6 +28,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from fsdp_operator.builder import LABEL_RUN
 from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
 from tests.harness import (
     ControlPlaneComponent,
@@ -178,6 +179,15 @@ def compact_etcd() -> int:
     return revision
 
 
+def clusters_by_run(namespace: str) -> dict[str, list[str]]:
+    """The UIDs of the namespace's RayClusters, by the run each belongs to (its label)."""
+    found: dict[str, list[str]] = {}
+    for cluster in rayclusters(namespace):
+        run = cluster["metadata"].get("labels", {}).get(LABEL_RUN, "")
+        found.setdefault(run, []).append(cluster["metadata"]["uid"])
+    return found
+
+
 def progress_step(namespace: str, name: str) -> int:
     found = kubectl("get", "fsdptrainingrun", name, "-n", namespace, "-o", "jsonpath={.status.progress.step}")
     return int(found.stdout or 0)
@@ -212,6 +222,11 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
         expected = {"before": "Pending", provisioning: "Provisioning"}
         expected[training] = "Restarting" if restarts else "Running"
         assert phases_at_kill == expected, f"not in the phases to kill {component} in: {phases_at_kill}"
+        clusters_at_kill = wait_until(
+            f"the RayClusters of {provisioning} and {training}",
+            lambda: (found := clusters_by_run(namespace)).keys() == {provisioning, training} and found,
+            60,
+        )
         listed_at = runs_resource_version(namespace)  # no older than any position of the operator's watches
         kubectl("create", "configmap", "written-after-the-list", "-n", namespace)
         killed.kill()
@@ -235,8 +250,11 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
         set_suspend(namespace, "before", True)
         handled = seconds_until_phases(namespace, {"after": "Pending", "before": "Suspended"}, changed, 90)
         assert proc.process is not None and proc.process.poll() is None, "the operator exited"
-        clusters = [c["metadata"]["name"] for c in rayclusters(namespace)]
-        assert len(clusters) == len(set(clusters)) <= 2, f"a RayCluster created twice: {clusters}"
+        # The clusters at the kill, each still the same object (none deleted and created again), and no more.
+        clusters = clusters_by_run(namespace)
+        assert clusters == clusters_at_kill, (
+            f"RayClusters, by run: {clusters}, at the kill: {clusters_at_kill}"
+        )
         status = wait_for_phase(namespace, training, "Succeeded", timeout=RUN_TIMEOUT)["status"]
         assert status["attempt"] == 1 + restarts and status["restarts"]["count"] == restarts, status
         assert phase(namespace, provisioning) == "Provisioning"

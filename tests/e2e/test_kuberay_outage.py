@@ -10,6 +10,7 @@ import time
 from datetime import UTC, datetime
 from typing import Any
 
+from fsdp_operator.builder import LABEL_RUN
 from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run
 from tests.harness import (
     REPO,
@@ -58,7 +59,8 @@ def test_kuberay_stopped_for_90s_fails_no_run_and_spends_no_restart(
                 assert status.get("restarts", {}).get("count", 0) == 0, f"{name} spent a restart: {status}"
             time.sleep(5)
         assert (provisioning, "Provisioning") in phases_seen, phases_seen
-        assert rayclusters(namespace), "the provisioning run's RayCluster was never created"
+        runs_with_clusters = [c["metadata"].get("labels", {}).get(LABEL_RUN) for c in rayclusters(namespace)]
+        assert provisioning in runs_with_clusters, f"no RayCluster of {provisioning}: {runs_with_clusters}"
         steps_after = run_of(namespace, training)["status"]["progress"]["step"]
         assert steps_after > steps_before, "the training run's progress stopped with KubeRay"
     finally:

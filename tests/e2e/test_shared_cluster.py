@@ -16,6 +16,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from fsdp_operator import jobs
 from tests.e2e.demo import (
     BUCKET,
     RUN_TIMEOUT,
@@ -32,6 +33,7 @@ from tests.harness import (
     conditions_of,
     delete_namespace,
     kubectl,
+    kubectl_json,
     rayclusters,
     run_of,
     wait_for_phase,
@@ -160,6 +162,17 @@ def test_two_runs_that_need_the_same_zone_run_one_after_the_other(
         stop(proc, [namespace])
 
 
+def submitted_after(namespace: str, name: str) -> float:
+    """Seconds from the run's creation to its first JobSubmitted Event (Kubernetes' whole seconds)."""
+    created = run_of(namespace, name)["metadata"]["creationTimestamp"]
+    events = kubectl_json("get", "events", "-n", namespace, "--field-selector", f"involvedObject.name={name}")
+    submitted = [
+        e.get("firstTimestamp") or e["eventTime"] for e in events["items"] if e["reason"] == "JobSubmitted"
+    ]
+    assert submitted, f"no JobSubmitted Event for {name}"
+    return min(seconds_between(created, at) for at in submitted)
+
+
 def test_a_black_holed_dashboard_slows_only_its_own_run(
     namespace: str,
     crd_installed: None,
@@ -184,6 +197,7 @@ def test_a_black_holed_dashboard_slows_only_its_own_run(
             held_changes = {**SMALL, "training.maxSteps": 60, "recovery.hangTimeoutSeconds": HANG_BOUND}
             apply(second_namespace, demo_manifest(held, **held_changes))
             wait_for_phase(second_namespace, held, "Running", timeout=RUN_TIMEOUT)
+            held_submitted = submitted_after(second_namespace, held)
             proxy.black_hole()
             black_holed_at = time.monotonic()
             apply(namespace, demo_manifest(healthy, **SMALL))
@@ -194,8 +208,16 @@ def test_a_black_holed_dashboard_slows_only_its_own_run(
 
             condition = wait_until("the held run's JobRunning=Unknown", unknown, timeout=90)
             assert condition["reason"] == "DashboardUnreachable", condition
-            # The other team's run is submitted, trains and finishes while every pass of the held run hangs.
+            # The other team's run is submitted, trains and finishes while every pass of the held run hangs,
+            # as soon after its creation as the held run was before the black hole: not one hung dashboard
+            # read (its timeout) later.
             wait_for_phase(namespace, healthy, "Succeeded", timeout=RUN_TIMEOUT)
+            healthy_submitted = submitted_after(namespace, healthy)
+            slack = jobs.REQUEST_TIMEOUT[1]
+            assert healthy_submitted <= held_submitted + slack, (
+                f"{healthy} submitted {healthy_submitted:.0f} s after its creation, during the black hole; "
+                f"{held} {held_submitted:.0f} s after its own, before it"
+            )
 
             # Longer than the held run's bound: its trainer finishes, then is silent past hangTimeoutSeconds
             # while Ray still cannot be asked how the job ended; that is no hang.
@@ -225,9 +247,12 @@ def test_a_black_holed_dashboard_slows_only_its_own_run(
                 "One team's Ray dashboard black-holed (connections accepted, never answered) while it "
                 "trains, until its trainer has been done for longer than its hangTimeoutSeconds "
                 f"({HANG_BOUND} s)",
-                "that run shows JobRunning=Unknown and spends no restart; another team's run is submitted, "
-                "trains and finishes meanwhile; the held run is observed again and finishes",
-                f"black-holed {held_for:.0f} s; the other run finished meanwhile; the held run: 0 restarts",
+                "that run shows JobRunning=Unknown and spends no restart; another team's run is submitted "
+                "as soon as the held run was before (within one dashboard read timeout), trains and finishes "
+                "meanwhile; the held run is observed again and finishes",
+                f"black-holed {held_for:.0f} s; the other run submitted {healthy_submitted:.0f} s after its "
+                f"creation (the held run {held_submitted:.0f} s, before the black hole), finished meanwhile; "
+                "the held run: 0 restarts",
             )
         finally:
             stop(proc, [namespace, second_namespace])
