@@ -19,6 +19,7 @@ from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
 from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
 from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
+from tests.harness import OperatorProcess, example, kubectl, wait_until
 
 MIB = 1 << 20
 
@@ -187,3 +188,65 @@ def test_a_job_status_within_the_cap_is_kept_to_what_a_status_holds(head: Hostil
     assert chatty.driver_node_id is not None and len(chatty.driver_node_id) == MAX_JOB_FIELD
     with pytest.raises(ValueError, match="not a JSON object"):
         jobs.observe("odd-1")
+
+
+def deep_run(name: str, depth: int) -> str:
+    """The demo run with a fromConfig `depth` maps deep, as JSON text (json.dumps itself stops at 1,000)."""
+    run = example("cpu-demo")
+    run["metadata"]["name"] = name
+    run["spec"]["model"]["fromConfig"] = "__DEEP__"
+    deep = '{"model_type": "qwen2", "sub": ' * (depth - 1) + '{"model_type": "qwen2"}' + "}" * (depth - 1)
+    return json.dumps(run).replace('"__DEEP__"', deep)
+
+
+def phase_of(namespace: str, name: str) -> str | None:
+    """Read with kubectl's jsonpath: this process's json.loads could not parse the deep run either."""
+    got = kubectl(
+        "get", "fsdptrainingrun", name, "-n", namespace, "-o", "jsonpath={.status.phase}", check=False
+    )
+    return got.stdout.strip() or None
+
+
+def test_a_1500_deep_from_config_costs_its_own_run_an_event_and_every_other_run_goes_on(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """The apiserver takes a 1,500-deep map (it parses 10,000 levels); Python's JSON parser stops at 1,000 by
+    default. The operator lists and watches it with every other run of the namespace, refuses it naming
+    spec.model.fromConfig, and keeps taking up the others, after a restart (a LIST holding it) too."""
+    created = kubectl("create", "-n", namespace, "-f", "-", input=deep_run("deep", 1500), check=False)
+    assert created.returncode == 0, created.stderr[-600:]
+    honest = example("cpu-demo")
+    honest["metadata"]["name"] = "honest"
+    kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(honest))
+    wait_until("the honest run to get a phase", lambda: phase_of(namespace, "honest"), timeout=120)
+
+    def refused() -> str | None:
+        said = kubectl(
+            "get",
+            "events",
+            "-n",
+            namespace,
+            "--field-selector",
+            "involvedObject.name=deep,reason=InvalidSpec",
+            "-o",
+            "jsonpath={.items[*].message}",
+            check=False,
+        ).stdout
+        return said if "spec.model.fromConfig" in said else None
+
+    said = wait_until("an InvalidSpec event of the deep run naming the field", refused, timeout=120)
+    assert "nested deeper than 8 levels" in said
+    assert phase_of(namespace, "deep") is None  # nothing was built for it
+
+    operator.stop()  # a new operator LISTs the namespace, the deep run with it
+    operator.start()
+    after = example("cpu-demo")
+    after["metadata"]["name"] = "after-restart"
+    kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(after))
+    wait_until(
+        "a run created after the restart to get a phase",
+        lambda: phase_of(namespace, "after-restart"),
+        timeout=120,
+    )
+    assert operator.process is not None and operator.process.poll() is None, "the operator exited"
+    assert "RecursionError" not in operator.log.read_text()
