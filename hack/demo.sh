@@ -56,6 +56,9 @@ kubectl create namespace "$NAMESPACE" --dry-run=client -o yaml | kubectl apply -
 kubectl annotate namespace "$NAMESPACE" --overwrite \
   'fsdp.training.dev/run-tolerations=[{"key": "fsdp.training.dev/real-node", "operator": "Exists", "effect": "NoSchedule"}]' >/dev/null
 
+# The platform's S3 grant: the run writes under the demo's storage and reads the demo corpus.
+operator_env+=("FSDP_OPERATOR_S3_PREFIXES=$storage/,s3://fsdp-demo/data/")
+
 log "starting the operator (log: $STATE/logs/demo-operator.log)"
 env "${operator_env[@]}" FSDP_OPERATOR_WATCH_NAMESPACES="$NAMESPACE" FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS=5 \
   FSDP_OPERATOR_HEALTH_PORT=0 \

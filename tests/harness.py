@@ -121,6 +121,10 @@ def apply_crd() -> None:
     wait_established("crd/fsdptrainingruns.fsdp.training.dev")
 
 
+# The platform's S3 grant of the tests' operators: the examples' bucket and the e2e tier's.
+TEST_S3_PREFIXES = "s3://fsdp-demo/,s3://fsdp-e2e/"
+
+
 @dataclass
 class OperatorProcess:
     """The operator running as `python -m fsdp_operator` against the local cluster, stopped by pid."""
@@ -138,6 +142,7 @@ class OperatorProcess:
             "FSDP_OPERATOR_LEADER_ELECTION": "false",
             "FSDP_OPERATOR_HEALTH_PORT": "0",
             "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "2",
+            "FSDP_OPERATOR_S3_PREFIXES": TEST_S3_PREFIXES,
             **self.env,
             "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
             "FSDP_OPERATOR_WATCH_NAMESPACES": self.namespace,

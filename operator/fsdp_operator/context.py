@@ -137,11 +137,10 @@ class Context:
         if isinstance(kept[1], str):
             return (f"the namespace's grants cannot be read: {kept[1]}",)
         settings = self.settings
-        return tuple(
-            tenancy.refusals(
-                spec, kept[1], frozenset(settings.allowed_hosts), tuple(settings.head_tolerations)
-            )
+        platform = tenancy.Platform(
+            frozenset(settings.allowed_hosts), tuple(settings.head_tolerations), tuple(settings.s3_prefixes)
         )
+        return tuple(tenancy.refusals(spec, kept[1], platform))
 
     def forget(self, uid: str) -> None:
         """Everything kept about a deleted run: its memory, and what admission kept of it."""

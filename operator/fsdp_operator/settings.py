@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="Hosts runs may send credentials to (an MLflow tracking server named with "
         "tracking.mlflow.credentials), comma-separated; empty: none.",
     )
+    s3_prefixes: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="s3:// prefixes every namespace's runs may read and write, comma-separated; "
+        "'{namespace}' in one stands for the run's namespace (s3://ml-runs/{namespace}/); empty: none but "
+        "what a namespace's fsdp.training.dev/run-s3-prefixes annotation grants.",
+    )
     ray_metrics_scrape_namespaces: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Namespaces whose pods (Prometheus) each run's NetworkPolicy admits to Ray's metrics "
@@ -177,12 +183,21 @@ class Settings(BaseSettings):
         "dashboard_ingress_cidrs",
         "ray_metrics_scrape_namespaces",
         "allowed_hosts",
+        "s3_prefixes",
         mode="before",
     )
     @classmethod
     def _split_commas(cls, value: object) -> object:
         if isinstance(value, str):
             return [item.strip() for item in value.split(",") if item.strip()]
+        return value
+
+    @field_validator("s3_prefixes")
+    @classmethod
+    def _valid_s3_prefixes(cls, value: list[str]) -> list[str]:
+        for prefix in value:
+            if not prefix.startswith("s3://") or not prefix.removeprefix("s3://").split("/")[0]:
+                raise ValueError(f"s3-prefixes: {prefix!r} is not an s3://bucket/... prefix")
         return value
 
     @field_validator("dashboard_ingress_cidrs")

@@ -14,6 +14,7 @@ Annotations (on the Namespace; lists are comma-separated names, tolerations a JS
   fsdp.training.dev/run-priority-classes        PriorityClasses runs may name
   fsdp.training.dev/run-workload-priority-classes   Kueue WorkloadPriorityClasses runs may name
   fsdp.training.dev/run-tolerations             tolerations runs may add, each exactly as listed
+  fsdp.training.dev/run-s3-prefixes             s3:// prefixes runs may read and write, beside the platform's
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ SERVICE_ACCOUNTS = PREFIX + "run-service-accounts"
 PRIORITY_CLASSES = PREFIX + "run-priority-classes"
 WORKLOAD_PRIORITY_CLASSES = PREFIX + "run-workload-priority-classes"
 TOLERATIONS = PREFIX + "run-tolerations"
+S3_PREFIXES = PREFIX + "run-s3-prefixes"
 NOT_ALLOWED = "NotAllowed"
 MAX_ANNOTATION = 16384  # a Namespace's annotations are the platform's, but a bound costs nothing
 
@@ -48,6 +50,7 @@ class NamespacePolicy:
     priority_classes: frozenset[str] = frozenset()
     workload_priority_classes: frozenset[str] = frozenset()
     tolerations: tuple[api.Toleration, ...] = ()
+    s3_prefixes: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, namespace: str, annotations: Mapping[str, str]) -> NamespacePolicy:
@@ -68,7 +71,22 @@ class NamespacePolicy:
             priority_classes=names(PRIORITY_CLASSES),
             workload_priority_classes=names(WORKLOAD_PRIORITY_CLASSES),
             tolerations=tolerations,
+            s3_prefixes=names(S3_PREFIXES),
         )
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What the platform team set for every namespace (operator settings)."""
+
+    allowed_hosts: frozenset[str] = frozenset()
+    head_tolerations: tuple[api.Toleration, ...] = ()
+    s3_prefixes: tuple[str, ...] = ()  # may hold {namespace}
+
+    def prefixes_of(self, policy: NamespacePolicy) -> list[str]:
+        """The namespace's S3 prefixes, each ending in '/' so that s3://team-a/ never admits s3://team-a-x/."""
+        own = [p.replace("{namespace}", policy.namespace) for p in self.s3_prefixes]
+        return sorted({p if p.endswith("/") else p + "/" for p in [*own, *policy.s3_prefixes]})
 
 
 def _bounded(key: str, annotations: Mapping[str, str]) -> str:
@@ -78,12 +96,7 @@ def _bounded(key: str, annotations: Mapping[str, str]) -> str:
     return value
 
 
-def refusals(
-    spec: api.FSDPTrainingRunSpec,
-    policy: NamespacePolicy,
-    allowed_hosts: frozenset[str],
-    head_tolerations: tuple[api.Toleration, ...] = (),
-) -> list[str]:
+def refusals(spec: api.FSDPTrainingRunSpec, policy: NamespacePolicy, platform: Platform) -> list[str]:
     """Each thing the run asks for that its namespace does not grant, as 'spec.<field>: why'. Tolerations the
     operator gives the pods anyway (the GPU and EFA taints' for workers, the platform's `head_tolerations` for
     heads) need no grant."""
@@ -109,8 +122,8 @@ def refusals(
                 where = f"tracking.mlflow.credentials.{field}.name"
                 grant(where, "Secret", ref.name, policy.secrets, SECRETS)
         host = urlsplit(mlflow.tracking_uri).hostname or ""
-        if credentials.env() and host not in allowed_hosts:
-            allowed = ", ".join(sorted(allowed_hosts)) or "none"
+        if credentials.env() and host not in platform.allowed_hosts:
+            allowed = ", ".join(sorted(platform.allowed_hosts)) or "none"
             refused.append(
                 f"spec.tracking.mlflow.trackingUri: credentials go only to hosts the platform allows "
                 f"(operator setting allowed-hosts: {allowed}), not {host!r}"
@@ -140,7 +153,7 @@ def refusals(
     own_workers = tuple(builder.accelerator_tolerations())
     for field, tolerations, given in (
         ("cluster.tolerations", cluster.tolerations, own_workers),
-        ("cluster.head.tolerations", cluster.head.tolerations, head_tolerations),
+        ("cluster.head.tolerations", cluster.head.tolerations, platform.head_tolerations),
     ):
         for index, toleration in enumerate(tolerations):
             if toleration not in policy.tolerations + given:
@@ -148,6 +161,34 @@ def refusals(
                     f"spec.{field}[{index}]: toleration {_shown(toleration)} is not granted to runs in "
                     f"namespace {policy.namespace} (annotation {TOLERATIONS} on the namespace)"
                 )
+    refused.extend(_s3_refusals(spec, platform.prefixes_of(policy), policy.namespace))
+    return refused
+
+
+def _s3_refusals(spec: api.FSDPTrainingRunSpec, prefixes: list[str], namespace: str) -> list[str]:
+    """Every s3:// URI of the run outside the namespace's prefixes. A '.' or '..' segment is refused too: S3
+    keeps it literally, but a client library that normalises paths would not."""
+    uris = {
+        "checkpoint.storagePath": spec.checkpoint.storage_path,
+        "checkpoint.resume": spec.checkpoint.resume,
+        "model.source": spec.model.source,
+        "model.tokenizer": spec.model.tokenizer,
+        "data.source": spec.data.source,
+        "data.evalSource": spec.data.eval_source,
+    }
+    refused = []
+    granted = ", ".join(prefixes) or "none"
+    for field, uri in uris.items():
+        if uri is None or not uri.startswith("s3://"):
+            continue
+        path = uri.removeprefix("s3://")
+        if any(segment in (".", "..") for segment in path.split("/")):
+            refused.append(f"spec.{field}: {uri} has a '.' or '..' segment")
+        elif not any((uri if uri.endswith("/") else uri + "/").startswith(p) for p in prefixes):
+            refused.append(
+                f"spec.{field}: {uri} is outside the S3 prefixes granted to runs in namespace {namespace} "
+                f"({granted}; operator setting s3-prefixes, annotation {S3_PREFIXES} on the namespace)"
+            )
     return refused
 
 

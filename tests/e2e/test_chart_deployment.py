@@ -23,6 +23,7 @@ from tests.apiserver_audit import AuditLog
 from tests.chart import CHART, Rendered, render
 from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, checkpoint_steps_in_s3, demo_run, wait_for_step
 from tests.harness import (
+    TEST_S3_PREFIXES,
     LocalCluster,
     free_port,
     kubectl,
@@ -142,6 +143,7 @@ def chart_operator(
         "dashboardAddressMode": "override",
         "dashboardUrl": local_cluster.ray_dashboard_url,
         "aws": {"region": "us-west-2", "endpointUrl": local_cluster.s3_endpoint},
+        "s3Prefixes": TEST_S3_PREFIXES.split(","),
         "observeIntervalSeconds": 2,
         "healthPort": health_port,
         # Jobs train on the local Ray head's CPUs; the local S3 takes any key (in EKS: IRSA).

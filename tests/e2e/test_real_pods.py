@@ -28,6 +28,7 @@ from tests.chart import CHART, render
 from tests.e2e.demo import BUCKET, CORPUS
 from tests.harness import (
     REPO,
+    TEST_S3_PREFIXES,
     LocalCluster,
     OperatorProcess,
     assert_in_sync,
@@ -479,6 +480,7 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         "rayImagePullPolicy": "IfNotPresent",
         "dashboardAddressMode": "service-dns",
         "aws": {"region": "us-west-2", "endpointUrl": real_node.pod_s3_endpoint},
+        "s3Prefixes": TEST_S3_PREFIXES.split(","),
         "observeIntervalSeconds": 3,
         "nodeSelector": {"type": "real"},
         "tolerations": TOLERATE_REAL_NODE,

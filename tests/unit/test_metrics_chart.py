@@ -94,3 +94,23 @@ def test_bad_metrics_values_are_refused() -> None:
         refused = render(bad, check=False)
         assert refused.returncode != 0, bad
         assert bad.split("=")[0].split(".")[-1] in refused.stderr, refused.stderr
+
+
+def test_the_operators_pods_take_metrics_scrapes_from_the_named_namespaces_only() -> None:
+    """Its metrics name every tenant's runs and images; Ray pods run tenants' code."""
+    closed = objects()["NetworkPolicy"]["spec"]
+    assert closed["policyTypes"] == ["Ingress"] and closed["ingress"] == [], closed
+    deployment = objects()["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert closed["podSelector"]["matchLabels"].items() <= deployment.items()
+
+    [rule] = objects("metrics.scrapeNamespaces={monitoring}")["NetworkPolicy"]["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "metrics", "protocol": "TCP"}]
+    [peer] = rule["from"]
+    assert peer == {
+        "namespaceSelector": {
+            "matchExpressions": [
+                {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}
+            ]
+        }
+    }
+    assert "NetworkPolicy" not in objects("networkPolicy.enabled=false")

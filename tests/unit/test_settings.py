@@ -59,6 +59,8 @@ def test_flags() -> None:
         ({"FSDP_OPERATOR_OPERATOR_POD_LABELS": "app=operator"}, "operator_pod_labels"),
         ({"FSDP_OPERATOR_RAY_AUTH_KEY_SECRET": "Key_Secret"}, "ray_auth_key_secret"),
         ({"FSDP_OPERATOR_WATCH_TIMEOUT_SECONDS": "1"}, "watch_timeout_seconds"),
+        ({"FSDP_OPERATOR_S3_PREFIXES": "s3://ok/,gs://other/"}, "s3_prefixes"),
+        ({"FSDP_OPERATOR_S3_PREFIXES": "s3:///runs"}, "s3_prefixes"),
     ],
 )
 def test_bad_settings_name_the_setting(

@@ -19,6 +19,7 @@ RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-800
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 DEDICATED = {"key": "dedicated", "operator": "Equal", "value": "team-a", "effect": "NoSchedule"}
 EVERYTHING = {"operator": "Exists"}  # tolerates every taint: cordoned and dedicated nodes alike
+PLATFORM = tenancy.Platform(s3_prefixes=("s3://b/",))  # where spec()'s checkpoints go
 
 
 def spec(**fields: Any) -> api.FSDPTrainingRunSpec:
@@ -47,7 +48,7 @@ def asks_for_everything() -> api.FSDPTrainingRunSpec:
 
 
 def test_a_bare_namespace_grants_nothing_and_each_refusal_names_its_field() -> None:
-    refused = tenancy.refusals(asks_for_everything(), tenancy.NamespacePolicy.of("team-a", {}), frozenset())
+    refused = tenancy.refusals(asks_for_everything(), tenancy.NamespacePolicy.of("team-a", {}), PLATFORM)
     fields = [line.split(":")[0] for line in refused]
     assert fields == [
         "spec.runtimeEnv.secretEnv.HF_TOKEN.name",
@@ -72,17 +73,53 @@ def test_what_the_namespace_grants_and_the_platform_allows_is_used() -> None:
         tenancy.TOLERATIONS: json.dumps([EVERYTHING, DEDICATED]),
     }
     policy = tenancy.NamespacePolicy.of("team-a", annotations)
-    assert tenancy.refusals(asks_for_everything(), policy, frozenset({"mlflow.example.com"})) == []
+    allowing_mlflow = tenancy.Platform(frozenset({"mlflow.example.com"}), s3_prefixes=PLATFORM.s3_prefixes)
+    assert tenancy.refusals(asks_for_everything(), policy, allowing_mlflow) == []
     # Another namespace's grants are not this one's.
-    assert tenancy.refusals(asks_for_everything(), tenancy.NamespacePolicy.of("team-b", {}), frozenset())
+    assert tenancy.refusals(asks_for_everything(), tenancy.NamespacePolicy.of("team-b", {}), PLATFORM)
 
 
 def test_the_platforms_own_head_toleration_needs_no_grant() -> None:
     head_taint = api.Toleration(key="ray.io/head-node", operator="Exists", effect="NoSchedule")
     asked = spec(cluster={"head": {"tolerations": [head_taint.model_dump(exclude_none=True)]}})
     bare = tenancy.NamespacePolicy.of("team-a", {})
-    assert tenancy.refusals(asked, bare, frozenset(), (head_taint,)) == []
-    assert tenancy.refusals(asked, bare, frozenset()) != []
+    with_head_taint = tenancy.Platform(head_tolerations=(head_taint,), s3_prefixes=PLATFORM.s3_prefixes)
+    assert tenancy.refusals(asked, bare, with_head_taint) == []
+    assert tenancy.refusals(asked, bare, PLATFORM) != []
+
+
+def test_every_s3_uri_of_a_run_is_inside_its_namespaces_prefixes() -> None:
+    platform = tenancy.Platform(s3_prefixes=("s3://ml-runs/{namespace}",))
+    own = "s3://ml-runs/team-a"
+    inside = spec(
+        model={"source": f"{own}/models/qwen", "tokenizer": f"{own}/models/tok"},
+        data={"source": f"{own}/data/train.jsonl", "evalSource": "s3://shared-data/eval.jsonl"},
+        checkpoint={"storagePath": f"{own}/runs", "resume": f"{own}/runs/team-a/old/checkpoints/step_50"},
+    )
+    granted_shared = tenancy.NamespacePolicy.of("team-a", {tenancy.S3_PREFIXES: "s3://shared-data"})
+    assert tenancy.refusals(inside, granted_shared, platform) == []
+
+    # team-b's runs, the same manifest: every URI is in team-a's prefix, the shared one is not granted to it.
+    refused = tenancy.refusals(inside, tenancy.NamespacePolicy.of("team-b", {}), platform)
+    assert [line.split(":")[0] for line in refused] == [
+        "spec.checkpoint.storagePath",
+        "spec.checkpoint.resume",
+        "spec.model.source",
+        "spec.model.tokenizer",
+        "spec.data.source",
+        "spec.data.evalSource",
+    ], refused
+    assert "s3://ml-runs/team-b/; operator setting s3-prefixes" in refused[0]
+
+    # A prefix is a whole segment (team-a is not team-ab), and no '..' climbs out of one.
+    for storage in ("s3://ml-runs/team-ab/runs", "s3://ml-runs/team-a/../team-b/runs"):
+        [refusal] = tenancy.refusals(spec(checkpoint={"storagePath": storage}), granted_shared, platform)
+        assert refusal.startswith(f"spec.checkpoint.storagePath: {storage}"), refusal
+    # No S3 grant at all (a bare install): nothing on S3.
+    assert tenancy.refusals(spec(), tenancy.NamespacePolicy.of("team-a", {}), tenancy.Platform()) != []
+    # What is not on S3 (a hub id, a local path, synthetic data) needs no grant.
+    local = spec(model={"source": "Qwen/Qwen2.5-1.5B"}, data={"source": "synthetic"})
+    assert tenancy.refusals(local, tenancy.NamespacePolicy.of("team-a", {}), PLATFORM) == []
 
 
 def test_a_grant_the_operator_cannot_read_is_named() -> None:
