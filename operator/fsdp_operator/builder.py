@@ -57,6 +57,7 @@ SCRATCH_PATH = "/tmp"
 _MAX_CHILD_NAME = 40
 _MAX_LABEL_VALUE = 63
 _NOT_DNS_1035 = re.compile(r"[^a-z0-9-]")
+_LOOKS_HASHED = re.compile(r"-[0-9a-f]{6}$")  # what ray_cluster_name appends
 
 
 @dataclass(frozen=True)
@@ -109,11 +110,12 @@ def ray_cluster_name(run_name: str) -> str:
     """The RayCluster's name: deterministic, so a replayed event or a restarted operator finds the same
     cluster; a DNS-1035 label short enough for KubeRay's derived names. Any run name the API accepts (dots,
     a leading digit, up to 253 characters) maps to one, with a hash of the full name whenever it had to
-    change, so two runs never share a child."""
+    change, so two runs never share a child: a name that already ends as a hashed one does (llama-ft-fea645
+    would otherwise be llama.ft's child)."""
     cleaned = _NOT_DNS_1035.sub("-", run_name)
     if not cleaned[:1].isalpha():
         cleaned = "r-" + cleaned
-    if cleaned == run_name and len(run_name) <= _MAX_CHILD_NAME:
+    if cleaned == run_name and len(run_name) <= _MAX_CHILD_NAME and not _LOOKS_HASHED.search(run_name):
         return run_name
     return f"{cleaned[: _MAX_CHILD_NAME - 7].rstrip('-')}-{_digest(run_name, 6)}"
 

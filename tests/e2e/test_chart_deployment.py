@@ -45,9 +45,6 @@ Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 
 # Granted, and used by the operator in situations a demo run on the local cluster does not reach.
 UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
-    ("", "services/proxy", "get"): "dashboard-address-mode service-proxy only (the test uses override)",
-    ("", "services/proxy", "create"): "dashboard-address-mode service-proxy only (the test uses override)",
-    ("", "services/proxy", "update"): "service-proxy's package upload, a PUT (the test uses override)",
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
     ("", "events", "list"): "an autoscaler's events about a Ray pod that waits for a node (none waits here)",
 }

@@ -16,6 +16,7 @@ from fsdp_operator import api, builder, conditions, settings
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
 from fsdp_operator.watched import pod_summary
+from tests.chart import render
 from tests.unit.test_state_machine import NOW, job, observe, record, spec, status
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,12 +81,21 @@ def test_service_proxy_with_network_policies_needs_the_apiservers_addresses(
     settings.Settings()
 
 
-def test_the_chart_lets_service_proxy_mode_upload_the_trainer_package() -> None:
+def test_the_chart_grants_the_service_proxy_in_service_proxy_mode_only() -> None:
     # Ray's SDK uploads py_modules with PUT /api/packages/...; through a service proxy that is verb update.
-    rbac = (REPO / "charts" / "fsdp-operator" / "templates" / "rbac.yaml").read_text()
-    [rule] = [line for line in rbac.splitlines() if "services/proxy" in line]
-    verbs = rbac.splitlines()[rbac.splitlines().index(rule) + 1]
-    assert "update" in verbs and "create" in verbs and "get" in verbs
+    # In the other modes the proxy would reach every Service of the watched namespaces for nothing.
+    def proxy_verbs(mode: str) -> set[str]:
+        rendered = render(
+            "r",
+            "fsdp-system",
+            {"dashboardAddressMode": mode, "networkPolicy": {"dashboardIngressCIDRs": ["10.0.0.0/16"]}},
+        )
+        roles = rendered.of_kind("ClusterRole") + rendered.of_kind("Role")
+        rules = [rule for role in roles for rule in role.get("rules", [])]
+        return {verb for rule in rules if "services/proxy" in rule["resources"] for verb in rule["verbs"]}
+
+    assert proxy_verbs("service-proxy") == {"get", "create", "update"}
+    assert proxy_verbs("service-dns") == set()
 
 
 def _groups(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -374,6 +374,13 @@ def test_dotted_and_undotted_names_do_not_share_a_cluster() -> None:
     assert builder.ray_cluster_name("qwen2.5-ft") != builder.ray_cluster_name("qwen2-5-ft")
 
 
+def test_a_run_named_as_another_runs_hashed_child_gets_a_cluster_of_its_own() -> None:
+    """llama.ft's child is llama-ft-<hash>: a run given that name must not adopt (or delete) it."""
+    child = builder.ray_cluster_name("llama.ft")
+    assert child.startswith("llama-ft-") and builder.ray_cluster_name(child) != child
+    assert builder.ray_cluster_name("run-0f1e2d3c") == "run-0f1e2d3c"  # names that need no hash keep theirs
+
+
 # -- capacity ------------------------------------------------------------------------------------------------
 
 
