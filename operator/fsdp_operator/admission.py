@@ -25,6 +25,9 @@ PODS_SNAPSHOT_SECONDS = 10.0
 # A run this process admitted reserves its slots until the view shows it admitted (its status write came back)
 # or done with them (finished, suspended); at most this long.
 ADMISSION_MEMORY_SECONDS = 120.0
+# EC2's answer about an instance type (GPUs, EFA, zones) changes with AWS's catalogue, not per run: asked once
+# per type this often, not twice per waiting scale-from-zero run per recheck (EC2 throttles per account).
+EC2_FACTS_SECONDS = 600.0
 
 
 class Admission:
@@ -34,13 +37,16 @@ class Admission:
         kube: Kube | None,
         ec2: Callable[[], Any],
         efa_through_dra: bool = False,
+        max_active_per_namespace: int = 0,
     ) -> None:
         self.watch_namespaces = watch_namespaces
+        self.max_active_per_namespace = max_active_per_namespace  # 0: no limit
         # Nodes that expose EFA through DRA advertise no vpc.amazonaws.com/efa: the scheduler allocates the
         # interfaces with the pod, and admission counts GPUs, CPU, memory and disk only.
         self.efa_through_dra = efa_through_dra
         self.kube = kube
         self.ec2 = ec2  # the EC2 client, built on first use
+        self._ec2_facts: dict[str, tuple[float, preflight.InstanceTypeFacts]] = {}
         self._lock = threading.Lock()
         self._admitted: dict[str, tuple[float, preflight.Competitor]] = {}  # uid -> when, what
         self._pods_view: tuple[float, list[dict[str, Any]]] | None = None
@@ -59,9 +65,12 @@ class Admission:
         self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
     ) -> preflight.PreflightResult:
         """May `run` (created at `created`) create its RayCluster now, and in which zone?"""
+        with self._lock:
+            limited = self._namespace_limit(run, indexes)
+        if limited is not None:
+            return limited
         if spec.preflight.scale_from_zero:
-            facts = preflight.ec2_instance_type_facts(self.ec2(), spec.cluster.instance_type)
-            return preflight.check_instance_type(spec, facts)
+            return preflight.check_instance_type(spec, self._instance_type_facts(spec.cluster.instance_type))
         with self._lock:
             start = time.thread_time()
             try:
@@ -70,6 +79,42 @@ class Admission:
                 spent = time.thread_time() - start
                 self.cpu_seconds += spent
                 metrics.ADMISSION_CPU.inc(spent)
+
+    def _instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
+        now = time.monotonic()
+        kept = self._ec2_facts.get(instance_type)
+        if kept is None or now - kept[0] > EC2_FACTS_SECONDS:
+            kept = self._ec2_facts[instance_type] = (
+                now,
+                preflight.ec2_instance_type_facts(self.ec2(), instance_type),
+            )
+        return kept[1]
+
+    def _namespace_limit(self, run: builder.RunRef, indexes: Indexes) -> preflight.PreflightResult | None:
+        """A run waits while its namespace has max_active_per_namespace runs with clusters (admitted here or
+        shown active by the index): one team cannot take every node of a shared cluster."""
+        if not self.max_active_per_namespace:
+            return None
+        active = {
+            other["metadata"]["uid"]
+            for other in indexes.all(indexes.runs)
+            if other["metadata"]["namespace"] == run.namespace
+            and (other.get("status") or {}).get("phase") in api.ACTIVE_PHASES
+        }
+        active |= {
+            uid
+            for uid, (_, competitor) in self._admitted.items()
+            if preflight.namespace_of(competitor.name) == run.namespace
+        }
+        active.discard(run.uid)
+        if len(active) < self.max_active_per_namespace:
+            return None
+        return preflight.PreflightResult(
+            False,
+            preflight.NAMESPACE_RUN_LIMIT,
+            f"namespace {run.namespace} has {len(active)} active runs, the operator's limit per namespace "
+            "(max-active-runs-per-namespace); this run starts when one of them ends",
+        )
 
     def forget(self, uid: str) -> None:
         with self._lock:

@@ -314,6 +314,12 @@ def reservations(competitors: Iterable[Competitor], instance_type: str) -> dict[
 
 
 WAITING_FOR_EARLIER_RUN = "WaitingForEarlierRun"
+NAMESPACE_RUN_LIMIT = "NamespaceRunLimit"
+
+
+def namespace_of(name: str) -> str:
+    """The namespace of a competitor's `namespace/name`."""
+    return name.split("/", 1)[0]
 
 
 def admit(
@@ -323,36 +329,16 @@ def admit(
     free: list[NodeFree],
     competitors: Iterable[Competitor],
 ) -> PreflightResult:
-    """Runs that compete for one instance type are admitted in creation order, many in one pass: every earlier
-    run still waiting (that could fit once nodes free up) is placed first, in order, on what the admitted
-    runs' unplaced workers leave; this run is admitted if it fits in what remains. An earlier run that does
-    not fit now holds this one back (no backfill, so a large run is never starved by smaller later ones)."""
-    competitors = list(competitors)
-    reserved = reservations(competitors, spec.cluster.instance_type)
-    # creationTimestamp has whole seconds: the name breaks ties, so every pass agrees on one order.
-    earlier = sorted(
-        (
-            c
-            for c in competitors
-            if not c.admitted
-            and c.fits_when_empty
-            and c.instance_type == spec.cluster.instance_type
-            and (c.created, c.name) < (created, name)
-        ),
-        key=lambda c: (c.created, c.name),
-    )
-    for other in earlier:
-        assert other.spec is not None, "a waiting run's record carries its spec"
-        placed = check_nodes(other.spec, list(other.free), reserved)
-        if not placed.ok or placed.zone is None:
-            return PreflightResult(
-                False,
-                WAITING_FOR_EARLIER_RUN,
-                f"{other.name}, created earlier, waits for {spec.cluster.instance_type} capacity too and is "
-                "admitted first",
-            )
-        reserved[placed.zone] = reserved.get(placed.zone, 0) + other.workers_not_placed
-    return check_nodes(spec, free, reserved)
+    """One run's admission as its own pass decides it: runs that compete for one instance type are admitted
+    in creation order, many in one pass; every earlier run still waiting (that could fit once nodes free up)
+    is placed first, in order, on what the admitted runs' unplaced workers leave; this run is admitted if it
+    fits in what remains. An earlier run of its namespace that does not fit now holds it back (no backfill
+    within a team, so a large run is not starved by its own team's smaller later ones); another namespace's
+    does not (one team's run that needs every node does not stop the others)."""
+    own = Competitor(name, created, spec.cluster.instance_type, False, None, spec.cluster.workers,
+                     spec=spec, free=tuple(free))  # fmt: skip
+    others = [c for c in competitors if c.name != name]
+    return Queue.place([*others, own], spec.cluster.instance_type).results[name]
 
 
 def _blocked_by(other: Competitor, instance_type: str) -> PreflightResult:
@@ -390,7 +376,9 @@ class Queue:
     waiting: list[Competitor]
     results: dict[str, PreflightResult]
     reserved: dict[str, int]
-    blocker: Competitor | None = None
+    # namespace -> its earliest waiting run that fits only once nodes are freed: it holds back its own
+    # namespace's later runs (no backfill within a team), never another team's.
+    blockers: dict[str, Competitor] = field(default_factory=dict)
 
     @classmethod
     def place(cls, competitors: Iterable[Competitor], instance_type: str) -> Queue:
@@ -404,17 +392,16 @@ class Queue:
         for run in later:
             assert run.spec is not None, "a waiting run's record carries its spec"
             self.waiting.append(run)
-            if self.blocker is not None:
-                self.results[run.name] = _blocked_by(self.blocker, self.instance_type)
+            blocker = self.blockers.get(namespace_of(run.name))
+            if blocker is not None:
+                self.results[run.name] = _blocked_by(blocker, self.instance_type)
                 continue
             placed = check_nodes(run.spec, list(run.free), self.reserved)
             self.results[run.name] = placed
             if placed.ok and placed.zone is not None:
                 self.reserved[placed.zone] = self.reserved.get(placed.zone, 0) + run.workers_not_placed
-            elif (
-                run.fits_when_empty
-            ):  # holds every later run back (no backfill); one that never fits does not
-                self.blocker = run
+            elif run.fits_when_empty:  # one that never fits holds no one back
+                self.blockers[namespace_of(run.name)] = run
 
     def still_holds(self, competitors: Iterable[Competitor]) -> Queue | None:
         """This placement for a newer view of the same runs, or None when the view changed in a way that

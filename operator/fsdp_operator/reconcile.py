@@ -36,7 +36,12 @@ from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
 from fsdp_operator.kueue import WorkloadObservation
-from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, WORKER_FITS_NO_NODE, PreflightResult
+from fsdp_operator.preflight import (
+    NAMESPACE_RUN_LIMIT,
+    WAITING_FOR_EARLIER_RUN,
+    WORKER_FITS_NO_NODE,
+    PreflightResult,
+)
 from fsdp_operator.recovery import Failure, backoff_seconds, classify
 from fsdp_operator.tenancy import NOT_ALLOWED
 from fsdp_trainer.contract import (
@@ -817,7 +822,10 @@ class _Pass:
         if result.reason == WORKER_FITS_NO_NODE:  # nodes the group adds have the same shape: no waiting
             self.finish(Phase.FAILED, result.reason, result.message)
             return self.decision
-        if self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL:
+        if (
+            self.spec.preflight.on_insufficient_capacity == api.PreflightPolicy.FAIL
+            and result.reason != NAMESPACE_RUN_LIMIT  # a team's limit is no lack of capacity: its turn comes
+        ):
             self.finish(Phase.FAILED, "PreflightFailed", f"preflight failed: {result.message}")
             return self.decision
         # The preflight reason's Warning above already says why.

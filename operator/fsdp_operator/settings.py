@@ -97,6 +97,12 @@ class Settings(BaseSettings):
         description="Hosts runs may send credentials to (an MLflow tracking server named with "
         "tracking.mlflow.credentials), comma-separated; empty: none.",
     )
+    max_active_runs_per_namespace: int = Field(
+        default=0,
+        ge=0,
+        description="Runs of one namespace that may hold a cluster at once; more wait in Pending "
+        "(NamespaceRunLimit). 0: no limit.",
+    )
     s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="s3:// prefixes every namespace's runs may read and write, comma-separated; "

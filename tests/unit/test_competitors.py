@@ -52,3 +52,57 @@ def test_a_deleted_run_is_forgotten_by_admission() -> None:
     admission_pass(admission, "c", ["a"])
     admission.forget("uid-a")
     assert not admission.remembers("uid-a") and admission.remembers("uid-c")
+
+
+def active(name: str, namespace: str) -> dict[str, Any]:
+    found = run(name)
+    found["metadata"]["namespace"] = namespace
+    found["status"] = {"phase": "Running"}
+    return found
+
+
+def test_a_namespace_at_its_limit_of_active_runs_waits_and_others_do_not() -> None:
+    limited = Admission(watch_namespaces=[], kube=None, ec2=lambda: None, max_active_per_namespace=2)
+    runs = {("team-a", n): [active(n, "team-a")] for n in ("a1", "a2")} | {
+        ("team-b", "b1"): [active("b1", "team-b")]
+    }
+    indexes = Indexes(runs=runs, rayclusters={}, ray_pods={}, nodes={None: []}, accelerator_pods={})
+    spec = api.FSDPTrainingRunSpec.model_validate(SPEC)
+    at_limit = limited.admit(builder.RunRef("a3", "team-a", "uid-a3"), spec, "2026-12-01T00:00:00Z", indexes)
+    assert at_limit.reason == "NamespaceRunLimit" and "namespace team-a has 2 active runs" in at_limit.message
+    # team-b has one: its next run goes on to placement (and waits there for GPUs, of which there are none).
+    other = limited.admit(builder.RunRef("b2", "team-b", "uid-b2"), spec, "2026-12-01T00:00:00Z", indexes)
+    assert other.reason != "NamespaceRunLimit", other
+    unlimited = Admission(watch_namespaces=[], kube=None, ec2=lambda: None)
+    assert (
+        unlimited.admit(builder.RunRef("a3", "team-a", "uid-a3"), spec, "", indexes).reason != at_limit.reason
+    )
+
+
+class CountingEc2:
+    """EC2's two Describe calls for a g6.12xlarge offered in one zone, counted."""
+
+    calls = 0
+
+    def describe_instance_types(self, InstanceTypes: list[str]) -> dict[str, Any]:
+        self.calls += 1
+        gpus = {"Gpus": [{"Count": 4}]}
+        return {"InstanceTypes": [{"InstanceType": InstanceTypes[0], "GpuInfo": gpus, "NetworkInfo": {}}]}
+
+    def describe_instance_type_offerings(self, **_: Any) -> dict[str, Any]:
+        self.calls += 1
+        return {"InstanceTypeOfferings": [{"Location": "us-west-2a"}]}
+
+
+def test_scale_from_zero_runs_share_one_ec2_answer_per_instance_type() -> None:
+    ec2 = CountingEc2()
+    admission = Admission(watch_namespaces=[], kube=None, ec2=lambda: ec2)
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {**SPEC, "cluster": {"workers": 1, "efaPerWorker": 0}, "network": {"efa": "disabled"},
+         "preflight": {"scaleFromZero": True}}
+    )  # fmt: skip
+    indexes = Indexes(runs={}, rayclusters={}, ray_pods={}, nodes={None: []}, accelerator_pods={})
+    for i in range(20):  # twenty waiting runs, or one run's twenty rechecks
+        result = admission.admit(builder.RunRef(f"r{i}", "team-a", f"uid-{i}"), spec, "", indexes)
+        assert result.ok, result
+    assert ec2.calls == 2

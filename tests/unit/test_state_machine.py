@@ -412,6 +412,9 @@ def test_runs_competing_for_nodes_are_admitted_in_creation_order_many_in_one_pas
     result = preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A[:3], [big])
     assert not result.ok and result.reason == preflight.WAITING_FOR_EARLIER_RUN
     assert "ns/big" in result.message
+    # ... of its own namespace only: another team's big run holds no one here back.
+    theirs = _waiting("other/big", "2026-11-30T10:00:00Z", workers=4, free=ZONE_A[:3])
+    assert preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A[:3], [theirs]).ok
     # A run that could not fit even on empty nodes never holds others up.
     impossible = _waiting("ns/huge", "2026-11-30T10:00:00Z", workers=9)
     assert preflight.admit(mine, "2026-11-30T11:00:00Z", "ns/b", ZONE_A, [impossible]).ok
