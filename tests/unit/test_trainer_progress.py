@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -58,18 +59,38 @@ def test_setup_heartbeats_name_the_stage_until_training_starts(tmp_path: Path) -
         writer.close()
 
 
+class StalledStore:
+    """The progress record's place in storage, whose writes hang until released (an S3 PUT that stalls)."""
+
+    def __init__(self, inner: Location) -> None:
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def write_text(self, text: str) -> None:
+        self.entered.set()
+        self.release.wait(120)
+        self.inner.write_text(text)
+
+
 def test_progress_updates_never_wait_for_storage(tmp_path: Path) -> None:
-    """A routine update returns at once; the background thread stores the newest record (throttled)."""
+    """The training loop's updates return while the background thread's store hangs; closing stores the
+    newest record once storage answers."""
     writer = ProgressWriter(
-        Location.parse(str(tmp_path)), "a", store_interval_seconds=60, run_name="run", phase="training",
+        Location.parse(str(tmp_path)), "a", store_interval_seconds=0, run_name="run", phase="training",
         max_steps=10, submission_id="job-1",
     )  # fmt: skip
+    stalled = StalledStore(writer._progress)
     try:
         writer.write(step=0)
-        for step in range(1, 6):
-            writer.update(step=step, loss=5.0 - step)
-        assert stored(tmp_path).step == 0, "within the interval nothing more is stored"
+        writer._progress = stalled  # type: ignore[assignment]
+        writer.update(step=1, loss=4.0)
+        assert stalled.entered.wait(60), "the background thread never began storing step 1"
+        updates = threading.Thread(target=lambda: [writer.update(step=s, loss=5.0 - s) for s in range(2, 6)])
+        updates.start()
+        updates.join(60)  # a bound for a loaded machine; an update that waits for the store never returns
+        assert not updates.is_alive(), "an update waited for the stalled store"
+        assert stored(tmp_path).step == 0, "nothing got past the stalled store"
     finally:
+        stalled.release.set()
         writer.close()
     assert stored(tmp_path).step == 5, "closing stores the newest record"
 
