@@ -27,9 +27,14 @@ log = logging.getLogger("fsdp_operator")
 # After kopf stops: how long handlers still running may take before we exit anyway. kopf's own stop takes
 # about 6 s, so both fit in the pod's default 30 s grace period.
 HANDLER_DRAIN_TIMEOUT = 15.0
+# The apiserver admits objects nested 10,000 levels deep; Python's JSON decoder stops at the recursion limit
+# (1,000), and one such run in a LIST would stop kopf's watch of every run. Decoding, encoding and copying
+# 10,000 levels fit in the main thread's stack with this limit.
+RECURSION_LIMIT = 25_000
 
 
 def main(argv: list[str] | None = None) -> None:
+    sys.setrecursionlimit(max(sys.getrecursionlimit(), RECURSION_LIMIT))
     try:
         settings = CliApp.run(Settings, cli_args=sys.argv[1:] if argv is None else argv)
     except ValidationError as error:

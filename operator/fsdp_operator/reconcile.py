@@ -209,6 +209,28 @@ def _replica_failure(condition: dict[str, Any]) -> str:
     return f"{reason}: {'; '.join(lines[1:] if lines[:1] == [reason] else lines)}"
 
 
+INVALID_SPEC = "InvalidSpec"
+
+
+def refused_spec(
+    status: api.FSDPTrainingRunStatus, message: str, now: dt.datetime, generation: int | None
+) -> api.FSDPTrainingRunStatus:
+    """The status of a run the apiserver admitted but the operator's models refuse: a bound no CRD schema
+    can state (fromConfig's size and depth). Failed, naming the field; nothing is built from such a spec,
+    and a cluster it already has is left as it is (nothing can be derived from a spec that does not parse)."""
+    new = status.model_copy(deep=True)
+    for type_, ok in ((conditions.FAILED, True), (conditions.FINISHED, True), (conditions.SUCCEEDED, False)):
+        new.conditions = conditions.set_condition(
+            new.conditions, type_, ok, INVALID_SPEC, message, now, generation
+        )
+    if new.phase != Phase.FAILED:
+        new.phase_transition_time = now
+    new.phase, new.message = Phase.FAILED, conditions.bounded(" ".join(message.split()))
+    new.observed_generation = generation
+    new.next_check_time = None
+    return new
+
+
 def creates_cluster_next(
     spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster_exists: bool
 ) -> bool:

@@ -13,6 +13,7 @@ The trainer's config is built once per pass, from the spec it reads.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import logging
 from collections.abc import Mapping
 from typing import Any, cast
@@ -24,7 +25,14 @@ from fsdp_operator import actions, api, builder, conditions, metrics, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Conflict, Indexes
 from fsdp_operator.observe import observe
-from fsdp_operator.reconcile import Decision, creates_cluster_next, needs_preflight, reconcile
+from fsdp_operator.reconcile import (
+    INVALID_SPEC,
+    Decision,
+    creates_cluster_next,
+    needs_preflight,
+    reconcile,
+    refused_spec,
+)
 from fsdp_operator.statuspatch import merge_patch
 from fsdp_operator.watched import kept
 
@@ -52,25 +60,53 @@ def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> De
         raise kopf.TemporaryError(f"status of {meta['namespace']}/{meta['name']} kept changing", delay=5)
 
 
+class RefusedSpec(Exception):
+    """The run's spec breaks a bound of the operator's models that the CRD schema cannot state."""
+
+
 def parse(
     body: kopf.Body, run: Mapping[str, Any]
 ) -> tuple[api.FSDPTrainingRunSpec, api.FSDPTrainingRunStatus]:
+    status = api.FSDPTrainingRunStatus.model_validate(run.get("status") or {})
     try:
-        return (
-            api.FSDPTrainingRunSpec.model_validate(run["spec"]),
-            api.FSDPTrainingRunStatus.model_validate(run.get("status") or {}),
-        )
+        return api.FSDPTrainingRunSpec.model_validate(run["spec"]), status
     except ValidationError as error:
-        # The CRD schema should make this unreachable; if not, say which field and stop.
-        kopf.event(body, type="Warning", reason="InvalidSpec", message=str(error)[:1000])
-        raise kopf.PermanentError(f"invalid FSDPTrainingRun: {error}") from error
+        raise RefusedSpec(
+            "; ".join(
+                f"spec.{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()[:5]
+            )
+        ) from error
+
+
+def refuse_spec(ctx: Context, body: kopf.Body, stored: Mapping[str, Any], message: str) -> None:
+    """Says so in the run's status (once per generation) and in one Event."""
+    meta = stored["metadata"]
+    status = api.FSDPTrainingRunStatus.model_validate(stored.get("status") or {})
+    failed = conditions.condition(status.conditions, conditions.FAILED)
+    if (
+        failed is not None
+        and failed.reason == INVALID_SPEC
+        and status.observed_generation == meta.get("generation")
+    ):
+        return
+    new = refused_spec(status, message, dt.datetime.now(dt.UTC), meta.get("generation"))
+    patch = merge_patch(
+        stored.get("status") or {}, new.model_dump(mode="json", by_alias=True, exclude_none=True)
+    )
+    ctx.kube.write_status(meta["namespace"], meta["name"], meta["resourceVersion"], patch)
+    kopf.event(body, type="Warning", reason=INVALID_SPEC, message=conditions.bounded(message))
+    log.warning("%s/%s %s: %s", meta["namespace"], meta["name"], INVALID_SPEC, message)
 
 
 def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision:
     body = kopf.Body(cast(Any, stored))  # what Events point at
     meta = stored["metadata"]
     run = builder.RunRef(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    spec, status = parse(body, stored)
+    try:
+        spec, status = parse(body, stored)
+    except RefusedSpec as refused:
+        refuse_spec(ctx, body, stored, str(refused))
+        return Decision(api.FSDPTrainingRunStatus.model_validate(stored.get("status") or {}))
     config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
     obs = observe(ctx, run, stored, spec, status, config, indexes)
     if creates_cluster_next(spec, status, obs.cluster is not None):

@@ -233,5 +233,11 @@ def test_accepted_inputs_are_handled_without_an_operator_crash(
     tracebacks = operator.log.read_text().split("Traceback (most recent call last):")[1:]
     unexpected = [t[:1500] for t in tracebacks if not kopfs_oversized_annotation(t, oversized)]
     assert unexpected == [], f"the operator logged an unexpected exception: {unexpected}"
+    # Admitted by the apiserver (no schema can bound a free-form map's size), refused by the operator's model
+    # in the run's own status, naming the field.
+    refused = run_of(namespace, oversized)["status"]
+    failed = next(c for c in refused["conditions"] if c["type"] == "Failed")
+    assert refused["phase"] == "Failed" and failed["reason"] == "InvalidSpec", refused
+    assert failed["message"].startswith("spec.model.fromConfig: "), failed
     stored = run_of(namespace, cases[2][1]["metadata"]["name"])
     assert stored["spec"]["data"]["source"] == f"s3://fsdp-e2e/{SHELL}.jsonl"  # kept verbatim, never run

@@ -15,11 +15,12 @@ import boto3
 import pytest
 
 from fsdp_operator import jobclient, records
+from fsdp_operator.builder import LABEL_RUN
 from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
 from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
 from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
-from tests.harness import OperatorProcess, example, kubectl, wait_until
+from tests.harness import OperatorProcess, example, kubectl, rayclusters, wait_until
 
 MIB = 1 << 20
 
@@ -207,12 +208,13 @@ def phase_of(namespace: str, name: str) -> str | None:
     return got.stdout.strip() or None
 
 
-def test_a_1500_deep_from_config_costs_its_own_run_an_event_and_every_other_run_goes_on(
+def test_a_1500_deep_from_config_fails_its_own_run_and_every_other_run_goes_on(
     namespace: str, operator: OperatorProcess
 ) -> None:
     """The apiserver takes a 1,500-deep map (it parses 10,000 levels); Python's JSON parser stops at 1,000 by
-    default. The operator lists and watches it with every other run of the namespace, refuses it naming
-    spec.model.fromConfig, and keeps taking up the others, after a restart (a LIST holding it) too."""
+    default. The operator lists and watches it with every other run of the namespace, fails it (status and
+    an Event) naming spec.model.fromConfig, and keeps taking up the others, after a restart (a LIST holding
+    it) too. Fails without the operator's raised recursion limit: kopf's LIST of runs stops every run."""
     created = kubectl("create", "-n", namespace, "-f", "-", input=deep_run("deep", 1500), check=False)
     assert created.returncode == 0, created.stderr[-600:]
     honest = example("cpu-demo")
@@ -236,7 +238,9 @@ def test_a_1500_deep_from_config_costs_its_own_run_an_event_and_every_other_run_
 
     said = wait_until("an InvalidSpec event of the deep run naming the field", refused, timeout=120)
     assert "nested deeper than 8 levels" in said
-    assert phase_of(namespace, "deep") is None  # nothing was built for it
+    assert phase_of(namespace, "deep") == "Failed"  # in its own status too
+    built = [c for c in rayclusters(namespace) if c["metadata"].get("labels", {}).get(LABEL_RUN) == "deep"]
+    assert built == [], "a RayCluster was built for the deep run"
 
     operator.stop()  # a new operator LISTs the namespace, the deep run with it
     operator.start()

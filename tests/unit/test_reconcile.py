@@ -8,11 +8,13 @@ from typing import Any
 from fsdp_operator import api, conditions
 from fsdp_operator.preflight import WAITING_FOR_EARLIER_RUN, PreflightResult
 from fsdp_operator.reconcile import (
+    INVALID_SPEC,
     ClusterObservation,
     Observation,
     needs_preflight,
     observe_cluster,
     reconcile,
+    refused_spec,
 )
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
@@ -147,3 +149,13 @@ def test_observe_cluster_reads_kuberay_conditions() -> None:
         {"status": {"conditions": [{"type": "HeadPodReady", "status": "False"}]}}
     ).ready
     assert not observe_cluster({}).ready
+
+
+def test_a_spec_the_operators_model_refuses_fails_the_run_naming_the_field() -> None:
+    """A bound the CRD schema cannot state (fromConfig's size): the run says why in its own status."""
+    message = "spec.model.fromConfig: Value error, spec.model.fromConfig is nested deeper than 8 levels"
+    new = refused_spec(api.FSDPTrainingRunStatus(), message, NOW, 3)
+    failed = conditions.condition(new.conditions, conditions.FAILED)
+    assert new.phase == api.Phase.FAILED and new.observed_generation == 3 and new.message == message
+    assert failed is not None and failed.reason == INVALID_SPEC and failed.message == message
+    assert conditions.is_true(new.conditions, conditions.FINISHED)
