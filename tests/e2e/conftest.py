@@ -10,7 +10,7 @@ import boto3
 import pytest
 
 from tests.e2e.demo import BUCKET, CORPUS, lifecycle_env
-from tests.harness import REPO, LocalCluster, OperatorProcess, kubectl
+from tests.harness import REPO, LocalCluster, OperatorProcess, delete_namespace, kubectl
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +36,14 @@ def lifecycle_operator(
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         proc.stop()
         print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
+
+
+@pytest.fixture
+def second_namespace(namespace: str) -> Iterator[str]:
+    """Another team's namespace beside the test's, with no grants."""
+    name = f"{namespace}-b"
+    kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        delete_namespace(name)

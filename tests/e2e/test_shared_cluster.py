@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
-
-import pytest
 
 from fsdp_operator import jobs
 from tests.e2e.demo import (
@@ -31,7 +28,6 @@ from tests.harness import (
     OperatorProcess,
     apply,
     conditions_of,
-    delete_namespace,
     kubectl,
     kubectl_json,
     rayclusters,
@@ -43,16 +39,6 @@ from tests.netproxy import BlackHoleProxy
 from tests.reliability import Recorder, seconds_between
 
 HANG_BOUND = 60  # the held run's recovery.hangTimeoutSeconds, the least allowed
-
-
-@pytest.fixture
-def second_namespace(namespace: str) -> Iterator[str]:
-    name = f"{namespace}-b"
-    kubectl("create", "namespace", name)
-    try:
-        yield name
-    finally:
-        delete_namespace(name)
 
 
 def operator_for(

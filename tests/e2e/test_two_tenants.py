@@ -9,11 +9,9 @@ the shared corpus; the hostile namespace gets no other grant.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from bench.doc_section import write_section
 
 from tests.e2e.demo import BUCKET, CORPUS, RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
@@ -23,23 +21,12 @@ from tests.harness import (
     OperatorProcess,
     apply,
     conditions_of,
-    delete_namespace,
     kubectl,
     kubectl_json,
     rayclusters,
     wait_for_phase,
 )
 from tests.reliability import Recorder
-
-
-@pytest.fixture
-def hostile(namespace: str) -> Iterator[str]:
-    name = f"{namespace}-h"
-    kubectl("create", "namespace", name)
-    try:
-        yield name
-    finally:
-        delete_namespace(name)
 
 
 def own_prefix(namespace: str) -> str:
@@ -97,12 +84,13 @@ def pods_of(namespace: str) -> list[str]:
 def test_a_hostile_tenant_fails_only_its_own_runs_beside_another_teams_run(
     namespace: str,
     crd_installed: None,
-    hostile: str,
+    second_namespace: str,
     local_cluster: LocalCluster,
     s3: Any,
     tmp_path: Path,
     reliability: Recorder,
 ) -> None:
+    hostile = second_namespace
     corpus_dir = f"s3://{BUCKET}/{CORPUS.rsplit('/', 1)[0]}/"
     proc = OperatorProcess(
         namespace=f"{namespace},{hostile}",
