@@ -1,4 +1,5 @@
-"""kubectl-trainingrun: `kubectl trainingrun logs|describe|plot RUN` for the people who train.
+"""kubectl-trainingrun: `kubectl trainingrun logs|describe|plot RUN` and `diff RUN_A RUN_B` for the people
+who train.
 
 kubectl finds this program on PATH and hands it the arguments after `trainingrun`. The run is read through
 kubectl itself (`kubectl get -o json`), so -n, --context, --kubeconfig, the kubeconfig's namespace and its
@@ -19,11 +20,13 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from fsdp_operator import api, plot
+from fsdp_operator import api, plot, rundiff
 from fsdp_operator.records import split_s3_uri
 from fsdp_trainer.contract import (
     METRICS_DIR,
+    RUN_RECORD_FILE,
     ProgressRecord,
+    RunRecord,
     driver_log_name,
     rank_log_name,
     run_prefix,
@@ -282,6 +285,32 @@ def plot_command(options: argparse.Namespace, objects: RunObjects, write: Callab
         write(plot.text(curves, width=options.width, height=options.height))
 
 
+# -- diff -------------------------------------------------------------------------------------------------
+
+
+def run_record(objects: RunObjects) -> RunRecord:
+    text = objects.text(RUN_RECORD_FILE)
+    if text is None:
+        raise PluginError(f"no {RUN_RECORD_FILE} in s3://{objects.bucket}/{objects.prefix} yet")
+    return RunRecord.model_validate_json(text)
+
+
+def diff_command(options: argparse.Namespace, write: Callable[[str], None]) -> None:
+    """Reads both runs through kubectl (the other in --other-namespace, if given), their records from S3."""
+    other = argparse.Namespace(**vars(options))
+    other.run = options.other_run
+    if options.other_namespace:
+        other.namespace = options.other_namespace
+    s3 = s3_client()
+    sides = []
+    for side in (options, other):
+        objects = RunObjects(s3, storage_prefix(get_run(side)))
+        sides.append((run_record(objects), metric_histories(objects)))
+    (a, a_histories), (b, b_histories) = sides
+    rows = rundiff.differences(a, b, a_histories, b_histories, everything=options.all)
+    write(rundiff.table(rows, f"{a.namespace}/{a.run_name}", f"{b.namespace}/{b.run_name}"))
+
+
 # -- command line -----------------------------------------------------------------------------------------
 
 
@@ -315,6 +344,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     plot_parser.add_argument("--width", type=int, default=plot.TEXT_WIDTH, help="terminal plot columns")
     plot_parser.add_argument("--height", type=int, default=plot.TEXT_HEIGHT, help="terminal plot rows")
+    diff_parser = commands.add_parser(
+        "diff", parents=[common], help="what differs between two runs: what ran, config, transport, results"
+    )
+    diff_parser.add_argument("run")
+    diff_parser.add_argument("other_run", metavar="other-run")
+    diff_parser.add_argument("--other-namespace", help="the other run's namespace (default: the first's)")
+    diff_parser.add_argument("--all", action="store_true", help="every field, not only those that differ")
     return parser
 
 
@@ -326,6 +362,9 @@ def _write(text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     try:
+        if options.command == "diff":
+            diff_command(options, _write)
+            return 0
         run = get_run(options)
         if options.command == "describe":
             _write(describe(run))

@@ -21,7 +21,7 @@ import pytest
 
 from fsdp_operator import api, kubectl_plugin, plot
 from fsdp_trainer import runlog
-from fsdp_trainer.contract import MlflowRunRef, ProgressRecord, rank_log_name
+from fsdp_trainer.contract import MlflowRunRef, ProgressRecord, RunRecord, TrainerConfig, rank_log_name
 from fsdp_trainer.storage import Location
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
@@ -277,3 +277,75 @@ def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(
     kubectl_plugin.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
     thread.join()
     assert "".join(printed) == "one\nlast words\n\n[--- logs/attempt-2/rank-0.log ---]\nresumed\n"
+
+
+def put_record(storage: str, name: str, namespace: str, **config: Any) -> dict[str, Any]:
+    """A run's record and its loss history in S3 (as the operator and the trainer write them), and the run."""
+    bucket, prefix = storage.removeprefix("s3://").split("/", 1)
+    record = RunRecord(
+        run_name=name,
+        namespace=namespace,
+        uid=f"uid-{name}",
+        image_requested="dlc:2.58",
+        image_digest="dlc@sha256:" + "a" * 64,
+        phase="Succeeded",
+        start_time=NOW,
+        config=TrainerConfig.model_validate(
+            {
+                "run_name": name,
+                "namespace": namespace,
+                "model": {"source": "Qwen/Qwen3-0.6B"},
+                "checkpoint": {"storage_path": storage},
+                **config,
+            }
+        ),
+        final_progress=ProgressRecord(run_name=name, phase="training", step=20, max_steps=20, loss=2.0,
+                                      updated_at=NOW),
+    )  # fmt: skip
+    s3 = boto3.client("s3")
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{namespace}/{name}/run.json", Body=record.model_dump_json())
+    s3.put_object(
+        Bucket=bucket,
+        Key=f"{prefix}/{namespace}/{name}/metrics/20261201T1000.jsonl",
+        Body=history(range(1, 21), 4.0),
+    )
+    run = run_object(storage)
+    run["metadata"] |= {"name": name, "namespace": namespace}
+    return run
+
+
+def test_diff_shows_exactly_what_differs_between_two_runs_of_two_namespaces(
+    s3_storage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"training": {"learning_rate": 1e-4}, "data": {"source": f"{s3_storage}/data/a.jsonl"}}
+    changed = {"training": {"learning_rate": 3e-4}, "data": {"source": f"{s3_storage}/data/b.jsonl"}}
+    runs = [
+        put_record(s3_storage, "first", "team-a", **base),
+        put_record(s3_storage, "second", "team-b", **changed),
+    ]
+    for run in runs:
+        (tmp_path / f"{run['metadata']['name']}.json").write_text(json.dumps(run))
+    script = tmp_path / "kubectl"  # prints the run named in its arguments
+    script.write_text(
+        f'#!/bin/sh\nfor a in "$@"; do [ -f {tmp_path}/$a.json ] && cat {tmp_path}/$a.json; done; exit 0\n'
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    assert (
+        kubectl_plugin.main(["diff", "first", "second", "-n", "team-a", "--other-namespace", "team-b"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["FIELD", "team-a/first", "team-b/second"]
+    assert [line.split()[0] for line in lines[1:]] == ["config.training.learning_rate", "config.data.source"]
+    assert lines[1].split()[1:] == ["0.0001", "0.0003"]
+
+    assert kubectl_plugin.main(["diff", "first", "first", "-n", "team-a"]) == 0
+    assert capsys.readouterr().out == "no differences\n"
+    assert kubectl_plugin.main(["diff", "first", "first", "-n", "team-a", "--all"]) == 0
+    everything = capsys.readouterr().out
+    assert (
+        "image_digest" in everything
+        and "loss at step 20" in everything
+        and "config.run_name" not in everything
+    )
