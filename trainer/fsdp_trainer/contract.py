@@ -195,7 +195,22 @@ class FsdpSpec(ContractModel):
 class TrainingSpec(ContractModel):
     max_steps: int = Field(default=100, ge=1, description="Optimizer steps to train for.")
     micro_batch_size: int = Field(default=1, ge=1, description="Sequences per device per micro-step.")
-    grad_accumulation: int = Field(default=1, ge=1, description="Micro-steps per optimizer step.")
+    grad_accumulation: int = Field(
+        default=1,
+        ge=1,
+        description="Micro-steps per optimizer step; ignored when globalBatchSize is set (then derived).",
+    )
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences per optimizer step, part of the recipe: gradient accumulation is derived as "
+        "globalBatchSize / (world size x microBatchSize), and a world size or microBatchSize that does not "
+        "divide it fails the run (a config error). A resume at another world size keeps the global batch, "
+        "so tokens per step, the learning-rate schedule and the data position stay exactly as they were. "
+        "Unset, the global batch is world size x microBatchSize x gradAccumulation as before, except that a "
+        "resume at another world size than its checkpoint's keeps the checkpoint's global batch (tokens seen "
+        "/ steps / sequence length) when world size x microBatchSize divides it, and fails otherwise.",
+    )
     sequence_length: int = Field(default=2048, ge=8, le=1_048_576, description="Tokens per sequence.")
     learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak AdamW learning rate.")
     min_learning_rate_ratio: float = Field(
@@ -225,6 +240,27 @@ class TrainingSpec(ContractModel):
         "(reason NonFiniteLoss, not retried). Such a step's update is skipped on every worker: weights, "
         "optimizer state and learning rate stay as they were, and its batch is not retried.",
     )
+
+    def accumulation_for(self, world_size: int, checkpoint_global_batch: int | None = None) -> int:
+        """Micro-steps per optimizer step at `world_size`: derived from globalBatchSize when set, else from
+        the resumed checkpoint's global batch when given, else gradAccumulation. ValueError when the world
+        size and micro-batch size do not divide the global batch."""
+        if self.global_batch_size is not None:
+            global_batch = self.global_batch_size
+            source = f"training.globalBatchSize {global_batch}"
+        elif checkpoint_global_batch is not None:
+            global_batch = checkpoint_global_batch
+            source = f"the resumed checkpoint's global batch {global_batch} (training.globalBatchSize unset)"
+        else:
+            return self.grad_accumulation
+        per_micro_step = world_size * self.micro_batch_size
+        if global_batch % per_micro_step:
+            raise ValueError(
+                f"{source} is not divisible by world size {world_size} x training.microBatchSize "
+                f"{self.micro_batch_size} = {per_micro_step} sequences per micro-step; choose a world size "
+                "and microBatchSize whose product divides it"
+            )
+        return global_batch // per_micro_step
 
 
 class DataSpec(ContractModel):

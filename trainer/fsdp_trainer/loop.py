@@ -169,7 +169,6 @@ class Trainer:
         if tokenizer is not None and len(tokenizer) > vocab_size:
             raise ConfigError(f"the tokenizer has {len(tokenizer)} tokens but the model only {vocab_size}")
         self.stage(SetupStage.LOADING_DATA)
-        layout = data.BatchLayout(runtime.world_size, training.micro_batch_size, training.grad_accumulation)
         datasets = data.build_datasets(
             config.data,
             tokenizer,
@@ -199,6 +198,7 @@ class Trainer:
                 config, self.attempt, self.submission_id, self.run_location, datasets.fingerprint
             )
         resume_from = checkpoints.find()
+        layout = self.batch_layout(resume_from)
         self.stage(SetupStage.DOWNLOADING_MODEL)
         lm = model.empty_model(model_config)
         shape = model.model_shape(lm)
@@ -269,6 +269,27 @@ class Trainer:
             ),
         )
 
+    def batch_layout(self, resume_from: Location | None) -> data.BatchLayout:
+        """This attempt's layout: the global batch is the recipe's (training.globalBatchSize) or, unset, the
+        resumed checkpoint's when it was written at another world size (tokens seen / steps / sequence
+        length), so a resume at any world size keeps tokens per step, the schedule and the data position."""
+        runtime, training = self.runtime, self.config.training
+        checkpoint_global_batch: int | None = None
+        if resume_from is not None and training.global_batch_size is None:
+            found: int | None = None
+            if runtime.is_main:
+                manifest = checkpoint.inspect(resume_from).manifest
+                if manifest is not None and manifest.world_size != runtime.world_size and manifest.step > 0:
+                    found, rest = divmod(manifest.tokens_seen, manifest.step * training.sequence_length)
+                    if rest or not found:
+                        found = None
+            checkpoint_global_batch = distributed.broadcast(found)
+        try:
+            accumulation = training.accumulation_for(runtime.world_size, checkpoint_global_batch)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
+        return data.BatchLayout(runtime.world_size, training.micro_batch_size, accumulation)
+
     def stage(self, stage: SetupStage) -> None:
         if self.progress is not None:
             self.progress.stage(stage)
@@ -332,7 +353,7 @@ class Trainer:
             session.lm,
             session.root,
             session.batches.next_step(),  # read one at a time, as each micro-step begins
-            training.grad_accumulation,
+            session.batches.layout.grad_accumulation,
             self.config.fsdp.reduce_every_micro_step,
         )
         grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
