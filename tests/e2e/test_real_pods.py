@@ -101,7 +101,12 @@ class ChartIdentity:
 def chart_identity(namespace: str, into: Path, local_cluster: LocalCluster) -> ChartIdentity:
     """Nothing but the chart's RBAC for a release watching `namespace`, applied as the chart renders it."""
     kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    values = {"watchNamespaces": [namespace], "leaderElection": {"enabled": False}, "replicaCount": 1}
+    values = {
+        "watchNamespaces": [namespace],
+        "leaderElection": {"enabled": False},
+        "replicaCount": 1,
+        "dashboardAddressMode": "service-proxy",  # the proxied operator's: the services/proxy grant
+    }
     rendered = render(f"r{namespace[-6:]}", OPERATOR_NAMESPACE, values)
     wanted = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
     objects = [o for o in rendered.objects if o["kind"] in wanted]
