@@ -10,8 +10,9 @@ shard's rows in a seeded order of their own. A job's batches tile the global str
 (BatchLayout: micro-step-major, then rank-major), and `streams` is the first attempt's world size times its
 micro-batch size, so every rank reads only its own `micro_batch_size` streams: the shards it needs, one
 at a time. A stream's next shard is read and tokenised by a background thread as soon as the stream enters
-a shard, so crossing into it costs the step nothing (docs/benchmarks.md, trainer-prefetch, has the
-measurement); a rank holds at most two shards' rows per stream.
+a shard, so a step that crosses into it does not wait for the read (bench/trainer_prefetch.py measures the
+wait and the step times beside reading in the training thread); a rank holds at most two shards' rows per
+stream.
 
 Resumption. The data position (global samples consumed) alone fixes which samples come next, but reaching
 a stream's next sample from it would mean tokenising the stream's earlier shards again; so the checkpoint
