@@ -121,8 +121,8 @@ def apply_crd() -> None:
     wait_established("crd/fsdptrainingruns.fsdp.training.dev")
 
 
-# The platform's S3 grant of the tests' operators: the examples' buckets (the demo's, and the AWS sample's that
-# runs which only wait for capacity name) and the e2e tier's.
+# The platform's S3 grant of the tests' operators: the examples' buckets (the demo's, and the one of the AWS
+# sample, named by runs that only wait for capacity) and the e2e tier's.
 TEST_S3_PREFIXES = "s3://fsdp-demo/,s3://my-training-bucket/,s3://fsdp-e2e/"
 
 
