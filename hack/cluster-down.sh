@@ -25,10 +25,6 @@ done
 if [[ -d $KWOK_WORKDIR/clusters/$CLUSTER_NAME ]]; then
   kwokctl delete cluster --name "$CLUSTER_NAME" >/dev/null 2>&1 || true
 fi
-# Ray's raylet and workers can outlive `ray start --block`; they all carry our temp dir on their command line.
-leftovers=$(pgrep -f -- "$RAY_TMP" || true)
-if [[ -n $leftovers ]]; then
-  kill -KILL $leftovers 2>/dev/null || true
-fi
-rm -rf "$RAY_TMP"
+# Ray's raylet and workers can outlive `ray start --block`.
+"$root/hack/ray-head.sh" stop-leftovers
 log "local cluster stopped"

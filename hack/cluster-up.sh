@@ -72,7 +72,7 @@ wait_for "KubeRay CRDs established" 180 kubectl wait --for condition=established
 
 "$root/hack/kuberay.sh" start
 wait_for "S3 server" 120 curl -sf "http://127.0.0.1:$S3_PORT/moto-api/"
-wait_for "Ray dashboard" 300 ray_dashboard_answers
+"$root/hack/ray-head.sh" wait
 wait_for "fake nodes Ready" 180 kubectl wait --for condition=Ready --timeout 5s node -l type=kwok
 FSDP_NODE_IMAGES=$dlc_image "$root/hack/real-node.sh" start
 log "local cluster up in $(($(date +%s) - start))s; source $STATE/env"

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The local cluster's Ray head, on 127.0.0.1 with the ports of hack/lib.sh.
-#   start    start it (and return: cluster-up waits for its dashboard with the rest)
+#   start    start it (and return: cluster-up starts the rest meanwhile)
+#   wait     wait until its job API answers; a head that exited before that is started again, twice at most
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,10 +43,51 @@ start() {
       --num-cpus "${RAY_NUM_CPUS:-4}" --num-gpus 0 --temp-dir "$RAY_TMP" --disable-usage-stats)
 }
 
+# `ray start` gives the raylet a fixed 30 s to register with the GCS (ray/_private/node.py, not configurable)
+# and exits when it has not: on a loaded 2-core machine that happened to one cluster of the suite's two, and every
+# test of that worker failed. A head that exits is started again from a clean temp dir.
+wait_ready() {
+  local attempt deadline pid
+  for attempt in 1 2 3; do
+    deadline=$(($(date +%s) + 300))
+    pid=$(cat "$PIDS/ray.pid")
+    until ray_dashboard_answers; do
+      if ! kill -0 "$pid" 2>/dev/null; then
+        log "the Ray head exited before its job API answered (attempt $attempt); its last lines:"
+        tail -n 5 "$STATE/logs/ray.log" >&2
+        stop_leftovers
+        ((attempt < 3)) && start
+        continue 2
+      fi
+      if (($(date +%s) >= deadline)); then
+        log "timed out waiting for the Ray head's job API; logs in $STATE/logs and $RAY_TMP/session_latest/logs"
+        return 1
+      fi
+      sleep 1
+    done
+    return 0
+  done
+  log "the Ray head exited three times before answering"
+  return 1
+}
+
+# stop_leftovers: Ray's processes outlive a failed `ray start --block`; they all carry our temp dir on their
+# command line.
+stop_leftovers() {
+  local leftovers
+  leftovers=$(pgrep -f -- "$RAY_TMP" || true)
+  if [[ -n $leftovers ]]; then
+    kill -KILL $leftovers 2>/dev/null || true
+  fi
+  rm -rf "$RAY_TMP"
+}
+
 case ${1:-} in
 start) start ;;
+wait) wait_ready ;;
+stop-leftovers) stop_leftovers ;;
 *)
-  echo "usage: $0 start" >&2
+  echo "usage: $0 start|wait|stop-leftovers" >&2
   exit 2
   ;;
 esac
