@@ -18,7 +18,9 @@ example=$root/examples/cpu-demo-real-pods.yaml
 
 # The operator runs without leader election here: one replica, on a machine that may be loaded, must not exit
 # because a lease renewal was answered late.
-operator_env=(FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE=service-proxy FSDP_OPERATOR_LEADER_ELECTION=false)
+# The price of the demo's instance type (us-west-2 on demand), so that the run shows what it would cost.
+operator_env=(FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE=service-proxy FSDP_OPERATOR_LEADER_ELECTION=false
+  'FSDP_OPERATOR_INSTANCE_HOUR_PRICES={"g6.12xlarge": 4.6016}')
 if [[ -n ${KUBECONFIG:-} && $KUBECONFIG != "$STATE/kubeconfig" ]]; then
   : "${FSDP_DEMO_STORAGE:?set FSDP_DEMO_STORAGE=s3://bucket/prefix to run the demo on your cluster}"
   : "${FSDP_DEMO_APISERVER_CIDRS:?set FSDP_DEMO_APISERVER_CIDRS to the address ranges of the apiserver}"

@@ -620,6 +620,56 @@ class RecordStatus(ContractModel):
     )
 
 
+class GoodputSeconds(ContractModel):
+    """Seconds since the run was created, by what they went to; they add up to accountedUntil minus the
+    run's creation."""
+
+    queued: int = Field(default=0, description="Pending or Queued: waiting for capacity or for Kueue.")
+    provisioning: int = Field(
+        default=0,
+        description="The cluster starting, the job submitted, the trainer setting up before its first step.",
+    )
+    training: int = Field(default=0, description="Training steps that count.")
+    checkpoint_stall: int = Field(
+        default=0, description="Training held up by checkpoints (their staging off the device)."
+    )
+    lost_to_restarts: int = Field(
+        default=0,
+        description="Restarting, and the training time of steps a restart redoes (those after the checkpoint "
+        "it resumes from).",
+    )
+    idle: int = Field(default=0, description="Suspended (holding no capacity).")
+
+
+class GoodputStatus(ContractModel):
+    accounted_until: dt.datetime | None = Field(
+        default=None,
+        description="The seconds cover the run's creation up to this moment (its completion once finished; "
+        "at most a minute behind while it is not).",
+    )
+    seconds: GoodputSeconds = Field(default_factory=GoodputSeconds)
+    fraction: float | None = Field(
+        default=None,
+        description="Goodput: training seconds over the seconds the run held its cluster (provisioning, "
+        "training, checkpoint stall, lost to restarts).",
+    )
+    worker_seconds_held: int = Field(default=0, description="Worker-seconds the run's clusters held.")
+    gpu_seconds_held: int = Field(default=0, description="GPU-seconds the run's clusters held.")
+    gpu_hours_held: float = Field(default=0.0, description="The same in hours.")
+    tokens: int = Field(default=0, description="Tokens trained on (the data position of the latest step).")
+    progress_percent: float | None = Field(default=None, description="The latest step over maxSteps.")
+    eta: dt.datetime | None = Field(
+        default=None, description="While Running: when maxSteps is reached at the latest step time."
+    )
+    cost_usd: float | None = Field(
+        default=None,
+        description="Worker-hours held at the platform's price for the instance type (the operator's "
+        "instance-hour-prices; chart pricing.instanceHourUSD), a worker counting for its share of a node's "
+        "GPUs; unset without a price.",
+    )
+    cost_per_million_tokens_usd: float | None = None
+
+
 class FSDPTrainingRunStatus(ContractModel):
     observed_generation: int | None = None
     phase: Phase | None = None
@@ -663,6 +713,7 @@ class FSDPTrainingRunStatus(ContractModel):
     next_check_time: dt.datetime | None = Field(
         default=None, description="When the operator next re-checks capacity or restarts."
     )
+    goodput: GoodputStatus = Field(default_factory=GoodputStatus)
 
 
 class FSDPTrainingRun(ContractModel):

@@ -240,6 +240,7 @@ def describe(run: dict[str, Any]) -> str:
         f"Checkpoints:   {len(checkpoints.get('recent') or [])} recent",
     ]
     lines += [f"  step {c['step']:>6}  {c['time']}  {c['uri']}" for c in checkpoints.get("recent") or []]
+    lines += goodput_lines(status.get("goodput") or {})
     lines.append(f"Restarts:      {restarts.get('count', 0)}  preemptions {restarts.get('preemptions', 0)}")
     for entry in restarts.get("history") or []:
         resumed = entry.get("resumedFromStep")
@@ -259,6 +260,30 @@ def describe(run: dict[str, Any]) -> str:
     if spec.get("tracking", {}).get("mlflow"):
         lines.append(f"MLflow run:    {(record.get('mlflowRun') or {}).get('url', '- (not created yet)')}")
     return "\n".join(lines) + "\n"
+
+
+def goodput_lines(goodput: dict[str, Any]) -> list[str]:
+    """Where the run's time went, what it held and cost."""
+    seconds = goodput.get("seconds") or {}
+    if not seconds:
+        return []
+    spent = "  ".join(f"{name} {_duration(value)}" for name, value in seconds.items() if value)
+    cost = goodput.get("costUsd")
+    per_million = goodput.get("costPerMillionTokensUsd")
+    return [
+        f"Goodput:       {_number(goodput.get('fraction'), '.1%')} of the time the cluster was held trained  "
+        f"{_number(goodput.get('gpuHoursHeld'), '.2f')} GPU-h held"
+        + (f"  ${cost:,.2f}" if cost is not None else "")
+        + (f" (${per_million:,.4f} per million tokens)" if per_million is not None else ""),
+        f"  time:        {spent or '-'}  (until {goodput.get('accountedUntil', '-')})",
+        f"  progress:    {_number(goodput.get('progressPercent'), '.1f')} %  ETA {goodput.get('eta') or '-'}",
+    ]
+
+
+def _duration(seconds: int) -> str:
+    minutes, second = divmod(int(seconds), 60)
+    hours, minute = divmod(minutes, 60)
+    return f"{hours}h{minute:02d}m{second:02d}s" if hours else f"{minute}m{second:02d}s"
 
 
 # -- plot -------------------------------------------------------------------------------------------------

@@ -288,8 +288,17 @@ class PerRun:
                     "run_last_checkpoint_age_seconds",
                     "Seconds since the run's latest complete checkpoint was written.",
                 ),
+                ("goodput", "run_goodput_ratio", "Training seconds over the seconds its cluster was held."),
+                ("gpuHoursHeld", "run_gpu_hours_held", "GPU-hours the run's clusters held."),
+                ("costUsd", "run_cost_usd", "What the run cost so far, at the platform's instance prices."),
+                ("progressPercent", "run_progress_percent", "The latest step over maxSteps, in percent."),
             )
         }
+        self.time = GaugeMetricFamily(
+            f"{PREFIX}run_time_seconds",
+            "Seconds since the run was created, by what they went to (status.goodput.seconds).",
+            labels=[*keys, "category"],
+        )
 
     def add(self, body: Mapping[str, Any]) -> None:
         meta = body.get("metadata") or {}
@@ -311,6 +320,7 @@ class PerRun:
         progress = status.get("progress") or {}
         latest = (status.get("checkpoints") or {}).get("latest") or {}
         written = _timestamp(latest.get("time"))
+        goodput = status.get("goodput") or {}
         values = {
             "attempt": status.get("attempt", 0),
             "preemptions": restarts.get("preemptions", 0),
@@ -321,7 +331,13 @@ class PerRun:
             "checkpointStep": latest.get("step", 0),
             "checkpointTime": written,
             "checkpointAge": None if written is None else max(self.now - written, 0.0),
+            **{f: goodput.get(f) for f in ("gpuHoursHeld", "costUsd", "progressPercent")},
+            "goodput": goodput.get("fraction"),
         }
+        for category, seconds in (goodput.get("seconds") or {}).items():
+            number = _number(seconds)
+            if number is not None:
+                self.time.add_metric([*key, str(category)[:32]], number)
         for field, value in values.items():
             number = _number(value)
             if number is not None:
@@ -339,6 +355,7 @@ class PerRun:
         yield self.condition
         yield self.restarts
         yield from self.gauges.values()
+        yield self.time
 
 
 RUNS = RunsCollector()

@@ -110,6 +110,8 @@ def observe(
         run_uri=storage.uri,
         package_sha256=ctx.package_sha256,
         archived_driver_log=memory.archived_driver_log,
+        created=dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"]),
+        instance_hour_price=ctx.settings.instance_hour_prices.get(spec.cluster.instance_type),
     )
 
 

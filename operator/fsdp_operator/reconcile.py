@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsdp_operator import api, conditions
+from fsdp_operator import api, conditions, goodput
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
@@ -138,6 +138,8 @@ class Observation:
     run_uri: str | None = None  # the run's S3 prefix: run.json and the logs are under it
     package_sha256: str | None = None  # the trainer package a submission ships
     archived_driver_log: str | None = None  # the last ended job whose driver log is already kept in S3
+    created: dt.datetime | None = None  # the run's creationTimestamp; None: now (goodput counts from there)
+    instance_hour_price: float | None = None  # USD per instance-hour of its type, if the platform set one
 
 
 @dataclass(frozen=True)
@@ -273,7 +275,7 @@ class _Pass:
     """One reconcile pass: the new status under construction and the actions decided so far."""
 
     def __init__(self, spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> None:
-        self.spec, self.obs = spec, obs
+        self.spec, self.obs, self.old = spec, obs, status
         self.new = status.model_copy(deep=True)
         self.new.observed_generation = obs.generation
         self.decision = Decision(status=self.new)
@@ -529,6 +531,11 @@ class _Pass:
             self.decide()
         self.absorb_pods_image()
         self.absorb_record()
+        obs = self.obs
+        created = obs.created or obs.now
+        self.new.goodput = goodput.account(
+            self.spec, self.old, self.new, obs.progress, obs.now, created, obs.instance_hour_price
+        )
         return self.decision
 
     def decide(self) -> None:

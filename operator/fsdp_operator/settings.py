@@ -103,6 +103,12 @@ class Settings(BaseSettings):
         description="Runs of one namespace that may hold a cluster at once; more wait in Pending "
         "(NamespaceRunLimit). 0: no limit.",
     )
+    instance_hour_prices: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="USD per instance-hour by instance type (JSON object), what the platform charges for a "
+        "node (on-demand, spot or internal rate): runs report their cost (status.goodput.costUsd); a type "
+        "not named: no cost.",
+    )
     s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="s3:// prefixes every namespace's runs may read and write, comma-separated; "

@@ -27,6 +27,10 @@ SMALL = {
 }
 
 
+# The price of the demo's instance type (us-west-2 on demand, 2026), so that runs show a cost.
+DEMO_PRICES = {"g6.12xlarge": 4.6016}
+
+
 def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:
     """The operator as the demo runs it: jobs to the local Ray head, on CPU, S3 on loopback."""
     return {
@@ -35,6 +39,7 @@ def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:
         "FSDP_OPERATOR_DASHBOARD_TOKEN": local_cluster.env["FSDP_LOCAL_RAY_TOKEN"],
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
+        "FSDP_OPERATOR_INSTANCE_HOUR_PRICES": json.dumps(DEMO_PRICES),
     }
 
 

@@ -204,7 +204,16 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     resumed = restart["resumedFromStep"]
     assert set(range(resumed + 2, 41, 2)) <= logged <= set(range(2, 41, 2)), sorted(logged)
     assert {t["key"]: t["value"] for t in tracked["data"]["tags"]}["fsdp.training.dev/attempt"] == "2"
-    assert status["record"]["mlflowRun"]["url"] in trainingrun("describe", name, "-n", namespace)
+    described = trainingrun("describe", name, "-n", namespace)
+    assert status["record"]["mlflowRun"]["url"] in described
+    # Goodput: the run's wall time to the second, by category; the restart's time and the steps it redid are
+    # not training; the cost at the operator's price for the instance type (lifecycle_env).
+    goodput = status["goodput"]
+    wall = seconds_between(run["metadata"]["creationTimestamp"], status["completionTime"])
+    assert sum(goodput["seconds"].values()) == wall and goodput["accountedUntil"] == status["completionTime"]
+    assert goodput["seconds"]["training"] > 0 and goodput["seconds"]["lostToRestarts"] > 0, goodput
+    assert 0 < goodput["fraction"] < 1 and goodput["costUsd"] > 0 and goodput["progressPercent"] == 100.0
+    assert "Goodput:" in described and "lostToRestarts" in described
     reliability.record(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",

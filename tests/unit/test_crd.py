@@ -78,7 +78,16 @@ def test_printer_columns_give_the_daily_view() -> None:
     normal = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     wide = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority")]
     assert normal == ["Phase", "Step", "Loss", "Last Checkpoint", "Restarts", "Age", "Message"]
-    assert wide == ["Image Digest", "Ray Cluster", "Transport"]
+    assert wide == [
+        "Image Digest",
+        "Ray Cluster",
+        "Transport",
+        "Progress %",
+        "ETA",
+        "Goodput",
+        "GPU-h",
+        "Cost USD",
+    ]
     assert "trainingruns" in crd.crd_manifest()["spec"]["names"]["shortNames"]
 
 

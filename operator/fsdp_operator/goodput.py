@@ -1,0 +1,134 @@
+"""Goodput: where a run's wall time and the GPU-hours it held went, and what they cost.
+
+Pure. Each pass that writes the status (and at least once a minute while the run is not finished) charges
+the time since `accountedUntil` to the category the status it read was in: the run was in that state since
+the last write. So the categories add up, to the second, to the time from the run's creation to
+`accountedUntil` (its completion once finished). Two moves between categories follow the trainer's record:
+a new checkpoint's blocking time leaves training for checkpoint stall, and a restart moves the steps it will
+redo (those after the checkpoint it resumes from) from training to lost to restarts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from fsdp_operator import api, instancetypes
+from fsdp_trainer.contract import ProgressRecord
+
+# The longest the status's figures lag while nothing else in it changes (one status write a minute).
+REFRESH_SECONDS = 60
+
+
+def category(status: api.FSDPTrainingRunStatus) -> str | None:
+    """The category the run's time goes to while its status is this one; None once it is finished."""
+    phase = status.phase
+    if phase in api.FINISHED_PHASES:
+        return None
+    if phase in (None, api.Phase.PENDING, api.Phase.QUEUED):
+        return "queued"
+    if phase == api.Phase.SUSPENDED:
+        return "idle"
+    if phase == api.Phase.RESTARTING:
+        return "lost_to_restarts"
+    if phase == api.Phase.RUNNING and _attempt_is_training(status):
+        return "training"
+    return "provisioning"  # the cluster starting, the job submitted, the trainer setting up
+
+
+def _attempt_is_training(status: api.FSDPTrainingRunStatus) -> bool:
+    """The current attempt's trainer has reported a step (the progress shown is not the last attempt's)."""
+    progress = status.progress
+    return (
+        progress.stage is None
+        and progress.step is not None
+        and progress.updated_at is not None
+        and (status.attempt_time is None or progress.updated_at >= status.attempt_time)
+    )
+
+
+def account(
+    spec: api.FSDPTrainingRunSpec,
+    old: api.FSDPTrainingRunStatus,
+    new: api.FSDPTrainingRunStatus,
+    progress: ProgressRecord | None,
+    now: dt.datetime,
+    created: dt.datetime,
+    instance_hour_price: float | None,
+) -> api.GoodputStatus:
+    """`new`'s goodput: `old`'s with the time since it was accounted charged, when the status changes anyway
+    or the figures are REFRESH_SECONDS old; else `old`'s unchanged (no status write for it alone)."""
+    kept = old.goodput
+    since = kept.accounted_until or created
+    charged = category(old)
+    changed = new != old  # new still carries old's goodput
+    if charged is None or not (changed or (now - since).total_seconds() >= REFRESH_SECONDS):
+        return kept
+    goodput = kept.model_copy(deep=True)
+    elapsed = max(int((now - since).total_seconds()), 0)
+    seconds = goodput.seconds
+    setattr(seconds, charged, getattr(seconds, charged) + elapsed)
+    if old.phase in api.ACTIVE_PHASES:
+        goodput.worker_seconds_held += elapsed * spec.cluster.workers
+        goodput.gpu_seconds_held += elapsed * spec.cluster.workers * spec.cluster.gpus()
+    step_time = progress.step_time_seconds if progress is not None else None
+    _move_checkpoint_stall(old, new, progress, seconds)
+    if new.phase == api.Phase.RESTARTING and old.phase != api.Phase.RESTARTING and step_time:
+        resumed = new.checkpoints.latest.step if new.checkpoints.latest else 0
+        redone = max((old.progress.step or 0) - resumed, 0) if _attempt_is_training(old) else 0
+        _move(seconds, "training", "lost_to_restarts", round(redone * step_time))
+    goodput.accounted_until = now
+    if progress is not None:
+        goodput.tokens = max(progress.tokens_seen, goodput.tokens)
+    _derive(spec, new, goodput, step_time, now, instance_hour_price)
+    return goodput
+
+
+def _move(seconds: api.GoodputSeconds, source: str, target: str, amount: int) -> None:
+    moved = min(max(amount, 0), getattr(seconds, source))
+    setattr(seconds, source, getattr(seconds, source) - moved)
+    setattr(seconds, target, getattr(seconds, target) + moved)
+
+
+def _move_checkpoint_stall(
+    old: api.FSDPTrainingRunStatus,
+    new: api.FSDPTrainingRunStatus,
+    progress: ProgressRecord | None,
+    seconds: api.GoodputSeconds,
+) -> None:
+    """A checkpoint newer than the last one seen held training up for the trainer's blocked seconds."""
+    before = old.checkpoints.latest.step if old.checkpoints.latest else None
+    latest = new.checkpoints.latest
+    if latest is None or latest.step == before or progress is None or not progress.checkpoint_blocked_seconds:
+        return
+    _move(seconds, "training", "checkpoint_stall", round(progress.checkpoint_blocked_seconds))
+
+
+def _derive(
+    spec: api.FSDPTrainingRunSpec,
+    new: api.FSDPTrainingRunStatus,
+    goodput: api.GoodputStatus,
+    step_time: float | None,
+    now: dt.datetime,
+    instance_hour_price: float | None,
+) -> None:
+    seconds = goodput.seconds
+    held = seconds.provisioning + seconds.training + seconds.checkpoint_stall + seconds.lost_to_restarts
+    goodput.fraction = round(seconds.training / held, 4) if held else None
+    goodput.gpu_hours_held = round(goodput.gpu_seconds_held / 3600, 3)
+    step, max_steps = new.progress.step, new.progress.max_steps
+    goodput.progress_percent = round(100 * step / max_steps, 1) if step is not None and max_steps else None
+    finished = new.phase in api.FINISHED_PHASES
+    goodput.eta = (
+        now + dt.timedelta(seconds=round((max_steps - step) * step_time))
+        if not finished and step_time and step is not None and max_steps and new.phase == api.Phase.RUNNING
+        else None
+    )
+    if instance_hour_price is None:
+        goodput.cost_usd = goodput.cost_per_million_tokens_usd = None
+        return
+    gpus_of_type = instancetypes.of(spec.cluster.instance_type).gpus
+    # A worker pays for the part of its node's GPUs it takes (a whole node by default).
+    share = spec.cluster.gpus() / gpus_of_type if gpus_of_type else 1.0
+    cost = goodput.worker_seconds_held / 3600 * instance_hour_price * share
+    goodput.cost_usd = round(cost, 2)
+    goodput.cost_per_million_tokens_usd = round(cost / goodput.tokens * 1e6, 4) if goodput.tokens else None
