@@ -95,12 +95,8 @@ class Admission:
         shown active by the index): one team cannot take every node of a shared cluster."""
         if not self.max_active_per_namespace:
             return None
-        active = {
-            other["metadata"]["uid"]
-            for other in indexes.all(indexes.runs)
-            if other["metadata"]["namespace"] == run.namespace
-            and (other.get("status") or {}).get("phase") in api.ACTIVE_PHASES
-        }
+        shown = indexes.active_runs.get(run.namespace) if indexes.active_runs is not None else None
+        active = set(shown or ())
         active |= {
             uid
             for uid, (_, competitor) in self._admitted.items()
@@ -115,6 +111,14 @@ class Admission:
             f"namespace {run.namespace} has {len(active)} active runs, the operator's limit per namespace "
             "(max-active-runs-per-namespace); this run starts when one of them ends",
         )
+
+    @staticmethod
+    def active_run(body: Mapping[str, Any]) -> dict[str, str] | None:
+        """The index entry of a run whose status shows it holding a cluster: its namespace's limit counts it
+        (a lookup per admission, where a scan of every run would grow with all teams' runs)."""
+        if (body.get("status") or {}).get("phase") not in api.ACTIVE_PHASES:
+            return None
+        return {body["metadata"]["namespace"]: body["metadata"]["uid"]}
 
     def forget(self, uid: str) -> None:
         with self._lock:

@@ -15,6 +15,7 @@ from typing import Any
 import kopf
 
 from fsdp_operator import actions, api, builder, kopfsession, metrics, preflight
+from fsdp_operator.admission import Admission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, Indexes, Kube
 from fsdp_operator.runpass import reconcile_run
@@ -101,6 +102,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     def runs(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
 
+    @kopf.index(*resource, id="active_runs", registry=registry)
+    def active_runs(body: kopf.Body, **_: Any) -> Any:
+        return Admission.active_run(body)
+
     @kopf.index(*ray_clusters, labels=ours, id="rayclusters", registry=registry)
     def rayclusters(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
@@ -134,6 +139,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
             nodes=kwargs.get("nodes"),
             accelerator_pods=kwargs.get("accelerator_pods"),
             runs=kwargs.get("runs"),
+            active_runs=kwargs.get("active_runs"),
             rayclusters=kwargs.get("rayclusters"),
             ray_pods=kwargs.get("ray_pods"),
         )

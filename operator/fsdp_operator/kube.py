@@ -231,6 +231,7 @@ class Indexes:
     ray_pods: Any  # (namespace, cluster name) -> pod summaries
     nodes: Any = None  # None -> every node
     accelerator_pods: Any = None  # None -> pods bound to a node that request GPUs or EFA (watched namespaces)
+    active_runs: Any = None  # namespace -> uids of its runs whose status shows a cluster held (admission.py)
 
     @staticmethod
     def one(index: Any, key: tuple[str, str]) -> Any | None:

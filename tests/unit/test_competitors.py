@@ -63,10 +63,15 @@ def active(name: str, namespace: str) -> dict[str, Any]:
 
 def test_a_namespace_at_its_limit_of_active_runs_waits_and_others_do_not() -> None:
     limited = Admission(watch_namespaces=[], kube=None, ec2=lambda: None, max_active_per_namespace=2)
-    runs = {("team-a", n): [active(n, "team-a")] for n in ("a1", "a2")} | {
-        ("team-b", "b1"): [active("b1", "team-b")]
-    }
-    indexes = Indexes(runs=runs, rayclusters={}, ray_pods={}, nodes={None: []}, accelerator_pods={})
+    bodies = [active("a1", "team-a"), active("a2", "team-a"), active("b1", "team-b"), run("a0")]  # a0 waits
+    runs = {(b["metadata"]["namespace"], b["metadata"]["name"]): [b] for b in bodies}
+    active_runs: dict[str, list[str]] = {}
+    for body in bodies:  # as kopf builds the index
+        for namespace, uid in (Admission.active_run(body) or {}).items():
+            active_runs.setdefault(namespace, []).append(uid)
+    indexes = Indexes(
+        runs=runs, rayclusters={}, ray_pods={}, nodes={None: []}, accelerator_pods={}, active_runs=active_runs
+    )
     spec = api.FSDPTrainingRunSpec.model_validate(SPEC)
     at_limit = limited.admit(builder.RunRef("a3", "team-a", "uid-a3"), spec, "2026-12-01T00:00:00Z", indexes)
     assert at_limit.reason == "NamespaceRunLimit" and "namespace team-a has 2 active runs" in at_limit.message
