@@ -4,6 +4,7 @@ and the data position. The loop runs on CPU (gloo, a tiny Qwen2): two processes,
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import torch.multiprocessing as multiprocessing
 from pydantic import ValidationError
 
-from fsdp_trainer import data
-from fsdp_trainer.contract import TrainerConfig, TrainingSpec
+from fsdp_trainer import checkpoint, data
+from fsdp_trainer.contract import MANIFEST_FILE, TrainerConfig, TrainingSpec
 from fsdp_trainer.errors import ConfigError
 from tests.harness import free_port
 from tests.unit.test_trainer_setup import config, history, manifests, train
@@ -126,3 +127,44 @@ def test_a_resume_at_another_world_size_keeps_the_global_batch_samples_and_loss(
     # Measured: equal within 1e-15 relative on CPU (gloo, fp32) at both steps.
     for step in (3, 4):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
+
+    # The checkpoint records its batch: a later resume at the world size it was written at keeps 8 a step,
+    # where this world size's own fields give 1 x 2 x 2 = 4.
+    batch_file = next(run.glob("checkpoint_00000004_*")) / checkpoint.GLOBAL_BATCH_FILE
+    assert json.loads(batch_file.read_text()) == {"globalBatchSize": 8}
+    assert again.files[checkpoint.GLOBAL_BATCH_FILE] == batch_file.stat().st_size
+    train(with_training(trainer, max_steps=5), "job-3")
+    [fifth] = [m for m in manifests(run) if m.step == 5]
+    assert fifth.world_size == 1 and fifth.tokens_seen == 5 * 8 * 16
+
+
+def forget_global_batch(checkpoint_dir: Path, **manifest_update: Any) -> None:
+    """Makes a checkpoint look written before checkpoints recorded their global batch."""
+    (checkpoint_dir / checkpoint.GLOBAL_BATCH_FILE).unlink()
+    path = checkpoint_dir / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    del manifest["files"][checkpoint.GLOBAL_BATCH_FILE]
+    manifest.update(manifest_update)
+    path.write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_without_a_recorded_batch_resumes_only_when_its_tokens_show_the_batch(
+    tmp_path: Path,
+) -> None:
+    trainer = config(tmp_path, max_steps=2)  # world size 1, microBatchSize 2: 2 sequences a step
+    train(trainer, "job-1")
+    run = tmp_path / "team-a" / "tiny"
+    [written] = run.glob("checkpoint_00000002_*")
+    forget_global_batch(written)
+    # 2 steps x 2 sequences x 16 tokens: every step had this attempt's batch, so it resumes with it.
+    train(with_training(trainer, max_steps=3), "job-2")
+    assert [m.tokens_seen for m in manifests(run) if m.step == 3] == [3 * 2 * 16]
+
+    # Written at world size 2 (4 sequences a step): this attempt's fields would halve tokens per step.
+    [third] = run.glob("checkpoint_00000003_*")
+    forget_global_batch(third, worldSize=2, tokensSeen=3 * 4 * 16)
+    with pytest.raises(ConfigError, match=r"does not record its global batch.*set training.globalBatchSize"):
+        train(with_training(trainer, max_steps=4), "job-3")
+    train(with_training(trainer, max_steps=4, global_batch_size=4), "job-4")
+    # Step 4 takes 4 sequences (the shards' tokens seen were not faked: 3 x 2 x 16 before it).
+    assert [m.tokens_seen for m in manifests(run) if m.step == 4] == [3 * 2 * 16 + 4 * 16]

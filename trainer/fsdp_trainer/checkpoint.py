@@ -12,6 +12,7 @@ resumption scans storage, and `prune` keeps the newest `keep` complete ones and 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import math
 import os
@@ -44,6 +45,10 @@ from fsdp_trainer.storage import Location, node_local_copy
 log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint_"
+# The global batch (sequences per optimizer step) a checkpoint was trained with, written by rank 0 beside the
+# shards and listed in the manifest's files: a resume keeps it at any world size. A file of its own because
+# CheckpointManifest (contract.py, shared with the operator) forbids fields it does not declare.
+GLOBAL_BATCH_FILE = "global_batch.json"
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
 
@@ -176,6 +181,28 @@ def inspect(location: Location) -> Candidate:
         except ValidationError as error:
             log.warning("invalid manifest in %s: %s", location.uri, error)
     return Candidate(location, manifest, listing)
+
+
+def resumed_global_batch(location: Location, sequence_length: int, unrecorded: int) -> int:
+    """The global batch a complete checkpoint was trained with, as it records it. One written before
+    checkpoints recorded it is resumed with `unrecorded` (the batch this attempt's fields give) only when its
+    tokens seen show that every one of its steps had that batch; otherwise its last batch cannot be known
+    (an average over a resize is no batch), and a ConfigError asks for training.globalBatchSize rather than
+    changing tokens per step silently."""
+    listing = location.list_files()
+    if GLOBAL_BATCH_FILE in listing:
+        return int(json.loads(location.child(GLOBAL_BATCH_FILE).read_text())["globalBatchSize"])
+    manifest = CheckpointManifest.model_validate_json(location.child(MANIFEST_FILE).read_text())
+    if manifest.tokens_seen == manifest.step * sequence_length * unrecorded:
+        return unrecorded
+    average = manifest.tokens_seen / max(manifest.step * sequence_length, 1)
+    raise ConfigError(
+        f"checkpoint {location.uri} does not record its global batch (written before checkpoints did) and "
+        f"its tokens seen ({manifest.tokens_seen} over {manifest.step} steps of sequenceLength "
+        f"{sequence_length}: {average:g} sequences a step on average, written at world size "
+        f"{manifest.world_size}) do not match this attempt's {unrecorded} (world size x microBatchSize x "
+        "gradAccumulation); set training.globalBatchSize to the batch the run trained with"
+    )
 
 
 def complete_oldest_first(candidates: list[Candidate], submission_id: str | None = None) -> list[Candidate]:
@@ -399,10 +426,13 @@ class CheckpointSaver:
         self._staging: Future[Any] | None = None
         self._pending: _BackgroundSave | None = None
 
-    def start(self, app_state: AppState, name: str, loss: float | None) -> float:
+    def start(
+        self, app_state: AppState, name: str, loss: float | None, global_batch: int | None = None
+    ) -> float:
         """Begins a save of the current state and returns the seconds that took (including waiting for the
         previous save). The state is staged in the background: call
-        `wait_for_staging` before anything changes the weights or the optimizer state."""
+        `wait_for_staging` before anything changes the weights or the optimizer state. `global_batch`, the
+        sequences per optimizer step, is recorded for a resume (GLOBAL_BATCH_FILE) when given."""
         started = time.perf_counter()
         self.wait()
         location = self.run.child(name)
@@ -411,6 +441,9 @@ class CheckpointSaver:
         require_disk(write_dir, staged_bytes(state) * self.ranks_per_node + DISK_RESERVE_BYTES)
         os.makedirs(write_dir, exist_ok=True)
         save_rng(write_dir, self.rank)
+        if self.rank == 0 and global_batch is not None:
+            with open(os.path.join(write_dir, GLOBAL_BATCH_FILE), "w") as batch_file:
+                json.dump({"globalBatchSize": global_batch}, batch_file)
         train = app_state.train
         manifest = CheckpointManifest(
             run_name=self.identity.run_name,

@@ -90,12 +90,15 @@ class CheckpointManager:
     def due(self, step: int) -> bool:
         return step % self.config.checkpoint.every_steps == 0 or step == self.config.training.max_steps
 
-    def save(self, app_state: checkpoint.AppState, attempt_id: str, loss: float | None) -> None:
-        """Starts saving the current state; its staging runs on while the next step's forward and backward
-        do, until `staging_done`."""
+    def save(
+        self, app_state: checkpoint.AppState, attempt_id: str, loss: float | None, global_batch: int
+    ) -> None:
+        """Starts saving the current state, trained with `global_batch` sequences per step; its staging runs
+        on while the next step's forward and backward do, until `staging_done`."""
         step = app_state.train.step
         self._saving_step = step
-        self._blocked = self.saver.start(app_state, checkpoint.checkpoint_name(step, attempt_id), loss)
+        name = checkpoint.checkpoint_name(step, attempt_id)
+        self._blocked = self.saver.start(app_state, name, loss, global_batch)
 
     def staging_done(self) -> float | None:
         """Waits until the save in flight (if any) has staged the state, before the weights change; returns

@@ -271,19 +271,23 @@ class Trainer:
 
     def batch_layout(self, resume_from: Location | None) -> data.BatchLayout:
         """This attempt's layout: the global batch is the recipe's (training.globalBatchSize) or, unset, the
-        resumed checkpoint's when it was written at another world size (tokens seen / steps / sequence
-        length), so a resume at any world size keeps tokens per step, the schedule and the data position."""
+        one the resumed checkpoint records (checkpoint.resumed_global_batch), so a resume at any world size
+        keeps tokens per step, the schedule and the data position."""
         runtime, training = self.runtime, self.config.training
         checkpoint_global_batch: int | None = None
         if resume_from is not None and training.global_batch_size is None:
             found: int | None = None
+            refusal: str | None = None
             if runtime.is_main:
-                manifest = checkpoint.inspect(resume_from).manifest
-                if manifest is not None and manifest.world_size != runtime.world_size and manifest.step > 0:
-                    found, rest = divmod(manifest.tokens_seen, manifest.step * training.sequence_length)
-                    if rest or not found:
-                        found = None
-            checkpoint_global_batch = distributed.broadcast(found)
+                unrecorded = runtime.world_size * training.micro_batch_size * training.grad_accumulation
+                try:
+                    found = checkpoint.resumed_global_batch(resume_from, training.sequence_length, unrecorded)
+                except ConfigError as error:
+                    refusal = str(error)
+            # Every rank leaves together: rank 0's refusal fails them all.
+            checkpoint_global_batch, refusal = distributed.broadcast((found, refusal))
+            if refusal is not None:
+                raise ConfigError(refusal)
         try:
             accumulation = training.accumulation_for(runtime.world_size, checkpoint_global_batch)
         except ValueError as error:
@@ -340,7 +344,12 @@ class Trainer:
                     metrics.evaluated(session.validator.validate(session.lm, step), step)
                 save_pending = save_pending or checkpoints.due(step)
                 if save_pending and applied:
-                    checkpoints.save(session.app_state, session.attempt_id, metrics.last_loss)
+                    checkpoints.save(
+                        session.app_state,
+                        session.attempt_id,
+                        metrics.last_loss,
+                        session.batches.layout.samples_per_step,
+                    )
                     save_pending = False
 
     def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor, bool]:
