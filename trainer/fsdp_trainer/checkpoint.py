@@ -126,6 +126,20 @@ class AppState(Stateful):
 # RNG: per rank, outside DCP, because a different world size has different ranks
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """A rank's own seed from the run's: ranks draw different streams (dropout masks), the same in every run
+    with this seed."""
+    return seed * 100_003 + rank
+
+
+def seed_generators(value: int) -> None:
+    """Seeds the generators training draws from: torch's (the CPU's and every CUDA device's) and Python's.
+    numpy's global generator is not seeded: the trainer draws only from generators seeded where they are
+    made (np.random.default_rng([seed, ...]))."""
+    torch.manual_seed(value)
+    random.seed(value)
+
+
 def _rng_file(rank: int) -> str:
     return f"rng_rank{rank:05d}.pt"
 
@@ -142,8 +156,7 @@ def load_rng(directory: str, rank: int, reseed: int) -> bool:
     fewer workers), seeds them from `reseed` instead and says so."""
     path = os.path.join(directory, _rng_file(rank))
     if not os.path.exists(path):
-        torch.manual_seed(reseed)
-        random.seed(reseed)
+        seed_generators(reseed)
         return False
     state = torch.load(path, weights_only=True)
     torch.set_rng_state(state["torch"])

@@ -78,7 +78,7 @@ class CheckpointManager:
     def load(self, app_state: checkpoint.AppState, chosen: Location) -> int:
         """Loads `chosen` into the state; returns the step it was saved at."""
         runtime = self.runtime
-        reseed = self.config.training.seed * 100_003 + runtime.rank
+        reseed = checkpoint.rank_seed(self.config.training.seed, runtime.rank)
         had_rng = checkpoint.load(chosen, app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier)
         if not had_rng:
             log.warning(

@@ -228,6 +228,10 @@ class Trainer:
             barrier,
             config.fsdp.cpu_offload,
         )
+        # Each rank's own stream from the run's seed, whatever setup drew before (the initialisation draws the
+        # same stream on every rank on CUDA, a loaded model none): dropout is reproducible and differs between
+        # ranks. A resumed run then continues the checkpoint's streams.
+        checkpoint.seed_generators(checkpoint.rank_seed(training.seed, runtime.rank))
         optimizer = optim.build_optimizer(lm, training)
         scheduler = optim.build_scheduler(optimizer, training)
         batches = data.BatchLoader(datasets.train, layout, runtime.rank, runtime.device)
