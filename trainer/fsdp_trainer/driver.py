@@ -12,7 +12,7 @@ from fsdp_trainer.launch import LoopInput, ray_train_worker
 from fsdp_trainer.progress import read_progress, utc_now
 from fsdp_trainer.shards import source_shards
 from fsdp_trainer.storage import Location
-from fsdp_trainer.transport import worker_env
+from fsdp_trainer.transport import allocator_env, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +24,7 @@ def worker_environment(config: TrainerConfig) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV_PREFIX)}
     if config.gpus_per_worker > 0:
         env.update(worker_env(config.network, config.run_name))
+        env.update(allocator_env())  # these env_vars override the job's, so only where the job has none
     return env
 
 

@@ -60,6 +60,7 @@ def train_loop(config: dict[str, Any]) -> None:
             loop_input.trainer.network, loop_input.trainer.run_name
         ).items():
             os.environ.setdefault(key, value)
+        os.environ.update(transport.allocator_env())  # before distributed.start initialises CUDA
         socket_interface = transport.choose_socket_interface()  # on the worker: its own pod's interfaces
     runtime = distributed.start(use_gpu=use_gpu)
     run = Location.parse(loop_input.trainer.run_uri())

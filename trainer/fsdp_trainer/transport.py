@@ -169,6 +169,17 @@ def worker_env(network: NetworkSpec, run_name: str) -> dict[str, str]:
     return env
 
 
+CUDA_ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def allocator_env() -> dict[str, str]:
+    """The CUDA caching allocator's settings for GPU workers, read once as CUDA initialises: expandable
+    segments (as torchtitan's launcher sets), which grow a segment in place rather than cache fixed-size
+    blocks, so memory freed as shapes change is not stranded as fragments. Nothing when this process's
+    environment (the run's: the job's runtime env) sets the variable: the user's value is never replaced."""
+    return {} if CUDA_ALLOC_CONF in os.environ else {CUDA_ALLOC_CONF: "expandable_segments:True"}
+
+
 SOCKET_INTERFACE = "eth0"  # the pod's VPC interface; AWS's EKS manifests set NCCL_SOCKET_IFNAME to it
 NET_DEVICES = "/sys/class/net"
 
