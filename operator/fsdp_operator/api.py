@@ -11,7 +11,7 @@ import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from fsdp_operator import instancetypes, localdisk
 from fsdp_trainer.contract import (
@@ -165,7 +165,29 @@ class HeadSpec(ContractModel):
 
 
 class ClusterSpec(ContractModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                {
+                    "rule": "!has(self.minWorkers) || self.minWorkers <= self.workers",
+                    "message": "spec.cluster.minWorkers cannot be more than spec.cluster.workers",
+                    "fieldPath": ".minWorkers",
+                }
+            ]
+        }
+    )
+
     workers: int = Field(default=2, ge=1, le=1024, description="Ray worker pods, one per GPU node.")
+    min_workers: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Elastic training: the fewest workers an attempt may train on. When a node is lost (spot "
+        "reclaimed, a failed node) or capacity is short, the run trains on what there is, between this and "
+        "`workers`, with the same global batch (training.globalBatchSize), and grows back when nodes return "
+        "(Ray Train's elastic scaling: a resize resumes from the latest checkpoint). Default: `workers` (no "
+        "elasticity).",
+    )
     gpus_per_worker: int | None = Field(
         default=None,
         ge=1,
@@ -256,6 +278,14 @@ class ClusterSpec(ContractModel):
         description="Kueue WorkloadPriorityClass (label kueue.x-k8s.io/priority-class): the priority Kueue "
         "queues and preempts by, without a Kubernetes PriorityClass on the pods.",
     )
+
+    @model_validator(mode="after")
+    def _min_workers_within_workers(self) -> ClusterSpec:
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(
+                f"cluster.minWorkers {self.min_workers} is more than cluster.workers {self.workers}"
+            )
+        return self
 
     def gpus(self) -> int:
         """GPUs per worker: as set, or every GPU of the instance type."""
@@ -548,6 +578,11 @@ class ProgressStatus(ContractModel):
     eval_perplexity: float | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
+    world_size: int | None = Field(
+        default=None,
+        description="Training processes of the latest step (workers x GPUs per worker; fewer while an "
+        "elastic run trains on fewer nodes than cluster.workers).",
+    )
     non_finite_steps: int | None = Field(
         default=None,
         description="Optimizer steps this attempt skipped for a non-finite loss or gradient norm "

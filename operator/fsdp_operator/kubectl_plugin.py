@@ -236,7 +236,8 @@ def describe(run: dict[str, Any]) -> str:
         f"{_number(transport.get('busBandwidthGbps'), '.2f')} GB/s",
         f"Progress:      step {progress.get('step', '-')}/{progress.get('maxSteps', '-')}  "
         f"loss {_number(progress.get('loss'))}  eval loss {_number(progress.get('evalLoss'))}  "
-        f"{_number(rate, ',.0f')} tok/s  MFU {_number(progress.get('mfu'), '.1%')}",
+        f"{_number(rate, ',.0f')} tok/s  MFU {_number(progress.get('mfu'), '.1%')}  "
+        f"world size {progress.get('worldSize', '-')}",
         f"Checkpoints:   {len(checkpoints.get('recent') or [])} recent",
     ]
     lines += [f"  step {c['step']:>6}  {c['time']}  {c['uri']}" for c in checkpoints.get("recent") or []]
@@ -244,9 +245,11 @@ def describe(run: dict[str, Any]) -> str:
     lines.append(f"Restarts:      {restarts.get('count', 0)}  preemptions {restarts.get('preemptions', 0)}")
     for entry in restarts.get("history") or []:
         resumed = entry.get("resumedFromStep")
+        size = entry.get("worldSize")
         lines.append(
             f"  {entry['time']}  {entry['reason']}  resumed from step {'-' if resumed is None else resumed}"
-            f"  {entry.get('message', '')}".rstrip()
+            + (f"  (ran at world size {size})" if size else "")
+            + f"  {entry.get('message', '')}".rstrip()
         )
     failing = [c for c in status.get("conditions") or [] if c["type"] in ("Failed", "TransportDegraded")]
     lines += [

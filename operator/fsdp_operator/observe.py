@@ -24,6 +24,7 @@ from fsdp_operator.reconcile import (
     job_to_observe,
     needs_workload,
     observe_cluster,
+    ready_for_elastic,
 )
 from fsdp_operator.records import RecordTooLarge
 from fsdp_trainer.contract import CheckpointRef, TrainerConfig
@@ -49,6 +50,9 @@ def observe(
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     cluster_name = builder.ray_cluster_name(run.name)
     cluster = observe_raycluster(ctx, run, spec, status, indexes)
+    pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
+    if cluster is not None:
+        cluster = ready_for_elastic(cluster, spec, sum(1 for p in pods if not p["head"] and p.get("ready")))
     workload = observe_kueue_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     job, dashboard_error = None, None
@@ -74,7 +78,6 @@ def observe(
             storage_error, storage_error_reason = str(error)[:1000], RecordTooLarge.reason
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
-    pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
     scheduling = observe_scheduling(ctx, run.namespace, pods, cluster)
     memory = ctx.runs.of(run.uid)
     return Observation(

@@ -498,6 +498,18 @@ def check_nodes(
             zone=best,
             capacity_by_zone=dict(capacity),
         )
+    # Elastic: enough for the fewest workers it trains on; the other workers' pods wait for nodes, and
+    # Ray Train grows onto them when they come.
+    fewest = cluster.min_workers or cluster.workers
+    if capacity.get(best, 0) >= fewest:
+        return PreflightResult(
+            True,
+            "ElasticCapacityAvailable",
+            f"{capacity[best]} of {wanted} fit in zone {best}, at least cluster.minWorkers {fewest}: "
+            "training starts on those and grows when more nodes are free",
+            zone=best,
+            capacity_by_zone=dict(capacity),
+        )
     total = sum(capacity.values())
     if total >= cluster.workers and not cluster.zone:
         return PreflightResult(

@@ -25,6 +25,7 @@ status field is set here, from the observation: the glue only writes what this r
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import math
 import re
@@ -86,6 +87,7 @@ class ClusterObservation:
     suspended: bool = False  # spec.suspend: Kueue has not admitted it, or took the admission back
     zone: str | None = None  # the workers' zone as their node selector pins it (Kueue's flavor, or ours)
     replica_failure: str | None = None  # KubeRay could not create or delete a pod (its ReplicaFailure)
+    head_ready: bool = False  # KubeRay's HeadPodReady
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,31 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         suspended=suspended,
         zone=zones.pop() if len(zones) == 1 else None,
         replica_failure=_replica_failure(failure) if failure.get("status") == "True" else None,
+        head_ready=head_ready,
+    )
+
+
+def ready_for_elastic(
+    cluster: ClusterObservation, spec: FSDPTrainingRunSpec, ready_workers: int
+) -> ClusterObservation:
+    """An elastic run's cluster is ready for a job once its head is and cluster.minWorkers workers are:
+    KubeRay's RayClusterProvisioned waits for every pod, and the others may wait hours for nodes (Ray Train
+    grows onto them when they come)."""
+    fewest, workers = spec.cluster.min_workers, spec.cluster.workers
+    if (
+        cluster.ready
+        or fewest is None
+        or fewest >= workers
+        or not cluster.head_ready
+        or cluster.deleting
+        or cluster.suspended
+        or ready_workers < fewest
+    ):
+        return cluster
+    return dataclasses.replace(
+        cluster,
+        ready=True,
+        message=f"the head and {ready_workers} of {workers} workers are ready (cluster.minWorkers {fewest})",
     )
 
 
@@ -338,9 +365,11 @@ class _Pass:
                 eval_perplexity=_round(progress.eval_perplexity, 2),
                 tokens_per_second=_round(progress.tokens_per_second, 1),
                 mfu=_round(progress.mfu, 4),
+                world_size=_count(progress.world_size),
                 non_finite_steps=_count(progress.non_finite_steps) or None,
                 updated_at=progress.updated_at,
             )
+            self.absorb_resize(new.progress.world_size)
             new.record.versions = bounded_versions(progress.versions)
             new.record.exported_model_uri = (
                 _whole(progress.exported_model_uri, MAX_TRAINER_URI) or new.record.exported_model_uri
@@ -352,6 +381,33 @@ class _Pass:
             new.checkpoints.recent = list(reversed(obs.checkpoints[-RECENT_CHECKPOINTS:]))
         if obs.storage_read:
             self.absorb_storage()
+
+    def absorb_resize(self, world_size: int | None) -> None:
+        """An elastic run's attempt that Ray Train resized (a node lost, or back): a history entry with the
+        size it ran at until then. Not a restart: nothing is counted against maxRestarts."""
+        before, progress = self.old.progress, self.obs.progress
+        if (
+            progress is None
+            or progress.phase != "training"
+            or world_size is None
+            or before.world_size is None
+            or world_size == before.world_size
+            or progress.submission_id != self.new.job_submission_id
+            or before.updated_at is None
+            or self.new.attempt_time is None
+            or before.updated_at < self.new.attempt_time  # the size shown was the previous attempt's
+        ):
+            return
+        message = f"Ray Train resized the workers from {before.world_size} to {world_size} training processes"
+        entry = RestartEntry(
+            time=self.obs.now,
+            reason="Resized",
+            message=message,
+            resumed_from_step=progress.resumed_from_step,
+            world_size=before.world_size,
+        )
+        self.new.restarts.history = [*self.new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
+        self.event(False, "Resized", message)
 
     def absorb_storage(self) -> None:
         error = self.obs.storage_error
@@ -511,7 +567,11 @@ class _Pass:
             )
             self.event(True, "Preempted", why)
         entry = RestartEntry(
-            time=self.obs.now, reason=reason, message=conditions.bounded(why), resumed_from_step=resumed
+            time=self.obs.now,
+            reason=reason,
+            message=conditions.bounded(why),
+            resumed_from_step=resumed,
+            world_size=new.progress.world_size,
         )
         new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
         new.next_check_time = self.obs.now + dt.timedelta(seconds=delay)

@@ -34,6 +34,7 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         run_name=run.name,
         namespace=run.namespace,
         workers=spec.cluster.workers,
+        min_workers=spec.cluster.min_workers,
         gpus_per_worker=0 if cpu_only else spec.cluster.gpus(),
         max_failures=spec.recovery.in_job_max_failures,
         model=spec.model,

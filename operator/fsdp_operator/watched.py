@@ -103,9 +103,13 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         unschedulable = f"pod {name}: {condition.get('message', '')}".strip()
         if head:  # unless an autoscaler is adding a node for it (observe.py reads its events)
             problems.append(("HeadUnschedulable", unschedulable))
+    ready = any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status_of.get("conditions") or []
+    )
     return {
         "name": name,
         "head": head,
+        "ready": ready,
         "imageIds": image_ids,
         "problems": problems,
         "oomKills": oom_kills,

@@ -357,6 +357,104 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     assert_in_sync(namespace, manifest)
 
 
+def set_node_gpus(node: RealNode, gpus: int) -> None:
+    """The real node's fake GPU capacity, as a device plugin would report it, once allocatable shows it."""
+    patch = {"status": {"capacity": {"nvidia.com/gpu": str(gpus)}}}
+    kubectl("patch", "node", node.name, "--subresource", "status", "--type", "merge", "-p", json.dumps(patch))
+    wait_until(
+        f"the real node's allocatable GPUs at {gpus}",
+        lambda: (
+            kubectl_json("get", "node", node.name)["status"]["allocatable"].get("nvidia.com/gpu") == str(gpus)
+        ),
+        timeout=60,
+    )
+
+
+def world_size_of(namespace: str, run: str) -> int | None:
+    return (run_of(namespace, run).get("status", {}).get("progress") or {}).get("worldSize")
+
+
+def losses_by_step(s3: Any, namespace: str, run: str) -> dict[int, list[float]]:
+    """Every loss the trainer's metric histories hold, by step (a step redone after a resize twice)."""
+    prefix = f"runs/{namespace}/{run}/metrics/"
+    found: dict[int, list[float]] = {}
+    for item in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []):
+        for line in s3.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read().decode().splitlines():
+            record = ProgressRecord.model_validate_json(line)
+            if record.loss is not None and record.phase == "training":
+                found.setdefault(record.step, []).append(record.loss)
+    return found
+
+
+@pytest.mark.timeout(1500)
+def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_back_when_it_returns(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, s3: Any, reliability: Recorder
+) -> None:
+    """cluster.minWorkers 1 of 2: a worker pod lost while the node has GPUs for one worker only (as a spot
+    reclaim of a node whose group cannot grow) leaves its replacement Pending; Ray Train goes on with one
+    worker, from the latest checkpoint, with the same global batch. The GPUs back, the replacement starts and
+    Ray Train grows back to two. No restart of the run is spent; the history says at which size it ran."""
+    every = 10
+    manifest = real_pods_run(
+        namespace,
+        **{
+            "cluster.minWorkers": 1,
+            "training.maxSteps": 200,
+            "training.globalBatchSize": 8,  # two workers x microBatchSize 4; one worker accumulates two
+            "checkpoint.everySteps": every,
+            "recovery.inJobMaxFailures": 2,
+        },
+    )
+    run = manifest["metadata"]["name"]
+    try:
+        wait_until(
+            "the run past its first checkpoint on two workers",
+            lambda: step_of(namespace, run) >= every + 2 and world_size_of(namespace, run) == 2,
+            timeout=RUN_TIMEOUT,
+        )
+        set_node_gpus(real_node, 4)  # one worker's: the one still running holds them
+        lost = next(p for p in pods_of(namespace, run) if node_type(p) == "worker")
+        lost_at = dt.datetime.now(dt.UTC)
+        kubectl("delete", "pod", "-n", namespace, lost["metadata"]["name"], "--wait=false")
+        wait_until("training on one worker", lambda: world_size_of(namespace, run) == 1, timeout=600)
+        shrunk_at = step_of(namespace, run)
+        wait_until("steps on one worker", lambda: step_of(namespace, run) >= shrunk_at + 4, timeout=300)
+        pending = [
+            p
+            for p in pods_of(namespace, run)
+            if node_type(p) == "worker" and p["status"].get("phase") == "Pending"
+        ]
+        assert pending, "the lost worker's replacement should wait for GPUs"
+        set_node_gpus(real_node, 8)
+        wait_until("training on two workers again", lambda: world_size_of(namespace, run) == 2, timeout=600)
+    finally:
+        set_node_gpus(real_node, 8)
+    finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
+    status = finished["status"]
+    assert status["restarts"]["count"] == 0 and status["attempt"] == 1, status["restarts"]
+    resizes = [e for e in status["restarts"]["history"] if e["reason"] == "Resized"]
+    assert [e["worldSize"] for e in resizes] == [2, 1], resizes
+    for entry in resizes:
+        assert entry["resumedFromStep"] % every == 0, entry
+    # The loss curve goes on across both resizes: the same samples a step at either size, resumed from
+    # the checkpoint (the trainer's own test shows a resume on one process equal to two within 1e-4).
+    losses = losses_by_step(s3, namespace, run)
+    for entry in resizes:
+        resumed = entry["resumedFromStep"]
+        after = min(step for step in losses if step > resumed)
+        before = max(step for step in losses if step <= resumed)
+        assert losses[after][-1] < 1.25 * losses[before][0], (entry, losses[before], losses[after])
+    assert losses[200][-1] < losses[min(losses)][0]
+    reliability.record(
+        "A worker pod of an elastic run (minWorkers 1 of 2) lost while the node has GPUs for one worker; the "
+        "GPUs back later",
+        "Ray Train goes on with one worker from the latest checkpoint, then grows back to two; no restart "
+        "spent",
+        f"one worker {seconds_between(lost_at, resizes[0]['time']):.0f} s after the loss (resumed from step "
+        f"{resizes[0]['resumedFromStep']}); two again from step {resizes[1]['resumedFromStep']}",
+    )
+
+
 def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:

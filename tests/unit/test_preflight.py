@@ -248,3 +248,13 @@ def test_a_worker_too_large_for_the_nodes_of_the_zone_it_names_is_refused_whatev
     assert result.reason == preflight.WORKER_FITS_NO_NODE, result
     assert "no g6.12xlarge node in us-west-2c can take one worker" in result.message
     assert admit_alone(spec(), [small, large], []).reason != preflight.WORKER_FITS_NO_NODE
+
+
+def test_an_elastic_run_is_admitted_on_its_fewest_workers_when_that_is_all_a_zone_has() -> None:
+    """Three workers fit no zone (two each); with minWorkers 2 the run starts on two in one zone."""
+    rigid = check(spec(workers=3, zone="us-west-2a"), NODES, [])
+    assert rigid.reason == "InsufficientCapacity"
+    elastic = check(spec(workers=3, minWorkers=2, zone="us-west-2a"), NODES, [])
+    assert elastic.ok and elastic.reason == "ElasticCapacityAvailable" and elastic.zone == "us-west-2a"
+    assert "2 of 3 x (4 GPU, 1 EFA) fit in zone us-west-2a" in elastic.message
+    assert check(spec(workers=3, minWorkers=3, zone="us-west-2a"), NODES, []).reason == "InsufficientCapacity"

@@ -385,6 +385,13 @@ class TrainerConfig(ContractModel):
         "prefix.",
     )
     workers: int = Field(default=1, ge=1, description="Ray Train workers (one per node).")
+    min_workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="Elastic: the fewest workers (nodes) an attempt trains on; Ray Train starts and restarts "
+        "on what the cluster has between this and `workers`, and grows back when nodes return. None: "
+        "exactly `workers`.",
+    )
     gpus_per_worker: int = Field(
         default=0, ge=0, description="GPUs per worker; one training process per GPU. 0 trains on CPU (gloo)."
     )
@@ -574,6 +581,9 @@ class RestartEntry(ContractModel):
     reason: str
     message: str = ""
     resumed_from_step: int | None = None
+    world_size: int | None = Field(
+        default=None, description="The training processes of the attempt (or stretch of one) that ended here."
+    )
 
 
 class RunRecord(ContractModel):

@@ -45,8 +45,8 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         ray.init()  # RAY_ADDRESS (set inside a Ray job) or a local Ray
     gpu = config.gpus_per_worker > 0
     scaling = ScalingConfig(
-        # One Ray Train worker per GPU is Ray Train's layout: each worker process drives one device.
-        num_workers=config.workers * config.gpus_per_worker if gpu else config.workers,
+        # mypy resolves Ray's V1 ScalingConfig; Train V2's takes a (min, max) range.
+        num_workers=scaling_workers(config),  # type: ignore[arg-type]
         use_gpu=gpu,
         resources_per_worker=None if gpu else {"CPU": config.cpus_per_worker},
     )
@@ -76,6 +76,17 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         log.error("training failed (%s): %s", kind, error)
         return 1
     return 0
+
+
+def scaling_workers(config: TrainerConfig) -> int | tuple[int, int]:
+    """Ray Train's num_workers: one worker per GPU (each worker process drives one device), or per CPU
+    worker. With min_workers, Ray Train's elastic range: it starts on what the cluster has between the two
+    and resizes the group (resuming from the latest checkpoint) when nodes go or come back."""
+    per_node = max(config.gpus_per_worker, 1)
+    most = config.workers * per_node
+    if config.min_workers is None or config.min_workers >= config.workers:
+        return most
+    return (config.min_workers * per_node, most)
 
 
 def check_data(config: TrainerConfig) -> None:

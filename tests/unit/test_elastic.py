@@ -1,0 +1,115 @@
+"""Elastic runs (cluster.minWorkers): the spec's bound, what the trainer is told, and the history of sizes."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from fsdp_operator import api, submission
+from fsdp_operator.builder import RunRef
+from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_operator.runpass import RefusedSpec, parse
+from fsdp_trainer.contract import ProgressRecord
+
+NOW = dt.datetime(2026, 12, 4, 12, 0, tzinfo=dt.UTC)
+SPEC: dict[str, Any] = {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}}
+
+
+def spec(**cluster: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate({**SPEC, "cluster": cluster})
+
+
+def test_min_workers_above_workers_is_refused_naming_both_fields() -> None:
+    with pytest.raises(ValidationError, match=r"cluster\.minWorkers 3 is more than cluster\.workers 2"):
+        spec(workers=2, minWorkers=3)
+    with pytest.raises(RefusedSpec, match=r"spec\.cluster: .*minWorkers 3 is more than cluster\.workers 2"):
+        parse({}, {"spec": {**SPEC, "cluster": {"workers": 2, "minWorkers": 3}}})
+
+
+def test_the_trainer_is_told_the_elastic_range() -> None:
+    run = RunRef("r", "team-a", "uid-r")
+    config = submission.trainer_config(spec(workers=4, minWorkers=2), run, cpu_only=False)
+    assert (config.workers, config.min_workers) == (4, 2)
+    assert submission.trainer_config(spec(workers=4), run, cpu_only=False).min_workers is None
+
+
+def running(world_size: int, updated: dt.datetime) -> api.FSDPTrainingRunStatus:
+    return api.FSDPTrainingRunStatus(
+        phase=api.Phase.RUNNING,
+        attempt=1,
+        attempt_time=NOW - dt.timedelta(minutes=10),
+        job_submission_id="run-1",
+        progress=api.ProgressStatus(step=30, world_size=world_size, updated_at=updated),
+    )
+
+
+def pass_seeing(status: api.FSDPTrainingRunStatus, world_size: int) -> api.FSDPTrainingRunStatus:
+    progress = ProgressRecord(
+        run_name="r",
+        phase="training",
+        submission_id="run-1",
+        step=31,
+        max_steps=100,
+        world_size=world_size,
+        resumed_from_step=30,
+        updated_at=NOW,
+    )
+    observation = Observation(
+        now=NOW,
+        generation=1,
+        cluster=ClusterObservation(ready=True, message=""),
+        progress=progress,
+        storage_read=True,
+    )
+    return reconcile(spec(workers=2, minWorkers=1), status, observation).status
+
+
+def test_a_resize_within_an_attempt_is_in_the_history_with_the_size_it_ran_at_and_costs_no_restart() -> None:
+    shrunk = pass_seeing(running(8, NOW - dt.timedelta(minutes=1)), world_size=4)
+    [entry] = shrunk.restarts.history
+    assert (entry.reason, entry.world_size, entry.resumed_from_step) == ("Resized", 8, 30)
+    assert "from 8 to 4 training processes" in entry.message and shrunk.restarts.count == 0
+    assert shrunk.progress.world_size == 4
+    # The same size again: nothing new. The size shown being the previous attempt's: nothing either.
+    assert pass_seeing(shrunk, world_size=4).restarts.history == [entry]
+    stale = running(8, NOW - dt.timedelta(minutes=20))
+    assert pass_seeing(stale, world_size=4).restarts.history == []
+
+
+HEAD_ONLY = {
+    "status": {
+        "conditions": [
+            {"type": "HeadPodReady", "status": "True"},
+            {"type": "RayClusterProvisioned", "status": "False"},
+        ]
+    }
+}
+
+
+def test_an_elastic_cluster_is_ready_for_a_job_with_its_head_and_min_workers_ready() -> None:
+    """KubeRay's RayClusterProvisioned waits for every worker; a worker waiting for a node does not hold
+    an elastic run (minWorkers 1 of 2) out of training."""
+    from fsdp_operator.reconcile import observe_cluster, ready_for_elastic
+
+    cluster = observe_cluster(HEAD_ONLY)
+    assert not cluster.ready and cluster.head_ready
+    ready = ready_for_elastic(cluster, spec(workers=2, minWorkers=1), ready_workers=1)
+    assert ready.ready and "the head and 1 of 2 workers are ready" in ready.message
+    assert not ready_for_elastic(cluster, spec(workers=2, minWorkers=1), ready_workers=0).ready
+    assert not ready_for_elastic(cluster, spec(workers=2), ready_workers=1).ready  # not elastic
+    assert not ready_for_elastic(cluster, spec(workers=2, minWorkers=2), ready_workers=1).ready
+
+
+def test_a_ray_pods_readiness_is_kept_for_the_pass() -> None:
+    from fsdp_operator.watched import pod_summary
+
+    pod = {
+        "metadata": {"name": "w", "labels": {"ray.io/node-type": "worker"}},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]},
+    }
+    assert pod_summary(pod)["ready"] is True
+    pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
+    assert pod_summary(pod)["ready"] is False
