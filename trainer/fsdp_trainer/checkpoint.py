@@ -82,9 +82,12 @@ class AppState(Stateful):
     ) -> None:
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.batches = batches
+        self.tied = tied_names(model)
 
     def state_dict(self) -> dict[str, Any]:
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        for alias in self.tied:  # a tied weight is saved once, under its first name (the optimizer's)
+            model_state.pop(alias, None)
         batches = {} if self.batches is None else self.batches.state_dict()
         return {
             "model": model_state,
@@ -101,10 +104,14 @@ class AppState(Stateful):
             {key: value for key, value in group.items() if key != "params"}
             for group in self.optimizer.param_groups
         ]
+        model_state = dict(state_dict["model"])
+        for alias, name in self.tied.items():  # loaded into the one parameter both names hold
+            if name in model_state:
+                model_state.setdefault(alias, model_state[name])
         set_state_dict(
             self.model,
             self.optimizer,
-            model_state_dict=state_dict["model"],
+            model_state_dict=model_state,
             optim_state_dict=state_dict["optimizer"],
         )
         self.scheduler.load_state_dict(state_dict["scheduler"])
@@ -120,6 +127,19 @@ class AppState(Stateful):
             setattr(self.train, name, train.pop(name))
         if self.batches is not None:
             self.batches.load_state_dict(train)
+
+
+def tied_names(model: torch.nn.Module) -> dict[str, str]:
+    """Each later name of a parameter the model holds under several (a tied output head: Qwen2.5-1.5B's
+    lm_head.weight is model.embed_tokens.weight, 0.93 GB in fp32), mapped to its first name."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases[name] = first[id(parameter)]
+        else:
+            first[id(parameter)] = name
+    return aliases
 
 
 # ----------------------------------------------------------------------------------------------------------
