@@ -1,33 +1,34 @@
-"""GPU benchmark: our per-worker loop against baselines A and B, one after another on one GPU, offline.
+"""GPU benchmark: our per-worker loop against baseline A, one after the other on one GPU, offline.
 
 Baseline A (bench/trainer_baseline.py) is a minimal FSDP2 loop with our parallelisation, optimizer and data
 layout and nothing else (no Ray, no progress records, no checkpoints), so the ratio isolates our overhead.
 Ours and A run a Qwen2.5-1.5B-shaped model initialised from its config, bf16 compute, synthetic tokens,
 sequence 2048, micro-batch 4, `--warmup-steps` steps left out and `--steps` measured, with one host sync per
 step on both sides (our loop logs every step here; baseline A reads its loss). Each is run without and with
-per-block torch.compile; neither uses CUDA graphs.
+per-block torch.compile; neither uses CUDA graphs. torchtitan is not run: the GPU machine has none, and its
+PyPI release (0.3.0) needs a dozen more packages (datasets, wandb, tensorboard, spmd_types, torchdata, ...)
+whose working with that machine's torch (2.11) nothing here can show, while the benchmark has one run there.
 
 Reported per loop: tokens/s/GPU at p10/p50/p90 over the measured steps, MFU against the spec-sheet bf16 peak
 (fsdp_trainer.metrics) and against a bf16 matmul peak measured here, peak memory over the measured steps
 (counter reset after warm-up), and for our loop the seconds its checkpoint at the last step held training
-up (the model, AdamW moments and loop state, ~18.5 GB for this shape, written to local disk only).
+up (the model, AdamW moments and loop state, 18.5-19.5 GB for this shape, written to local disk only).
 "checkpoint_saves" then makes two saves of the same state in a row with CheckpointSaver
 (bench/trainer_checkpoint.py's measurement): the first allocates the pinned staging buffers, the second is
 the steady state, and both are reported with their save-to-durable seconds.
 
-Baseline B is torchtitan's own trainer (PyPI torchtitan, 0.3.0) with the same sizes and settings, CUDA graphs
-off (bench/trainer_torchtitan.py says what differs: it has no Qwen2, so its Qwen3 stands in). It runs after
-the others, as a subprocess (torchrun -m torchtitan.train with our config module), and its figures come from
-its log lines: tokens/s per GPU, its own MFU, and its peak *reserved* memory (ours and A's are peak
-allocated). It runs only where torchtitan imports and a CUDA device is present, and only within
---time-budget; otherwise the summary records it as not run, with the reason. Its logs go to
-$OUT/baseline_b_<eager|compiled>.log. The JSON says which settings each side ran with.
-
 The JSON summary is written after every step of the benchmark, to $OUT/gpu_fsdp.json when OUT is set and to
 --output when given: each entry holds its figures, or why it did not run or failed, or that the run ended
-before reaching it. The whole run stops at --time-budget (an alarm ends what is running, which is recorded).
-Before each checkpoint the disk is checked: ours saves one checkpoint, "checkpoint_saves" needs room for two
-at once (the new one is written before the old is pruned), both within --disk-bound-gb.
+before reaching it. The order puts what matters most first: the compiled loops (the MFU figure), then the
+eager ones, then "checkpoint_saves", so a slow disk cannot cut the loops' figures.
+
+--time-budget counts from the process's start, imports included (torch and transformers alone take tens of
+seconds on a busy host). Shortly before it, an alarm stops the part then running, which is recorded; at it,
+a watchdog thread armed before the imports writes the summary as it stands and ends the process (exit status
+3), whatever it is doing, so a cut run never takes longer than its budget. Before each part that saves, the
+disk is checked against what the saves write (the model's and AdamW's state of this shape, counted from a
+weightless copy): ours saves one checkpoint, "checkpoint_saves" needs room for two at once (the new one is
+written before the old is pruned), both within --disk-bound-gb, with the saver's reserve free besides.
 
     python bench/gpu_fsdp.py                   # one GPU, torch + transformers + pydantic, no Ray, no network
     python bench/gpu_fsdp.py --tiny            # a seconds-long smoke run, CPU is fine
@@ -39,28 +40,109 @@ that installs them and runs this script.
 from __future__ import annotations
 
 import argparse
-import functools
-import gc
-import json
+import contextlib
 import os
-import re
-import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
+import threading
 import time
-import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
+
+
+def seconds_since_process_start() -> float:
+    """From the kernel's record of this process's start (Linux's /proc, in clock ticks since boot), so the
+    interpreter's own start-up counts too."""
+    after_name = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+    started = int(after_name[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+    return time.clock_gettime(time.CLOCK_BOOTTIME) - started
+
+
+# time.monotonic() at the process's start: --time-budget counts from here.
+PROCESS_STARTED = time.monotonic() - seconds_since_process_start()
+HARD_STOP_EXIT = 3  # the watchdog ended the run at its deadline
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=50, help="measured steps per loop (default 50)")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before measuring (default 10)")
+    parser.add_argument("--sequence-length", type=int, default=2048)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument(
+        "--compile",
+        choices=["off", "on", "both"],
+        default=None,
+        help="per-block torch.compile (default both; off with --tiny)",
+    )
+    parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences: a smoke run")
+    parser.add_argument(
+        "--time-budget",
+        type=float,
+        default=450.0,
+        help="seconds the whole process may take, counted from its start (default 450); what runs then is "
+        "stopped and recorded",
+    )
+    parser.add_argument(
+        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()), help="local disk for checkpoints"
+    )
+    parser.add_argument(
+        "--disk-bound-gb",
+        type=float,
+        default=40.0,
+        help="the most the benchmark's checkpoints may take on that disk at once (default 40)",
+    )
+    parser.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
+    args = parser.parse_args()
+    if args.tiny:
+        args.sequence_length, args.micro_batch_size = 64, 2
+        args.steps, args.warmup_steps = min(args.steps, 6), min(args.warmup_steps, 2)
+    args.compile = args.compile or ("off" if args.tiny else "both")
+    return args
+
+
+class Watchdog:
+    """Ends the process at `deadline` (time.monotonic()), whatever it is doing then: an import, a CUDA
+    synchronisation, a checkpoint's wait. The summary, once there is one, is written as it stands first; the
+    part then running keeps "not reached". `exit` is os._exit but in tests."""
+
+    def __init__(self, deadline: float, exit: Callable[[int], object] = os._exit) -> None:
+        self.deadline, self.exit = deadline, exit
+        self.summary: Summary | None = None
+        threading.Thread(target=self._run, name="deadline", daemon=True).start()
+
+    def _run(self) -> None:
+        time.sleep(max(self.deadline - time.monotonic(), 0.0))
+        if self.summary is not None:
+            self.summary.fields["ended"] = "the time budget: the watchdog ended the process"
+            # RuntimeError: the main thread changed the summary while it was dumped. Its last write stands,
+            # and the process must end all the same.
+            with contextlib.suppress(RuntimeError):
+                self.summary.write()
+        print("gpu_fsdp: the time budget is spent; ended", file=sys.stderr, flush=True)
+        self.exit(HARD_STOP_EXIT)
+
+
+if __name__ == "__main__":
+    # Armed before the imports below, which alone can take a minute on a busy host.
+    WATCHDOG = Watchdog(PROCESS_STARTED + parse_args().time_budget)
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 sys.path[:0] = [str(BENCH), str(REPO / "trainer")]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import functools  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import traceback  # noqa: E402
+from types import FrameType  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -106,47 +188,15 @@ TINY: dict[str, Any] = {
     "num_key_value_heads": 2,
 }
 NOT_REACHED = "not reached: the run ended before it (a crash or the time limit); what came before is complete"
-# fp32 weights and AdamW's two fp32 moments: 12 bytes a parameter, the bulk of a checkpoint.
-CHECKPOINT_BYTES_PER_PARAMETER = 12
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--steps", type=int, default=50, help="measured steps per loop (default 50)")
-    parser.add_argument("--warmup-steps", type=int, default=10, help="steps before measuring (default 10)")
-    parser.add_argument("--sequence-length", type=int, default=2048)
-    parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument(
-        "--compile",
-        choices=["off", "on", "both"],
-        default=None,
-        help="per-block torch.compile (default both; off with --tiny)",
-    )
-    parser.add_argument("--tiny", action="store_true", help="a tiny model and short sequences: a smoke run")
-    parser.add_argument(
-        "--time-budget",
-        type=float,
-        default=450.0,
-        help="seconds the whole benchmark may take; what runs then is stopped and recorded (default 450)",
-    )
-    parser.add_argument(
-        "--checkpoint-dir", type=Path, default=Path(tempfile.gettempdir()), help="local disk for checkpoints"
-    )
-    parser.add_argument(
-        "--disk-bound-gb",
-        type=float,
-        default=40.0,
-        help="the most the benchmark's checkpoints may take on that disk at once (default 40)",
-    )
-    parser.add_argument("--output", type=Path, default=None, help="also write the JSON summary here")
-    args = parser.parse_args()
-    if args.tiny:
-        args.sequence_length, args.micro_batch_size = 64, 2
-        args.steps, args.warmup_steps = min(args.steps, 6), min(args.warmup_steps, 2)
-    args.compile = args.compile or ("off" if args.tiny else "both")
-    return args
+# Left between the alarm that stops a part and the watchdog's deadline, for the stopped part's clean-up (its
+# checkpoint directory removed, its process group destroyed) and the last summary: a tenth of the budget, at
+# most 15 s.
+STOP_MARGIN_SECONDS = 15.0
+# DCP writes each tensor as a torch.save record (about 1.6 KB beside its data, measured) with an entry in the
+# checkpoint's .metadata (about 0.2 KB): 4 KiB a tensor is counted. Beside the tensors a checkpoint holds the
+# RNG states, the scheduler and the loop's position: 64 KiB is counted.
+DCP_BYTES_PER_TENSOR = 4 << 10
+CHECKPOINT_OTHER_BYTES = 64 << 10
 
 
 class NotRun(Exception):
@@ -157,21 +207,26 @@ class BudgetSpent(Exception):
     """The --time-budget alarm: whatever was running is stopped and recorded."""
 
 
-def on_alarm(signum: int, frame: FrameType | None) -> None:
+def on_alarm(signum: int, frame: FrameType | None) -> NoReturn:
     raise BudgetSpent("stopped: the time budget was spent while it ran")
 
 
 class Summary:
-    """The JSON summary, written out again after every change, so a crash or a kill loses nothing done."""
+    """The JSON summary, written out again after every change, so a crash or a kill loses nothing done. Each
+    write replaces the file whole, under a lock, so the watchdog's write never interleaves with another."""
 
     def __init__(self, fields: dict[str, Any], outputs: list[Path]) -> None:
-        self.fields, self.outputs, self.started = fields, outputs, time.monotonic()
+        self.fields, self.outputs = fields, outputs
+        self.lock = threading.Lock()
 
     def write(self) -> None:
-        self.fields["wall_seconds"] = time.monotonic() - self.started
-        text = json.dumps(self.fields, indent=2)
-        for output in self.outputs:
-            output.write_text(text + "\n")
+        with self.lock:
+            self.fields["wall_seconds"] = time.monotonic() - PROCESS_STARTED
+            text = json.dumps(self.fields, indent=2)
+            for output in self.outputs:
+                partial = output.with_name(output.name + ".partial")
+                partial.write_text(text + "\n")
+                partial.replace(output)
 
     def run(self, entry: dict[str, Any], key: str, work: Callable[[], dict[str, Any]]) -> bool:
         """Runs one part of the benchmark into entry[key]: its figures, or {"failed": why}; True when it
@@ -269,23 +324,48 @@ def measured_records(records: list[ProgressRecord], warmup: int) -> list[Progres
 
 
 def checkpoint_bytes(shape: dict[str, Any]) -> int:
-    return parameter_count(shape) * CHECKPOINT_BYTES_PER_PARAMETER
+    """The bytes one checkpoint of this shape writes, counted on a weightless (meta-device) copy: the tensors
+    of the state the trainer saves (checkpoint.AppState: fp32 weights, a tied embedding under both its names,
+    AdamW's step and two moments per parameter), each with DCP's record, and the rest of the checkpoint."""
+    lm = meta_model(shape)
+    training = TrainingSpec(learning_rate=1e-4)
+    optimizer = optim.build_optimizer(lm, training)
+    scheduler = optim.build_scheduler(optimizer, training)
+    # Its state_dict makes AdamW's state (a step of zero gradients), on meta like the weights.
+    state = checkpoint.AppState(lm, optimizer, scheduler, checkpoint.TrainState()).state_dict()
+    tensors = sum(1 for _ in tensors_in(state))
+    return checkpoint.staged_bytes(state) + tensors * DCP_BYTES_PER_TENSOR + CHECKPOINT_OTHER_BYTES
 
 
-def require_disk_for(args: argparse.Namespace, checkpoints: int, shape: dict[str, Any]) -> None:
-    """Refuses a part whose checkpoints would exceed --disk-bound-gb or the disk's free space."""
-    needed = checkpoints * checkpoint_bytes(shape)
+def tensors_in(state: Any) -> Iterator[torch.Tensor]:
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from tensors_in(value)
+    elif isinstance(state, list | tuple):
+        for value in state:
+            yield from tensors_in(value)
+
+
+def require_disk_for(args: argparse.Namespace, checkpoints: int, per_checkpoint: int) -> None:
+    """Refuses a part whose checkpoints would exceed --disk-bound-gb, or leave less free than the saver's
+    reserve (the saver refuses such a save itself, but only once the part has spent its time training)."""
+    needed = checkpoints * per_checkpoint
     free = shutil.disk_usage(args.checkpoint_dir).free
     bound = int(args.disk_bound_gb * 1e9)
     if needed > bound or needed + checkpoint.DISK_RESERVE_BYTES > free:
         raise NotRun(
             f"not run: {checkpoints} checkpoint(s) at once need {needed / 1e9:.1f} GB in "
-            f"{args.checkpoint_dir} (bound {bound / 1e9:.1f} GB, {free / 1e9:.1f} GB free)"
+            f"{args.checkpoint_dir} (bound {bound / 1e9:.1f} GB, {free / 1e9:.1f} GB free, "
+            f"{checkpoint.DISK_RESERVE_BYTES / 1e9:.1f} GB to keep free)"
         )
 
 
-def our_loop(args: argparse.Namespace, compile_blocks: bool, shape: dict[str, Any]) -> dict[str, Any]:
-    require_disk_for(args, 1, shape)
+def our_loop(
+    args: argparse.Namespace, compile_blocks: bool, shape: dict[str, Any], per_checkpoint: int
+) -> dict[str, Any]:
+    require_disk_for(args, 1, per_checkpoint)
     storage = tempfile.mkdtemp(prefix="bench-fsdp-", dir=args.checkpoint_dir)
     try:
         config = trainer_config(args, storage, compile_blocks)
@@ -327,10 +407,10 @@ def baseline_a(args: argparse.Namespace, compile_blocks: bool) -> dict[str, Any]
     }
 
 
-def checkpoint_saves(args: argparse.Namespace, shape: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_saves(args: argparse.Namespace, shape: dict[str, Any], per_checkpoint: int) -> dict[str, Any]:
     """Two saves of the model's full training state in a row, as the loop makes them: the first with its
     buffer allocation, the second in steady state."""
-    require_disk_for(args, 2, shape)
+    require_disk_for(args, 2, per_checkpoint)
     storage = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=args.checkpoint_dir)
     runtime = distributed.start(use_gpu=torch.cuda.is_available())
     try:
@@ -369,125 +449,6 @@ def training_state(shape: dict[str, Any], runtime: distributed.Runtime) -> check
     )
 
 
-BASELINE_B_COMMAND = [
-    *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1"),
-    *("-m", "torchtitan.train", "--module", "trainer_torchtitan", "--config", "baseline_b"),
-]
-# torchtitan's per-step log line (MetricsProcessor.log, colours off), after the logger's prefix:
-# "step:  7  loss:  11.93  grad_norm:  3.4  memory: 31.52GiB(22.05%)  tps: 20,109  tflops: 207.5  mfu: 20.98%"
-TORCHTITAN_STEP = re.compile(
-    r"step:\s*(?P<step>\d+)\s+loss:.*?memory:\s*(?P<memory_gib>[\d.]+)GiB.*?tps:\s*(?P<tps>[\d,]+)"
-    r".*?mfu:\s*(?:(?P<mfu>[\d.]+)%|N/A)"
-)
-BASELINE_B_MARGIN_SECONDS = 20.0  # left of the budget for the summary after a baseline B run is stopped
-
-
-def baseline_b_environment(settings: dict[str, Any] | None = None) -> dict[str, str]:
-    paths = [str(BENCH), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in paths if path)}
-    if settings is not None:
-        env["BASELINE_B_SETTINGS"] = json.dumps(settings)
-    return env
-
-
-def baseline_b_unavailable(device: torch.device) -> tuple[str | None, str | None]:
-    """Why baseline B cannot run here (None when it can), and torchtitan's version when it imports. The
-    import is tried in a child process, so its error text is exact and nothing it sets up leaks into ours."""
-    if device.type != "cuda":
-        return "not run: no CUDA device (torchtitan trains on GPUs only)", None
-    probe = subprocess.run(
-        [sys.executable, "-c", "import trainer_torchtitan, torchtitan; print(torchtitan.__version__)"],
-        env=baseline_b_environment(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    if probe.returncode != 0:
-        lines = [line for line in probe.stderr.splitlines() if line.strip()]
-        return f"not run: {lines[-1] if lines else f'import failed with exit code {probe.returncode}'}", None
-    return None, probe.stdout.strip()
-
-
-def parse_torchtitan_log(text: str, warmup: int) -> dict[str, Any]:
-    """The measured steps' tokens/s per GPU, torchtitan's own MFU and its peak reserved memory."""
-    steps = [m for m in TORCHTITAN_STEP.finditer(text) if int(m["step"]) > warmup]
-    if not steps:
-        raise ValueError("no step after the warm-up in its log")
-    return {
-        "tokens_per_second": [float(m["tps"].replace(",", "")) for m in steps],
-        "torchtitan_mfu_p50": statistics.median(float(m["mfu"]) / 100 for m in steps)
-        if steps[0]["mfu"]
-        else None,
-        "peak_memory_reserved_bytes": int(max(float(m["memory_gib"]) for m in steps) * 2**30),
-    }
-
-
-def baseline_b(
-    args: argparse.Namespace, shape: dict[str, Any], compile_blocks: bool, timeout: float, log_file: Path
-) -> dict[str, Any]:
-    """Runs torchtitan's trainer; returns its figures, or {"not_run": why}."""
-    if timeout <= 0:
-        return {"not_run": f"not run: the time budget of {args.time_budget:.0f} s was spent"}
-    dump_folder = tempfile.mkdtemp(prefix="bench-torchtitan-")
-    settings = {
-        "shape": shape,
-        "sequence_length": args.sequence_length,
-        "micro_batch_size": args.micro_batch_size,
-        "steps": args.warmup_steps + args.steps,
-        "compile": compile_blocks,
-        "cuda_graphs": False,  # like ours and baseline A: eager against eager, compiled against compiled
-        "dump_folder": dump_folder,
-    }
-    started = time.perf_counter()
-    try:
-        with log_file.open("w") as log:
-            # A session of its own: on a timeout the whole tree (torchrun and its worker) is killed.
-            child = subprocess.Popen(
-                [sys.executable, *BASELINE_B_COMMAND],
-                env=baseline_b_environment(settings),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                child.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-                return {"not_run": f"not run: stopped after {timeout:.0f} s, the time budget left"}
-            except BaseException:  # the budget's alarm, or an interrupt: the tree goes too
-                os.killpg(child.pid, signal.SIGKILL)
-                child.wait()
-                raise
-    finally:
-        shutil.rmtree(dump_folder, ignore_errors=True)
-    text = log_file.read_text(errors="replace")
-    if child.returncode != 0:
-        tail = " | ".join(line.strip() for line in text.splitlines()[-8:] if line.strip())
-        return {"not_run": f"failed with exit code {child.returncode}: {tail}"}
-    try:
-        figures_b = parse_torchtitan_log(text, args.warmup_steps)
-    except ValueError as error:
-        return {"not_run": f"failed: {error}"}
-    return {
-        **figures_b,
-        "settings": {
-            "runner": "torchtitan.train (torchrun, one process), bench/trainer_torchtitan.py's config",
-            "compile": "per block (torchtitan's CompileConfig, components=model)"
-            if compile_blocks
-            else "off",
-            "cuda_graphs": False,
-            "attention": "FlexAttention, causal (torchtitan's Qwen3)",
-            "activation_checkpointing": "none",
-            "mixed_precision": "bf16 parameters, fp32 gradient reduction, fp32 master weights",
-            "optimizer": "AdamW (torchtitan's default_adamw), no weight decay, clipping at 1.0",
-            "micro_batch_size": args.micro_batch_size,
-            "sequence_length": args.sequence_length,
-        },
-        "wall_seconds_including_setup": time.perf_counter() - started,
-    }
-
-
 def matmul_peak_flops(device: torch.device, seconds: float = 3.0) -> float | None:
     """bf16 dense matmul throughput measured here: the ceiling a training step can approach."""
     if device.type != "cuda":
@@ -513,27 +474,6 @@ def release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def baseline_b_entry(
-    result: dict[str, Any],
-    ours: dict[str, Any],
-    flops: float,
-    spec_peak: float | None,
-    matmul_peak: float | None,
-) -> dict[str, Any]:
-    """Baseline B's part of one loop's summary: its figures (MFU by our FLOPs count, as for the others) and
-    our ratio to it, or why it did not run."""
-    if "not_run" in result:
-        return {"baseline_b": {"finished": False, **result}}
-    measured = dict(result)
-    spread = figures(measured.pop("tokens_per_second"), flops, spec_peak, matmul_peak)
-    entry: dict[str, Any] = {"baseline_b": {"finished": True, **spread, **measured}}
-    if "tokens_per_second_per_gpu" in ours:
-        entry["ours_over_baseline_b_p50"] = (
-            ours["tokens_per_second_per_gpu"]["p50"] / spread["tokens_per_second_per_gpu"]["p50"]
-        )
-    return entry
-
-
 def with_figures(
     measure: Callable[[], dict[str, Any]], peaks: tuple[float, float | None, float | None]
 ) -> dict[str, Any]:
@@ -543,12 +483,12 @@ def with_figures(
     return {**figures(measured.pop("tokens_per_second"), *peaks), **measured}
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace, watchdog: Watchdog) -> None:
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shape = TINY if args.tiny else QWEN25_15B
-    modes = {"off": [False], "on": [True], "both": [False, True]}[args.compile]
+    # Compiled first: its MFU is the figure that matters most, and an eager loop cut short costs less.
+    modes = {"off": [False], "on": [True], "both": [True, False]}[args.compile]
     labels = ["compiled" if compile_blocks else "eager" for compile_blocks in modes]
     outputs = [
         path
@@ -565,9 +505,11 @@ def main() -> None:
             "warmup_steps": args.warmup_steps,
             "measured_steps": args.steps,
             "time_budget_seconds": args.time_budget,
+            "seconds_from_process_start_to_imports_done": time.monotonic() - PROCESS_STARTED,
             "checkpoint_dir": str(args.checkpoint_dir),
             "disk_free_bytes_at_start": shutil.disk_usage(args.checkpoint_dir).free,
             "disk_bound_bytes": int(args.disk_bound_gb * 1e9),
+            "checkpoint_bytes": checkpoint_bytes(shape),
             "flops_per_token": model_flops_per_token(shape, args.sequence_length),
             "spec_peak_flops": peak_flops(device_name),
             "measured_matmul_peak_flops": None,
@@ -575,27 +517,24 @@ def main() -> None:
                 label: {
                     "ours": {"finished": False, "not_run": NOT_REACHED},
                     "baseline_a": {"finished": False, "not_run": NOT_REACHED},
-                    "baseline_b": {"finished": False, "not_run": NOT_REACHED},
                 }
                 for label in labels
             },
             "checkpoint_saves": {"finished": False, "not_run": NOT_REACHED},
-            "baseline_b_torchtitan": {
-                "model": "torchtitan's Qwen3 of the same sizes (it has no Qwen2; see trainer_torchtitan.py)",
-                "launch": " ".join(["python", *BASELINE_B_COMMAND]),
-                "memory": "peak reserved (torchtitan's figure), not peak allocated as for ours and A",
-            },
         },
         [Path(path) for path in outputs],
     )
     fields = summary.fields
     summary.write()
+    watchdog.summary = summary
     signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, args.time_budget)
+    margin = min(STOP_MARGIN_SECONDS, args.time_budget / 10)
+    # At least a moment: imports that took the whole budget leave the alarm to fire at once (0 would disarm).
+    signal.setitimer(signal.ITIMER_REAL, max(watchdog.deadline - margin - time.monotonic(), 1e-3))
     try:
         run_all(args, summary, device, shape, modes)
     except BudgetSpent:
-        pass  # recorded in the part it stopped; the parts after it stay "not reached"
+        fields["ended"] = "the time budget: the part then running was stopped"
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         summary.write()
@@ -609,47 +548,30 @@ def run_all(
     shape: dict[str, Any],
     modes: list[bool],
 ) -> None:
+    """The loops in `modes`' order, ours and baseline A each, then checkpoint_saves: the saves last, so a
+    slow disk cannot cut a loop's figures."""
     fields = summary.fields
     fields["measured_matmul_peak_flops"] = matmul_peak = matmul_peak_flops(device)
-    flops, spec_peak = fields["flops_per_token"], fields["spec_peak_flops"]
+    peaks = (fields["flops_per_token"], fields["spec_peak_flops"], matmul_peak)
+    per_checkpoint = fields["checkpoint_bytes"]
     for compile_blocks in modes:
         loop = fields["loops"]["compiled" if compile_blocks else "eager"]
-        peaks = (flops, spec_peak, matmul_peak)
-        ours = functools.partial(
-            with_figures, functools.partial(our_loop, args, compile_blocks, shape), peaks
-        )
-        baseline = functools.partial(with_figures, functools.partial(baseline_a, args, compile_blocks), peaks)
+        ours = functools.partial(our_loop, args, compile_blocks, shape, per_checkpoint)
+        baseline = functools.partial(baseline_a, args, compile_blocks)
         # Both run whatever becomes of the other (&, not and).
-        if summary.run(loop, "ours", ours) & summary.run(loop, "baseline_a", baseline):
+        if summary.run(loop, "ours", functools.partial(with_figures, ours, peaks)) & summary.run(
+            loop, "baseline_a", functools.partial(with_figures, baseline, peaks)
+        ):
             loop["ours_over_baseline_a_p50"] = (
                 loop["ours"]["tokens_per_second_per_gpu"]["p50"]
                 / loop["baseline_a"]["tokens_per_second_per_gpu"]["p50"]
             )
-        if compile_blocks == modes[0]:  # once, after the first loop
-            summary.run(fields, "checkpoint_saves", lambda: checkpoint_saves(args, shape))
-    # Baseline B after the others: ours and A have their figures whatever happens to it.
-    unavailable, torchtitan_version = baseline_b_unavailable(device)
-    fields["baseline_b_torchtitan"]["torchtitan"] = torchtitan_version
-    logs = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench-torchtitan-logs-"))
-    for compile_blocks in modes:
-        label = "compiled" if compile_blocks else "eager"
-        loop = fields["loops"][label]
-        if unavailable is not None:
-            result: dict[str, Any] = {"not_run": unavailable}
-        else:
-            left = args.time_budget - (time.monotonic() - summary.started) - BASELINE_B_MARGIN_SECONDS
-            result = baseline_b(args, shape, compile_blocks, left, logs / f"baseline_b_{label}.log")
-        loop.update(baseline_b_entry(result, loop["ours"], flops, spec_peak, matmul_peak))
-        summary.write()
+    summary.run(fields, "checkpoint_saves", lambda: checkpoint_saves(args, shape, per_checkpoint))
 
 
 def model_flops_per_token(from_config: dict[str, Any], sequence_length: int) -> float:
     """As the trainer counts them, from a weightless (meta-device) copy of the model."""
     return flops_per_token(model.model_shape(meta_model(from_config)), sequence_length)
-
-
-def parameter_count(from_config: dict[str, Any]) -> int:
-    return sum(p.numel() for p in meta_model(from_config).parameters())
 
 
 def meta_model(from_config: dict[str, Any]) -> Any:
@@ -659,4 +581,8 @@ def meta_model(from_config: dict[str, Any]) -> Any:
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args(), WATCHDOG)
+    sys.stdout.flush()
+    # Everything is written by now. The interpreter's own teardown (atexit handlers, the collection of a torch
+    # process: 5 s measured on a busy host) would run past the watchdog, which stops with the interpreter.
+    os._exit(0)

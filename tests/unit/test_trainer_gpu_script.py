@@ -1,7 +1,7 @@
 """bench/gpu_fsdp.py runs on the GPU machine as it is. In a Python where every module the GPU machine lacks
 fails to import, with only the wheels bench/gpu-wheels.sh downloads, installed and run by the very line it
-prints, `--tiny` runs to the end; its JSON says what finished, with one record per measured step, the
-checkpoint figures, and why baseline B did not run."""
+prints, `--tiny` runs to the end; its JSON says what finished, with one record per measured step, and the
+checkpoint figures, whose bytes the disk check counted beforehand."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def gpu_machine_python(tmp_path_factory: pytest.TempPathFactory) -> dict[str, st
         for module, owners in importlib.metadata.packages_distributions().items()
         if any(canonicalize_name(owner) in distributions for owner in owners)
     )
-    site = str(Path(importlib.metadata.distribution("torch").locate_file("")))
+    site = str(importlib.metadata.distribution("torch").locate_file(""))
     blocker = tmp_path_factory.mktemp("gpu-machine")
     (blocker / "sitecustomize.py").write_text(BLOCKER.format(site=site, allowed=allowed))
     bin_dir = str(Path(sys.executable).parent)
@@ -133,7 +133,7 @@ def test_the_tiny_run_goes_through_with_only_the_wheels_it_brings(
     assert ours["settings"]["cuda_graphs"] is False and ours["settings"]["compile"] == "off"
     saves = summary["checkpoint_saves"]
     assert saves["finished"] and saves["blocked_seconds_second"] >= 0 and saves["bytes"] > 0, saves
-    assert summary["loops"]["eager"]["baseline_b"] == {
-        "finished": False,
-        "not_run": "not run: no CUDA device (torchtitan trains on GPUs only)",
-    }
+    # What a save wrote, against what the disk check counted for it: never more; over by DCP's per-tensor
+    # allowance at most (a large share of this tiny model's bytes, a negligible one of Qwen2.5-1.5B's).
+    assert saves["bytes"] <= summary["checkpoint_bytes"] <= 1.2 * saves["bytes"], saves["bytes"]
+    assert set(summary["loops"]["eager"]) == {"ours", "baseline_a", "ours_over_baseline_a_p50"}
