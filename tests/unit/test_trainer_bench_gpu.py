@@ -75,7 +75,9 @@ def test_the_budget_counts_from_the_process_start_imports_included(tmp_path: Pat
     took = time.monotonic() - started
     assert run.returncode == gpu_fsdp.HARD_STOP_EXIT, run.stderr[-2000:]
     assert "the time budget is spent" in run.stderr
-    assert 3.4 < took < 3.5 + 1.0, f"{took:.1f} s for a budget of 3.5 s"
+    # Up to 2 s over for this process's own wait on a busy host: a budget counted after the imports overruns
+    # by the imports' time (tens of seconds here).
+    assert 3.4 < took < 3.5 + 2.0, f"{took:.1f} s for a budget of 3.5 s"
 
 
 def test_a_part_running_at_the_alarm_is_stopped_and_recorded_before_the_deadline(
