@@ -41,7 +41,7 @@ import functools
 import hashlib
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -320,6 +320,27 @@ class Datasets:
     fingerprint: str  # of the training samples: a checkpoint's data position is valid only while it holds
 
 
+ShardTable = tuple[list[Shard], list[Shard]]  # the training and the held-out shards
+
+
+def shared_source_shards(spec: DataSpec, sequence_length: int, seed: int) -> ShardTable:
+    """source_shards listed by rank 0 alone and broadcast to the others: the listing and each parquet
+    footer are read once per run, not once per rank (files x ranks requests, which S3 throttles at scale).
+    Rank 0's DataError fails every rank with its message, none left waiting in a collective."""
+    table: ShardTable | None = None
+    refusal: str | None = None
+    if dist.get_rank() == 0:
+        try:
+            table = source_shards(spec, sequence_length, seed)
+        except DataError as error:
+            refusal = str(error)
+    table, refusal = distributed.broadcast((table, refusal))
+    if refusal is not None:
+        raise DataError(refusal)
+    assert table is not None  # rank 0 sends a table or a refusal
+    return table
+
+
 def build_datasets(
     spec: DataSpec,
     tokenizer: Tokenizer | None,
@@ -327,9 +348,10 @@ def build_datasets(
     sequence_length: int,
     seed: int,
     streams: int,
+    list_source: Callable[[DataSpec, int, int], ShardTable] = source_shards,
 ) -> Datasets:
     """The sources; `streams` (world size x micro-batch size) applies to a new run, a checkpoint's replaces
-    it."""
+    it. `list_source` gives the shard table (the loop's: shared_source_shards)."""
     if spec.source == SYNTHETIC:
         synthetic = f"{SYNTHETIC}:{vocab_size}:{sequence_length}:{seed}".encode()
         return Datasets(
@@ -340,7 +362,7 @@ def build_datasets(
         )
     if tokenizer is None:
         raise ConfigError("real data needs a tokenizer: set model.tokenizer or model.source")
-    train_shards, eval_shards = source_shards(spec, sequence_length, seed)
+    train_shards, eval_shards = list_source(spec, sequence_length, seed)
     packer = ShardPacker(tokenizer, spec.text_field, sequence_length)
     description = json.dumps(
         {

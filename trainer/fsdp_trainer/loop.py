@@ -177,6 +177,7 @@ class Trainer:
             training.sequence_length,
             training.seed,
             streams=runtime.world_size * training.micro_batch_size,
+            list_source=data.shared_source_shards,
         )
         log.info("data: %s", datasets.description)
         validator = Validator(datasets.eval, config.data.eval_batches, training.micro_batch_size, runtime)
