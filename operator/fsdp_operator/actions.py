@@ -18,7 +18,13 @@ from fsdp_operator import api, builder, conditions, metrics, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.reconcile import Decision, DriverLog
-from fsdp_trainer.contract import AttemptInfo, RunRecord, TrainerConfig, driver_log_name
+from fsdp_trainer.contract import (
+    AttemptInfo,
+    RunRecord,
+    TrainerConfig,
+    driver_log_name,
+    forensics_request_name,
+)
 
 log = logging.getLogger("fsdp_operator")
 # A RayCluster this process created is not created again (Secret, NetworkPolicy, RayCluster: three 409s) by
@@ -41,6 +47,11 @@ def act(
     if decision.keep_driver_log is not None:
         keep_driver_log(ctx, run, spec, decision.keep_driver_log)
     try:
+        if decision.request_forensics is not None:
+            request = decision.request_forensics
+            ctx.storage(spec, run).write_text(
+                forensics_request_name(request.attempt), request.model_dump_json(by_alias=True)
+            )
         if decision.stop_job:
             try:
                 ctx.jobs(run.namespace, cluster_name).stop(decision.stop_job)

@@ -344,6 +344,14 @@ class RecoverySpec(ContractModel):
         description="After the attempt's first training step, no new progress record for this long counts as "
         "a hang. Also the bound for a run whose progress and Ray job both cannot be read.",
     )
+    forensics_seconds: int = Field(
+        default=60,
+        ge=0,
+        le=600,
+        description="When the attempt is declared hung or its setup timed out: how long every rank is given "
+        "to store its threads' stacks and last log lines under the run's prefix (forensics/attempt-N/) "
+        "before the attempt is stopped; `kubectl trainingrun forensics` prints them. 0: stop at once.",
+    )
     setup_timeout_seconds: int = Field(
         default=1800,
         ge=60,
@@ -655,6 +663,30 @@ class RecordStatus(ContractModel):
     )
 
 
+class SuspectStatus(ContractModel):
+    rank: int
+    pod: str | None = None
+    node: str | None = None
+    why: str = Field(max_length=MAX_MESSAGE)
+
+
+class ForensicsStatus(ContractModel):
+    attempt: int = Field(description="The attempt declared hung (or whose setup timed out).")
+    reason: str = Field(max_length=MAX_CONDITION_REASON, description="Hang or SetupTimeout.")
+    requested_at: dt.datetime = Field(description="When every rank was asked for its stacks.")
+    uri: str = Field(description="Where the ranks' stacks are (rank-<k>.json).")
+    ranks_answered: int = 0
+    world_size: int | None = Field(default=None, description="The ranks asked.")
+    concluded_at: dt.datetime | None = Field(
+        default=None, description="When the operator stopped waiting for answers and stopped the attempt."
+    )
+    suspect: SuspectStatus | None = Field(
+        default=None,
+        description="The rank that most likely hung: one whose main thread is not in a collective while "
+        "others wait in one, else the one behind in steps.",
+    )
+
+
 class GoodputSeconds(ContractModel):
     """Seconds since the run was created, by what they went to; they add up to accountedUntil minus the
     run's creation."""
@@ -749,6 +781,9 @@ class FSDPTrainingRunStatus(ContractModel):
         default=None, description="When the operator next re-checks capacity or restarts."
     )
     goodput: GoodputStatus = Field(default_factory=GoodputStatus)
+    forensics: ForensicsStatus | None = Field(
+        default=None, description="The latest hang forensics: what every rank was doing when it was stopped."
+    )
 
 
 class FSDPTrainingRun(ContractModel):

@@ -13,7 +13,7 @@ from typing import Any
 from fsdp_operator import api
 from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_operator.settings import Settings
-from fsdp_trainer.contract import EfaPolicy
+from fsdp_trainer.contract import NODE_NAME_ENV, EfaPolicy
 
 RAY_VERSION = "2.58.0"
 LABEL_RUN = f"{api.GROUP}/run"  # the run's name, hashed when longer than a label value may be
@@ -454,8 +454,9 @@ def _worker_group(
     }
     env = _plain_env({**platform.pod_env, **efa_environment(spec)})
     env += (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)
-    if env:
-        container["env"] = env
+    # Hang forensics name the node a hung rank ran on.
+    env.append({"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
+    container["env"] = env
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "nodeSelector": node_selector,

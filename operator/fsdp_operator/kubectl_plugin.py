@@ -26,8 +26,10 @@ from fsdp_trainer.contract import (
     METRICS_DIR,
     RUN_RECORD_FILE,
     ProgressRecord,
+    RankStacks,
     RunRecord,
     driver_log_name,
+    forensics_dir,
     rank_log_name,
     run_prefix,
 )
@@ -339,6 +341,43 @@ def diff_command(options: argparse.Namespace, write: Callable[[str], None]) -> N
     write(rundiff.table(rows, f"{a.namespace}/{a.run_name}", f"{b.namespace}/{b.run_name}"))
 
 
+# -- forensics --------------------------------------------------------------------------------------------
+
+
+def forensics_command(
+    options: argparse.Namespace, run: dict[str, Any], objects: RunObjects, write: Callable[[str], None]
+) -> None:
+    """Every rank's answer to the attempt's hang forensics: where its main thread was, its last step, every
+    thread's stack and its last log lines; the suspect the operator named first."""
+    found = (run.get("status") or {}).get("forensics") or {}
+    attempt = options.attempt or found.get("attempt")
+    if attempt is None:
+        raise PluginError("the run has no hang forensics (none of its attempts was declared hung)")
+    names = [n for n in objects.names(forensics_dir(attempt)) if n.rpartition("/")[2].startswith("rank-")]
+    if not names:
+        raise PluginError(
+            f"no rank answered in s3://{objects.bucket}/{objects.prefix}{forensics_dir(attempt)}/"
+        )
+    suspect = found.get("suspect") if found.get("attempt") == attempt else None
+    if suspect:
+        write(
+            f"suspect: rank {suspect['rank']} ({suspect.get('pod', '-')}, node {suspect.get('node', '-')}): "
+            f"{suspect.get('why', '')}\n"
+        )
+    answers = sorted(
+        (RankStacks.model_validate_json(objects.text(name) or "{}") for name in names), key=lambda a: a.rank
+    )
+    for answer in answers:
+        where = "in a collective" if answer.in_collective else "not in a collective"
+        write(
+            f"\n=== rank {answer.rank}/{answer.world_size}  pod {answer.pod}  node {answer.node or '-'}  "
+            f"step {answer.step}  main thread {where}: {answer.main_thread_top}\n"
+        )
+        for thread in answer.threads:
+            write(f"--- thread {thread.name}{' (daemon)' if thread.daemon else ''}\n{thread.stack}")
+        write(f"--- last log lines\n{answer.recent_log}")
+
+
 # -- command line -----------------------------------------------------------------------------------------
 
 
@@ -379,6 +418,13 @@ def build_parser() -> argparse.ArgumentParser:
     diff_parser.add_argument("other_run", metavar="other-run")
     diff_parser.add_argument("--other-namespace", help="the other run's namespace (default: the first's)")
     diff_parser.add_argument("--all", action="store_true", help="every field, not only those that differ")
+    forensics_parser = commands.add_parser(
+        "forensics", parents=[common], help="what every rank was doing when an attempt was declared hung"
+    )
+    forensics_parser.add_argument("run")
+    forensics_parser.add_argument(
+        "--attempt", type=int, default=None, help="the attempt (default: the latest one declared hung)"
+    )
     return parser
 
 
@@ -400,6 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         objects = RunObjects(s3_client(), storage_prefix(run))
         if options.command == "logs":
             logs(options, run, objects, _write, lambda: get_run(options))
+        elif options.command == "forensics":
+            forensics_command(options, run, objects, _write)
         else:
             plot_command(options, objects, _write)
     except (PluginError, BotoCoreError, ClientError) as error:

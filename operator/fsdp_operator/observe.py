@@ -26,8 +26,8 @@ from fsdp_operator.reconcile import (
     observe_cluster,
     ready_for_elastic,
 )
-from fsdp_operator.records import RecordTooLarge
-from fsdp_trainer.contract import CheckpointRef, TrainerConfig
+from fsdp_operator.records import RecordTooLarge, RunStorage
+from fsdp_trainer.contract import CheckpointRef, RankStacks, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
 # What autoscalers say on a pod they are adding a node for (cluster-autoscaler, Karpenter), and on one they
@@ -63,6 +63,7 @@ def observe(
         except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
             dashboard_error = f"{type(error).__name__}: {error}"[:500]
     progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None
+    answered, answers = 0, None
     storage_error_reason = "StorageError"
     checkpoints: tuple[CheckpointRef, ...] = ()
     storage = ctx.storage(spec, run)
@@ -71,6 +72,8 @@ def observe(
             progress = storage.progress()
             if spec.tracking.mlflow is not None:
                 mlflow_run = storage.mlflow_run()
+            if forensics_pending(status):
+                answered, answers = observe_forensics(storage, spec, status, now)
             stored = storage.complete_checkpoints()
             checkpoints = tuple(s.ref for s in stored)
             latest_fingerprint = stored[-1].fingerprint if stored else None
@@ -114,8 +117,29 @@ def observe(
         package_sha256=ctx.package_sha256,
         archived_driver_log=memory.archived_driver_log,
         created=dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"]),
+        forensics_answered=answered,
+        forensics_answers=answers,
         instance_hour_price=ctx.settings.instance_hour_prices.get(spec.cluster.instance_type),
     )
+
+
+def forensics_pending(status: api.FSDPTrainingRunStatus) -> bool:
+    found = status.forensics
+    return found is not None and found.attempt == status.attempt and found.concluded_at is None
+
+
+def observe_forensics(
+    storage: RunStorage, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus, now: dt.datetime
+) -> tuple[int, tuple[RankStacks, ...] | None]:
+    """How many ranks answered the forensics request, and their answers once all have or the wait is over
+    (each answer read once, within its cap, not at every pass of the wait)."""
+    found = status.forensics
+    assert found is not None
+    keys = storage.answered_ranks(found.attempt)
+    waited = (now - found.requested_at).total_seconds() >= spec.recovery.forensics_seconds
+    if not waited and len(keys) < (found.world_size or 1):
+        return len(keys), None
+    return len(keys), tuple(storage.rank_stacks(keys))
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsdp_operator import api, conditions, goodput
+from fsdp_operator import api, conditions, goodput, hangs
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
@@ -50,15 +50,19 @@ from fsdp_trainer.contract import (
     MAX_URI,
     RUN_RECORD_FILE,
     CheckpointRef,
+    ForensicsRequest,
     MlflowRunRef,
     ProgressRecord,
+    RankStacks,
     RestartEntry,
     Transport,
     TransportReport,
     Versions,
+    forensics_dir,
 )
 
 RECENT_CHECKPOINTS = 5
+FORENSICS_POLL_SECONDS = 5.0  # the ranks look for a request every 5 s (fsdp_trainer.forensics)
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
 RAY_ACTIVE_JOB_STATES = ("PENDING", "RUNNING")
 # Ray's memory monitor's verdict on a task or actor it killed near the node's (the pod's) memory limit.
@@ -141,6 +145,10 @@ class Observation:
     package_sha256: str | None = None  # the trainer package a submission ships
     archived_driver_log: str | None = None  # the last ended job whose driver log is already kept in S3
     created: dt.datetime | None = None  # the run's creationTimestamp; None: now (goodput counts from there)
+    # While hang forensics wait (status.forensics not concluded): the ranks' answers found, and once all
+    # are in or the wait is over, the answers read.
+    forensics_answered: int = 0
+    forensics_answers: tuple[RankStacks, ...] | None = None
     instance_hour_price: float | None = None  # USD per instance-hour of its type, if the platform set one
 
 
@@ -168,6 +176,7 @@ class Decision:
     submit_attempt: int | None = None  # submit status.jobSubmissionId (recorded in the status first)
     stop_job: str | None = None  # submission id to stop
     keep_driver_log: DriverLog | None = None  # before stopping or deleting anything
+    request_forensics: ForensicsRequest | None = None  # written under the run's prefix after the status
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -1193,10 +1202,58 @@ class _Pass:
             in_stage = self.seconds_since(new.progress.stage_since) if stage else 0.0
             if in_stage > limit:  # heartbeats go on while a setup collective hangs: bound each stage too
                 quiet, what = in_stage, f"setup stage {stage} took longer than setupTimeoutSeconds ({limit}s)"
-        if quiet > limit:
-            self.fail_attempt(Failure(False, reason, what))
-        else:
+        if quiet <= limit:
             self.requeue(max(limit - quiet, 1.0))
+        elif not self.collecting_forensics(reason, what):
+            self.fail_attempt(Failure(False, reason, what + self.suspect_named()))
+
+    def collecting_forensics(self, reason: str, what: str) -> bool:
+        """Before a hung attempt is stopped: every rank is asked for its stacks (an object under the run's
+        prefix that each rank's watcher reads) and given recovery.forensicsSeconds to answer. True while
+        that wait goes on."""
+        new, obs, wait = self.new, self.obs, self.spec.recovery.forensics_seconds
+        found = new.forensics
+        if wait == 0 or (found is not None and found.attempt == new.attempt and found.concluded_at):
+            return False
+        if found is None or found.attempt != new.attempt:
+            new.forensics = api.ForensicsStatus(
+                attempt=new.attempt,
+                reason=reason,
+                requested_at=obs.now,
+                uri=f"{obs.run_uri}/{forensics_dir(new.attempt)}",
+                world_size=new.progress.world_size,
+            )
+            self.decision.request_forensics = ForensicsRequest(
+                attempt=new.attempt, reason=reason, requested_at=obs.now
+            )
+            self.say(f"{what}; asking every rank for its stacks before stopping the attempt")
+            self.event(True, "CollectingForensics", f"{what}; asking every rank for its stacks")
+            self.requeue(FORENSICS_POLL_SECONDS)
+            return True
+        found.ranks_answered = obs.forensics_answered
+        if obs.forensics_answers is None:  # not all in, and the wait not over
+            self.requeue(FORENSICS_POLL_SECONDS)
+            return True
+        found.concluded_at = obs.now
+        found.suspect = hangs.suspect(list(obs.forensics_answers), found.world_size)
+        return False
+
+    def suspect_named(self) -> str:
+        found = self.new.forensics
+        if found is None or found.attempt != self.new.attempt or found.concluded_at is None:
+            return ""
+        answered = f"; {found.ranks_answered} of {found.world_size or '?'} ranks' stacks in {found.uri}"
+        suspect = found.suspect
+        if suspect is None:
+            return answered
+        where = ", ".join(
+            part
+            for part in (suspect.pod and f"pod {suspect.pod}", suspect.node and f"node {suspect.node}")
+            if part
+        )
+        return (
+            f"; suspect rank {suspect.rank}" + (f" ({where})" if where else "") + f": {suspect.why}{answered}"
+        )
 
     def unobservable_too_long(self) -> bool:
         bound = self.spec.recovery.hang_timeout_seconds

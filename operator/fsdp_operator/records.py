@@ -27,16 +27,20 @@ from fsdp_trainer.contract import (
     CheckpointRef,
     MlflowRunRef,
     ProgressRecord,
+    RankStacks,
     RunRecord,
     checkpoint_is_complete,
+    forensics_dir,
 )
 
 CHECKPOINT_DIR_PREFIX = "checkpoint_"
+STACKS_FILE = "rank-*.json"  # a rank's answer to a forensics request (its cap's key)
 # The most the operator reads of each object the trainer (or anyone with the run's prefix) writes. Each is
 # many times what a real one holds: progress.json and mlflow.json a few KiB, a manifest ~50 bytes per file of
 # the checkpoint (a 512-rank one ~30 KiB), run.json the config (fromConfig at most 64 KiB) and the restarts.
 MAX_RECORD_BYTES = {
     PROGRESS_FILE: 256 << 10,
+    STACKS_FILE: 1 << 20,  # every thread's stack and 40 log lines: a few KiB to ~100 KiB
     MLFLOW_RUN_FILE: 16 << 10,
     MANIFEST_FILE: 1 << 20,
     RUN_RECORD_FILE: 4 << 20,
@@ -81,7 +85,8 @@ class RunStorage:
     def _get_json(self, key: str) -> Any | None:
         """The object parsed, None when there is none. At most its cap (MAX_RECORD_BYTES by file name) is
         asked for, and one byte more, which tells an object beyond the cap: that one is refused unread."""
-        cap = MAX_RECORD_BYTES[key.rpartition("/")[2]]
+        name = key.rpartition("/")[2]
+        cap = MAX_RECORD_BYTES[STACKS_FILE if name.startswith("rank-") else name]
         uri = f"s3://{self.bucket}/{key}"
         try:
             answer = self.s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{cap}")
@@ -166,6 +171,22 @@ class RunStorage:
             f"the operator's cap for the checkpoints' listing ({MAX_LIST_PAGES} pages of {LIST_PAGE_KEYS}): "
             "it is not judged; remove what is not a checkpoint"
         )
+
+    def answered_ranks(self, attempt: int) -> list[str]:
+        """The keys of the ranks' answers to the attempt's forensics request (one listing, at most a page)."""
+        prefix = f"{self.prefix}{forensics_dir(attempt)}/rank-"
+        page = self.s3.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=LIST_PAGE_KEYS)
+        return [obj["Key"] for obj in page.get("Contents", [])[:LIST_PAGE_KEYS]]
+
+    def rank_stacks(self, keys: list[str]) -> list[RankStacks]:
+        """The ranks' answers (each read within its cap); one that does not parse is left out."""
+        found = []
+        for key in keys:
+            try:
+                found.append(RankStacks.model_validate(self._get_json(key)))
+            except (ValidationError, RecordTooLarge):
+                continue
+        return found
 
     def read_run_record(self) -> RunRecord | None:
         raw = self._get_json(self.prefix + RUN_RECORD_FILE)

@@ -222,7 +222,7 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     )
 
 
-def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_checkpoint(
+def test_hung_job_is_stopped_after_the_hang_timeout_with_every_ranks_stacks_and_resumes(
     namespace: str,
     lifecycle_operator: OperatorProcess,
     s3: Any,
@@ -230,12 +230,13 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     tmp_path: Path,
     reliability: Recorder,
 ) -> None:
-    # The rank stops making progress at step 15, its process alive: Ray sees a RUNNING job, so only
-    # the operator's hang timeout (60 s, the smallest allowed) can end it.
+    # Rank 0 of two stops making progress at step 15, its process alive (rank 1 then waits for it in a
+    # collective): Ray sees a RUNNING job, so only the operator's hang timeout (60 s, the smallest allowed)
+    # can end it; before it does, every rank stores what its threads are doing.
     fault = f"rank=0,step=15,marker={tmp_path / 'hung'},action=hang"
     name = demo_run(
         namespace,
-        **SMALL,
+        **{**SMALL, "cluster.workers": 2},
         **{"recovery.hangTimeoutSeconds": 60, "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": fault}}},
     )
     first = wait_for_phase(namespace, name, "Running", timeout=RUN_TIMEOUT)["status"]["jobSubmissionId"]
@@ -249,11 +250,31 @@ def test_hung_job_is_stopped_after_the_hang_timeout_and_resumes_from_the_latest_
     client = local_cluster.ray_jobs()
     assert str(client.get_job_status(first)) in ("STOPPED", "JobStatus.STOPPED")
     assert run_record(s3, namespace, name).restarts[0].reason == "Hang"
+    # Forensics: both ranks answered before the job was stopped; rank 0, out of any collective while rank 1
+    # waits in one, is named, in the status and the restart's message.
+    forensics = status["forensics"]
+    assert (forensics["attempt"], forensics["ranksAnswered"], forensics["worldSize"]) == (1, 2, 2), forensics
+    assert (
+        forensics["suspect"]["rank"] == 0
+        and "while ranks 1 wait in a collective" in forensics["suspect"]["why"]
+    )
+    assert "suspect rank 0" in hang["message"], hang
+    stored = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{namespace}/{name}/forensics/attempt-1/")
+    assert {o["Key"].rpartition("/")[2] for o in stored["Contents"]} == {
+        "request.json",
+        "rank-0.json",
+        "rank-1.json",
+    }
+    printed = trainingrun("forensics", name, "-n", namespace)
+    assert "suspect: rank 0" in printed and "time.sleep(3600)" in printed and "=== rank 1/2" in printed
+    collected = seconds_between(forensics["requestedAt"], forensics["concludedAt"])
     reliability.record(
-        "A rank stops making progress at step 15, every process alive (Ray reports RUNNING)",
-        "stopped after the hang timeout (60 s, the least allowed), resumed from the checkpoint of step 10",
-        f"restart {seconds_between(tmp_path / 'hung', hang['time']):.0f} s after the hang began, "
-        f"resumed from step {hang['resumedFromStep']}",
+        "Rank 0 of two stops making progress at step 15, every process alive (Ray reports RUNNING)",
+        "every rank's stacks stored and rank 0 named before the job is stopped after the hang timeout (60 s, "
+        "the least allowed); resumed from the checkpoint of step 10",
+        f"stacks of 2 ranks {collected:.0f} s after the hang was declared; restart "
+        f"{seconds_between(tmp_path / 'hung', hang['time']):.0f} s after the hang began, resumed from step "
+        f"{hang['resumedFromStep']}",
     )
 
 

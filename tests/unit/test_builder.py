@@ -98,9 +98,10 @@ def test_without_efa_there_is_no_efa_request_and_no_efa_environment() -> None:
     worker_pod = _groups(builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None))[1]
     container = worker_pod["template"]["spec"]["containers"][0]
     assert "vpc.amazonaws.com/efa" not in container["resources"]["limits"]
-    assert [e["name"] for e in container["env"]] == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN"]
+    assert [e["name"] for e in container["env"]] == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "FSDP_NODE_NAME"]
     without_auth = builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None, ray_auth=False)
-    assert "env" not in _groups(without_auth)[1]["template"]["spec"]["containers"][0]
+    without_auth_env = _groups(without_auth)[1]["template"]["spec"]["containers"][0]["env"]
+    assert [e["name"] for e in without_auth_env] == ["FSDP_NODE_NAME"]  # no EFA environment either
 
 
 def test_every_ray_process_takes_the_runs_token_from_the_runs_secret() -> None:

@@ -10,7 +10,7 @@ from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
 from fsdp_operator.recovery import backoff_seconds, classify
 from fsdp_operator.watched import pod_disruption
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, TransportReport
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TransportReport
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 READY = ClusterObservation(ready=True, message="")
@@ -153,12 +153,59 @@ def test_job_unknown_to_ray_is_a_lost_job_and_restarts() -> None:
 def test_hang_stops_the_job_and_restarts() -> None:
     stale = progress(updated_at=NOW - dt.timedelta(hours=1))
     old_job = JobObservation("run-0f1e2d3c-1", "RUNNING", start_time=NOW - dt.timedelta(hours=2))
-    decision = reconcile(
-        spec(recovery={"hangTimeoutSeconds": 600}), running(), observe(job=old_job, progress=stale)
-    )
+    at_once = spec(recovery={"hangTimeoutSeconds": 600, "forensicsSeconds": 0})
+    decision = reconcile(at_once, running(), observe(job=old_job, progress=stale))
     assert decision.stop_job == "run-0f1e2d3c-1" and decision.status.restarts.history[0].reason == "Hang"
+    assert decision.request_forensics is None
     fresh = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress()))
     assert fresh.stop_job is None and fresh.status.phase == api.Phase.RUNNING
+
+
+def stacks(rank: int, in_collective: bool, top: str) -> RankStacks:
+    return RankStacks(
+        rank=rank,
+        world_size=2,
+        pod=f"run-worker-{rank}",
+        node="node-a",
+        step=14,
+        in_collective=in_collective,
+        main_thread_top=top,
+        written_at=NOW,
+    )
+
+
+def test_a_hang_asks_every_rank_for_its_stacks_before_stopping_and_names_the_suspect() -> None:
+    stale = progress(step=14, updated_at=NOW - dt.timedelta(hours=1), world_size=2)
+    old_job = JobObservation("run-0f1e2d3c-1", "RUNNING", start_time=NOW - dt.timedelta(hours=2))
+    hung = spec(recovery={"hangTimeoutSeconds": 600})
+    asked = reconcile(hung, running(), observe(job=old_job, progress=stale, run_uri="s3://b/p/ns/run"))
+    # Nothing stopped yet: the request goes under the run's prefix after this status is written.
+    assert asked.stop_job is None and asked.status.phase == api.Phase.RUNNING
+    assert asked.request_forensics is not None and asked.request_forensics.attempt == 1
+    forensics = asked.status.forensics
+    assert forensics is not None and forensics.world_size == 2
+    assert forensics.uri == "s3://b/p/ns/run/forensics/attempt-1" and forensics.concluded_at is None
+    assert "asking every rank for its stacks" in (asked.status.message or "")
+    # One rank answered, the wait not over: still waiting.
+    waiting = reconcile(hung, asked.status, observe(job=old_job, progress=stale, forensics_answered=1))
+    assert waiting.stop_job is None and waiting.request_forensics is None
+    # Both in: rank 1 waits in a collective, rank 0 is elsewhere; the attempt is stopped naming rank 0.
+    answers = (
+        stacks(0, False, "loop.py:480 in trigger"),
+        stacks(1, True, "distributed_c10d.py:2800 in all_reduce"),
+    )
+    done = reconcile(
+        hung,
+        waiting.status,
+        observe(job=old_job, progress=stale, forensics_answered=2, forensics_answers=answers),
+    )
+    assert done.stop_job == "run-0f1e2d3c-1" and done.status.phase == api.Phase.RESTARTING
+    suspect = done.status.forensics.suspect if done.status.forensics else None
+    assert suspect is not None and (suspect.rank, suspect.pod, suspect.node) == (0, "run-worker-0", "node-a")
+    assert "loop.py:480 in trigger" in suspect.why and "ranks 1 wait in a collective" in suspect.why
+    [entry] = done.status.restarts.history
+    assert entry.reason == "Hang" and "suspect rank 0 (pod run-worker-0, node node-a)" in entry.message
+    assert "2 of 2 ranks' stacks in s3://b/p/ns/run/forensics/attempt-1" in entry.message
 
 
 def test_unreadable_storage_is_a_condition_with_one_event_and_never_a_hang() -> None:
@@ -318,3 +365,15 @@ def test_every_permanent_trainer_verdict_fails_the_run_with_a_reason_of_its_own(
     assert classify("", "", nan, started).reason == "NonFiniteLoss"
     skipped = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=progress(non_finite_steps=2)))
     assert skipped.status.progress.non_finite_steps == 2
+
+
+def test_without_a_rank_out_of_collectives_the_suspect_is_the_one_behind_or_the_silent_one() -> None:
+    from fsdp_operator import hangs
+
+    behind = [stacks(0, True, "a"), stacks(1, True, "b").model_copy(update={"step": 12})]
+    found = hangs.suspect(behind, 2)
+    assert found is not None and found.rank == 1 and "completed step 12, the others 14" in found.why
+    silent = hangs.suspect([stacks(0, True, "a")], 2)
+    assert silent is not None and silent.rank == 1 and "did not answer" in silent.why
+    assert hangs.suspect([stacks(0, True, "a"), stacks(1, True, "b")], 2) is None
+    assert hangs.suspect([], 2) is None

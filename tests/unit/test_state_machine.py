@@ -143,7 +143,7 @@ def test_dashboard_outage_is_unknown_and_clears_when_ray_answers_again() -> None
 
 
 def test_slow_setup_with_heartbeats_is_not_a_hang_but_silence_is_a_setup_timeout() -> None:
-    run_spec = spec(recovery={"hangTimeoutSeconds": 600, "setupTimeoutSeconds": 900})
+    run_spec = spec(recovery={"forensicsSeconds": 0, "hangTimeoutSeconds": 600, "setupTimeoutSeconds": 900})
     long_setup = status(attempt_time=NOW - dt.timedelta(minutes=31))
     heartbeat = record("starting", seconds_ago=20, stage="downloading-model")
     alive = reconcile(run_spec, long_setup, observe(job=job("RUNNING", 31), progress=heartbeat))
@@ -165,7 +165,7 @@ def test_slow_setup_with_heartbeats_is_not_a_hang_but_silence_is_a_setup_timeout
 
 
 def test_hang_counts_from_the_attempts_own_training_records_only() -> None:
-    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    run_spec = spec(recovery={"forensicsSeconds": 0, "hangTimeoutSeconds": 600})
     # The previous attempt's record (another submission) is old, but this attempt is still setting up.
     previous_attempt = record(seconds_ago=3600, submission_id="run-0f1e2d3c-0")
     fresh = reconcile(run_spec, status(), observe(job=job("RUNNING"), progress=previous_attempt))
@@ -175,7 +175,7 @@ def test_hang_counts_from_the_attempts_own_training_records_only() -> None:
 
 
 def test_a_finished_trainer_is_not_a_hang_while_ray_cannot_be_asked() -> None:
-    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    run_spec = spec(recovery={"forensicsSeconds": 0, "hangTimeoutSeconds": 600})
     finished = record("finished", seconds_ago=700, step=100)
     waiting = reconcile(run_spec, status(), observe(dashboard_error="ReadTimeout", progress=finished))
     assert waiting.status.phase == api.Phase.RUNNING and waiting.status.restarts.count == 0
@@ -186,7 +186,7 @@ def test_a_finished_trainer_is_not_a_hang_while_ray_cannot_be_asked() -> None:
 
 
 def test_neither_s3_nor_ray_readable_for_longer_than_the_bound_restarts() -> None:
-    run_spec = spec(recovery={"hangTimeoutSeconds": 600})
+    run_spec = spec(recovery={"forensicsSeconds": 0, "hangTimeoutSeconds": 600})
     blind = observe(storage_read=True, storage_error="s3: timeout", dashboard_error="ReadTimeout")
     first = reconcile(run_spec, status(), blind)
     assert first.status.phase == api.Phase.RUNNING and first.stop_job is None

@@ -38,6 +38,9 @@ LOGS_DIR = "logs"
 DRIVER_LOG_FILE = "driver.log"
 MODEL_DIR = "model"
 MLFLOW_RUN_FILE = "mlflow.json"
+FORENSICS_DIR = "forensics"
+# The Kubernetes node of a worker pod, given to it through the downward API: hang forensics name it.
+NODE_NAME_ENV = "FSDP_NODE_NAME"
 DCP_METADATA_FILE = ".metadata"
 SCHEMA_VERSION = 1
 # Text a person types (sources, paths, URIs, env values): without control characters or bidirectional
@@ -610,6 +613,38 @@ class RunRecord(ContractModel):
     )
 
 
+class ForensicsRequest(ContractModel):
+    """Written by the operator when it declares an attempt hung, before it stops anything: every rank of the
+    attempt answers with its RankStacks."""
+
+    attempt: int
+    reason: str
+    requested_at: dt.datetime
+
+
+class ThreadStack(ContractModel):
+    name: str
+    daemon: bool
+    stack: str = Field(description="Innermost frame last, as Python's traceback prints it.")
+
+
+class RankStacks(ContractModel):
+    """What one rank was doing when the operator asked: every thread's stack and the last lines it logged."""
+
+    rank: int
+    world_size: int
+    pod: str = Field(description="The host name: the Ray pod on Kubernetes.")
+    node: str | None = Field(default=None, description="The Kubernetes node, where the pod is told it.")
+    step: int = Field(description="The last optimizer step this rank completed.")
+    in_collective: bool = Field(
+        description="The main thread waits in a torch.distributed call (a collective, a barrier)."
+    )
+    main_thread_top: str = Field(default="", description="The main thread's innermost frame, in one line.")
+    threads: list[ThreadStack] = Field(default_factory=list)
+    recent_log: str = Field(default="", description="The rank's last log lines.")
+    written_at: dt.datetime
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Pure helpers both sides use
 
@@ -629,6 +664,19 @@ def rank_log_name(attempt: int, rank: int) -> str:
 
 def driver_log_name(attempt: int) -> str:
     return f"{attempt_logs_dir(attempt)}/{DRIVER_LOG_FILE}"
+
+
+def forensics_dir(attempt: int) -> str:
+    """Hang forensics of one attempt, relative to the run's prefix."""
+    return f"{FORENSICS_DIR}/attempt-{attempt}"
+
+
+def forensics_request_name(attempt: int) -> str:
+    return f"{forensics_dir(attempt)}/request.json"
+
+
+def rank_stacks_name(attempt: int, rank: int) -> str:
+    return f"{forensics_dir(attempt)}/rank-{rank}.json"
 
 
 def checkpoint_is_complete(manifest: CheckpointManifest | None, listing: dict[str, int]) -> bool:

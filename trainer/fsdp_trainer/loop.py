@@ -25,6 +25,7 @@ from fsdp_trainer import (
     chunked_loss,
     data,
     distributed,
+    forensics,
     model,
     optim,
     parallelize,
@@ -68,6 +69,14 @@ def train_loop(config: dict[str, Any]) -> None:
         run, loop_input.attempt.attempt or 1, runtime.rank, loop_input.trainer.secret_env_names
     )
     trainer = Trainer(loop_input, runtime, run, socket_interface)
+    watch = forensics.ForensicsWatch(
+        run,
+        loop_input.attempt.attempt or 1,
+        runtime.rank,
+        runtime.world_size,
+        step=lambda: trainer.step,
+        recent_log=rank_log.recent,
+    )
     tracking_status = "FAILED"
     try:
         trainer.run()
@@ -91,6 +100,7 @@ def train_loop(config: dict[str, Any]) -> None:
                 trainer.tracker.close(tracking_status)
             distributed.stop(runtime)
         finally:
+            watch.stop()
             runlog.stop_rank_log(rank_log)  # last: it keeps what closing the rest logged
 
 
@@ -138,6 +148,7 @@ class Trainer:
         self.versions = versions()
         self.checkpoints: CheckpointManager | None = None  # closed by train_loop, however setup ends
         self.tracker: MlflowTracker | None = None  # rank 0 only, closed by train_loop
+        self.step = 0  # the last step this rank completed (hang forensics report it)
 
     def run(self) -> None:
         session = self.setup()
@@ -331,6 +342,7 @@ class Trainer:
                         "fsdp.compile: torch.compile cannot compile a decoder layer whole (fullgraph=True): "
                         f"{error}. Turn fsdp.compile off for this model."
                     ) from error
+                self.step = step
                 # A skipped step still takes its step number: its samples were read, so the step, the data
                 # position and tokens seen move on together, the batch that went non-finite is not retried,
                 # and maxSteps still bounds the attempt.

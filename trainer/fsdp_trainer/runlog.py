@@ -130,6 +130,11 @@ class CappedText:
             self._tail_size -= len(self._tail.popleft().encode())
             self.dropped += 1
 
+    def last(self, lines: int) -> str:
+        """The newest `lines` lines."""
+        kept = [*self._head, *self._tail] if not self.dropped else list(self._tail)
+        return "".join(kept[-lines:])
+
     def text(self) -> str:
         marker = []
         if self.dropped:
@@ -170,6 +175,11 @@ class RankLog(logging.Handler):
         with self._changed:
             self._text.add(line)
             self._version += 1
+
+    def recent(self, lines: int = 40) -> str:
+        """The newest lines this process logged."""
+        with self._changed:
+            return self._text.last(lines)
 
     def flush(self) -> None:
         """Stores what is new now and waits for it."""

@@ -1,0 +1,107 @@
+"""Hang forensics, the rank's side: a thread that watches for the operator's request (an object it writes
+under the run's prefix when it declares the attempt hung, before it stops anything) and answers with every
+thread's stack, where the main thread waits, the last step and the last log lines. A hung rank's main thread
+sits in C (a collective, a sleep) with the GIL released, so this thread still runs; its answer outlives the
+cluster."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from types import FrameType
+
+from fsdp_trainer.contract import (
+    NODE_NAME_ENV,
+    RankStacks,
+    ThreadStack,
+    forensics_request_name,
+    rank_stacks_name,
+)
+from fsdp_trainer.storage import Location
+
+# How often each rank looks for a request: one small read per rank per interval, and the operator waits a
+# minute for every answer (recovery.forensicsSeconds).
+POLL_SECONDS = 5.0
+
+
+class ForensicsWatch:
+    """Answers the operator's forensics request for this rank's attempt, once."""
+
+    def __init__(
+        self,
+        run: Location,
+        attempt: int,
+        rank: int,
+        world_size: int,
+        step: Callable[[], int],
+        recent_log: Callable[[], str],
+        poll_seconds: float = POLL_SECONDS,
+    ) -> None:
+        self._run, self._attempt, self._rank, self._world_size = run, attempt, rank, world_size
+        self._step, self._recent_log, self._poll_seconds = step, recent_log, poll_seconds
+        self._main = threading.main_thread().ident
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="forensics", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=30)
+
+    def _watch(self) -> None:
+        request = self._run.child(forensics_request_name(self._attempt))
+        while not self._stopped.wait(self._poll_seconds):
+            try:
+                if not request.exists():
+                    continue
+                stacks = capture(self._rank, self._world_size, self._step(), self._recent_log(), self._main)
+                target = self._run.child(rank_stacks_name(self._attempt, self._rank))
+                target.write_text(stacks.model_dump_json(by_alias=True))
+                return
+            except Exception as error:  # forensics must never stop training; the next poll tries again
+                sys.stderr.write(f"hang forensics of rank {self._rank}: {type(error).__name__}: {error}\n")
+
+
+def capture(rank: int, world_size: int, step: int, recent_log: str, main: int | None) -> RankStacks:
+    """Every thread's stack now, and whether the main thread waits in torch.distributed."""
+    frames = sys._current_frames()
+    names = {thread.ident: thread for thread in threading.enumerate()}
+    threads = []
+    for ident, frame in frames.items():
+        thread = names.get(ident)
+        threads.append(
+            ThreadStack(
+                name=thread.name if thread else f"thread {ident}",
+                daemon=bool(thread and thread.daemon),
+                stack="".join(traceback.format_stack(frame)),
+            )
+        )
+    main_frame = frames.get(main) if main is not None else None
+    top = traceback.extract_stack(main_frame)[-1] if main_frame is not None else None
+    return RankStacks(
+        rank=rank,
+        world_size=world_size,
+        pod=socket.gethostname(),
+        node=os.environ.get(NODE_NAME_ENV),
+        step=step,
+        in_collective=main_frame is not None and waits_in_distributed(main_frame),
+        main_thread_top=f"{top.filename}:{top.lineno} in {top.name}" if top else "",
+        threads=threads,
+        recent_log=recent_log,
+        written_at=dt.datetime.now(dt.UTC),
+    )
+
+
+def waits_in_distributed(frame: FrameType) -> bool:
+    """Some frame of the stack is torch.distributed's: a collective, a barrier, FSDP's gathers and reduces."""
+    current: FrameType | None = frame
+    while current is not None:
+        if str(current.f_globals.get("__name__", "")).startswith("torch.distributed"):
+            return True
+        current = current.f_back
+    return False
