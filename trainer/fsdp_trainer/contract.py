@@ -210,9 +210,9 @@ class TrainingSpec(ContractModel):
         "globalBatchSize / (world size x microBatchSize), and a world size or microBatchSize that does not "
         "divide it fails the run (a config error). A resume at another world size keeps the global batch, "
         "so tokens per step, the learning-rate schedule and the data position stay exactly as they were. "
-        "Unset, the global batch is world size x microBatchSize x gradAccumulation as before, except that a "
-        "resume at another world size than its checkpoint's keeps the checkpoint's global batch (tokens seen "
-        "/ steps / sequence length) when world size x microBatchSize divides it, and fails otherwise.",
+        "Unset, the global batch is world size x microBatchSize x gradAccumulation, except that a resume "
+        "keeps the global batch its checkpoint records (when world size x microBatchSize divides it; else "
+        "it fails, naming both).",
     )
     sequence_length: int = Field(default=2048, ge=8, le=1_048_576, description="Tokens per sequence.")
     learning_rate: float = Field(default=2e-5, gt=0, le=1, description="Peak AdamW learning rate.")
