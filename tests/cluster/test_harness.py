@@ -100,16 +100,24 @@ def test_every_server_of_the_local_cluster_listens_on_loopback_or_its_pod_segmen
     assert [entry for entry in listeners if not ours_to_listen_on(entry[0])] == []
 
 
-def test_fake_gpu_nodes_have_gpu_and_efa_capacity_in_two_zones(local_cluster: LocalCluster) -> None:
+def test_fake_gpu_node_groups_have_the_shape_of_eks_node_groups(local_cluster: LocalCluster) -> None:
     selector = "type=kwok,node.kubernetes.io/instance-type=g6.12xlarge"  # the real node is tested on its own
     nodes = kubectl_json("get", "nodes", "-l", selector)["items"]
-    zones = {n["metadata"]["labels"]["topology.kubernetes.io/zone"] for n in nodes}
-    assert len(nodes) == 4 and zones == {"us-west-2a", "us-west-2b"}
+    groups: dict[str, set[tuple[str, str]]] = {}
     for node in nodes:
-        assert node["status"]["allocatable"]["nvidia.com/gpu"] == "4"
-        assert node["status"]["allocatable"]["vpc.amazonaws.com/efa"] == "1"
+        labels, allocatable = node["metadata"]["labels"], node["status"]["allocatable"]
+        groups.setdefault(labels["eks.amazonaws.com/nodegroup"], set()).add(
+            (labels["topology.kubernetes.io/zone"], allocatable["ephemeral-storage"])
+        )
+        assert (allocatable["nvidia.com/gpu"], allocatable["vpc.amazonaws.com/efa"]) == ("4", "1")
         ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}["Ready"]
         assert ready == "True", node["metadata"]["name"]
+    assert len(nodes) == 5
+    # Large root volumes in two zones; in a third, a group left at EKS's default 20 GiB disk.
+    assert groups == {
+        "gpu-g6": {("us-west-2a", "500Gi"), ("us-west-2b", "500Gi")},
+        "gpu-g6-default-disk": {("us-west-2c", "17Gi")},
+    }
 
 
 def test_kuberay_reconciles_a_raycluster_onto_gpu_nodes(namespace: str) -> None:
