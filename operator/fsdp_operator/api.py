@@ -682,7 +682,7 @@ class ForensicsStatus(ContractModel):
     )
     suspect: SuspectStatus | None = Field(
         default=None,
-        description="The rank that most likely hung: one whose main thread is not in a collective while "
+        description="The rank that most likely hung: one whose training thread is not in a collective while "
         "others wait in one, else the one behind in steps.",
     )
 

@@ -7,8 +7,8 @@ from fsdp_trainer.contract import RankStacks
 
 
 def suspect(answers: list[RankStacks], world_size: int | None) -> api.SuspectStatus | None:
-    """A rank whose main thread is not in a collective while others wait in one: the others wait for it. Else
-    the rank behind the others in steps; else a rank that did not answer (its process may be gone)."""
+    """A rank whose training thread is not in a collective while others wait in one: the others wait for it.
+    Else the rank behind the others in steps; else a rank that did not answer (its process may be gone)."""
     if not answers:
         return None
     waiting = [a for a in answers if a.in_collective]
@@ -17,7 +17,7 @@ def suspect(answers: list[RankStacks], world_size: int | None) -> api.SuspectSta
         first = elsewhere[0]
         return _named(
             first,
-            f"its main thread is at {first.main_thread_top or 'an unknown frame'} while ranks "
+            f"its training thread is at {first.training_thread_top or 'an unknown frame'} while ranks "
             f"{_ranks(waiting)} wait in a collective",
         )
     steps = {a.step for a in answers}

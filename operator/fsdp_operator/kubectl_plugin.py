@@ -347,8 +347,8 @@ def diff_command(options: argparse.Namespace, write: Callable[[str], None]) -> N
 def forensics_command(
     options: argparse.Namespace, run: dict[str, Any], objects: RunObjects, write: Callable[[str], None]
 ) -> None:
-    """Every rank's answer to the attempt's hang forensics: where its main thread was, its last step, every
-    thread's stack and its last log lines; the suspect the operator named first."""
+    """Every rank's answer to the attempt's hang forensics: where its training thread was, its last step,
+    every thread's stack and its last log lines; the suspect the operator named first."""
     found = (run.get("status") or {}).get("forensics") or {}
     attempt = options.attempt or found.get("attempt")
     if attempt is None:
@@ -371,7 +371,7 @@ def forensics_command(
         where = "in a collective" if answer.in_collective else "not in a collective"
         write(
             f"\n=== rank {answer.rank}/{answer.world_size}  pod {answer.pod}  node {answer.node or '-'}  "
-            f"step {answer.step}  main thread {where}: {answer.main_thread_top}\n"
+            f"step {answer.step}  training thread {where}: {answer.training_thread_top}\n"
         )
         for thread in answer.threads:
             write(f"--- thread {thread.name}{' (daemon)' if thread.daemon else ''}\n{thread.stack}")

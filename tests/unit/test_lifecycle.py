@@ -169,7 +169,7 @@ def stacks(rank: int, in_collective: bool, top: str) -> RankStacks:
         node="node-a",
         step=14,
         in_collective=in_collective,
-        main_thread_top=top,
+        training_thread_top=top,
         written_at=NOW,
     )
 

@@ -1,6 +1,6 @@
 """Hang forensics, the ranks' side: with rank 0 hung (its process alive, out of any collective) and rank 1
 waiting for it in one, the operator's request under the run's prefix is answered by both ranks with their
-threads' stacks, where each main thread is, the last completed step and the last log lines."""
+threads' stacks, where each training thread is, the last completed step and the last log lines."""
 
 from __future__ import annotations
 
@@ -69,8 +69,8 @@ def test_both_ranks_answer_with_where_they_are_and_only_the_hung_one_is_out_of_a
             process.join(timeout=30)
     hung, waiting = (RankStacks.model_validate_json(path.read_text()) for path in answers)
     assert (hung.rank, hung.world_size, waiting.rank) == (0, 2, 1)
-    assert not hung.in_collective and "in trigger" in hung.main_thread_top, hung.main_thread_top
-    assert waiting.in_collective, waiting.main_thread_top
+    assert not hung.in_collective and "in trigger" in hung.training_thread_top, hung.training_thread_top
+    assert waiting.in_collective, waiting.training_thread_top
     assert hung.step == 2 and waiting.step == 2  # both completed step 2; rank 1 waits inside step 3
     assert "fault injection: hang at step 3" in hung.recent_log
     names = {thread.name for thread in hung.threads}

@@ -637,9 +637,12 @@ class RankStacks(ContractModel):
     node: str | None = Field(default=None, description="The Kubernetes node, where the pod is told it.")
     step: int = Field(description="The last optimizer step this rank completed.")
     in_collective: bool = Field(
-        description="The main thread waits in a torch.distributed call (a collective, a barrier)."
+        description="The training thread (the one running the loop: under Ray Train not the process's main "
+        "thread) waits in a torch.distributed call (a collective, a barrier)."
     )
-    main_thread_top: str = Field(default="", description="The main thread's innermost frame, in one line.")
+    training_thread_top: str = Field(
+        default="", description="The training thread's innermost frame, in one line."
+    )
     threads: list[ThreadStack] = Field(default_factory=list)
     recent_log: str = Field(default="", description="The rank's last log lines.")
     written_at: dt.datetime

@@ -1,8 +1,8 @@
 """Hang forensics, the rank's side: a thread that watches for the operator's request (an object it writes
 under the run's prefix when it declares the attempt hung, before it stops anything) and answers with every
-thread's stack, where the main thread waits, the last step and the last log lines. A hung rank's main thread
-sits in C (a collective, a sleep) with the GIL released, so this thread still runs; its answer outlives the
-cluster."""
+thread's stack, where the training thread waits, the last step and the last log lines. A hung rank's
+training thread sits in C (a collective, a sleep) with the GIL released, so this thread still runs; its answer
+outlives the cluster."""
 
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ class ForensicsWatch:
     ) -> None:
         self._run, self._attempt, self._rank, self._world_size = run, attempt, rank, world_size
         self._step, self._recent_log, self._poll_seconds = step, recent_log, poll_seconds
-        self._main = threading.main_thread().ident
+        # The thread that trains: Ray Train V2 runs the loop in a thread of its own, not the main one.
+        self._training = threading.get_ident()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="forensics", daemon=True)
         self._thread.start()
@@ -59,7 +60,9 @@ class ForensicsWatch:
             try:
                 if not request.exists():
                     continue
-                stacks = capture(self._rank, self._world_size, self._step(), self._recent_log(), self._main)
+                stacks = capture(
+                    self._rank, self._world_size, self._step(), self._recent_log(), self._training
+                )
                 target = self._run.child(rank_stacks_name(self._attempt, self._rank))
                 target.write_text(stacks.model_dump_json(by_alias=True))
                 return
@@ -67,8 +70,8 @@ class ForensicsWatch:
                 sys.stderr.write(f"hang forensics of rank {self._rank}: {type(error).__name__}: {error}\n")
 
 
-def capture(rank: int, world_size: int, step: int, recent_log: str, main: int | None) -> RankStacks:
-    """Every thread's stack now, and whether the main thread waits in torch.distributed."""
+def capture(rank: int, world_size: int, step: int, recent_log: str, training: int | None) -> RankStacks:
+    """Every thread's stack now, and whether the training thread waits in torch.distributed."""
     frames = sys._current_frames()
     names = {thread.ident: thread for thread in threading.enumerate()}
     threads = []
@@ -81,16 +84,16 @@ def capture(rank: int, world_size: int, step: int, recent_log: str, main: int | 
                 stack="".join(traceback.format_stack(frame)),
             )
         )
-    main_frame = frames.get(main) if main is not None else None
-    top = traceback.extract_stack(main_frame)[-1] if main_frame is not None else None
+    training_frame = frames.get(training) if training is not None else None
+    top = traceback.extract_stack(training_frame)[-1] if training_frame is not None else None
     return RankStacks(
         rank=rank,
         world_size=world_size,
         pod=socket.gethostname(),
         node=os.environ.get(NODE_NAME_ENV),
         step=step,
-        in_collective=main_frame is not None and waits_in_distributed(main_frame),
-        main_thread_top=f"{top.filename}:{top.lineno} in {top.name}" if top else "",
+        in_collective=training_frame is not None and waits_in_distributed(training_frame),
+        training_thread_top=f"{top.filename}:{top.lineno} in {top.name}" if top else "",
         threads=threads,
         recent_log=recent_log,
         written_at=dt.datetime.now(dt.UTC),
