@@ -18,19 +18,12 @@ from fsdp_trainer.contract import (
     rank_stacks_name,
 )
 from tests.harness import free_port
-from tests.unit.test_trainer_setup import config, train
+from tests.unit.test_trainer_setup import as_rank_of_two, config, train
 
 
 def hang_on_rank(rank: int, port: int, trainer_json: str, marker: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        FSDP_TRAINER_FAULT=f"rank=0,step=3,marker={marker},action=hang",
-    )
+    as_rank_of_two(rank, port)
+    os.environ["FSDP_TRAINER_FAULT"] = f"rank=0,step=3,marker={marker},action=hang"
     train(TrainerConfig.model_validate_json(trainer_json), "job-1")
 
 

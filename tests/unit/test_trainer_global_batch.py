@@ -5,7 +5,6 @@ and the data position. The loop runs on CPU (gloo, a tiny Qwen2): two processes,
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from fsdp_trainer import checkpoint, data
 from fsdp_trainer.contract import MANIFEST_FILE, TrainerConfig, TrainingSpec
 from fsdp_trainer.errors import ConfigError
 from tests.harness import free_port
-from tests.unit.test_trainer_setup import config, history, manifests, train
+from tests.unit.test_trainer_setup import as_rank_of_two, config, history, manifests, train
 
 
 def with_training(trainer: TrainerConfig, **update: Any) -> TrainerConfig:
@@ -56,14 +55,7 @@ def test_the_loop_refuses_an_indivisible_global_batch_as_a_config_error(tmp_path
 
 
 def train_on_rank(rank: int, port: int, trainer_json: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+    as_rank_of_two(rank, port)
     train(TrainerConfig.model_validate_json(trainer_json), "job-1")
 
 

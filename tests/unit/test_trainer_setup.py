@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,18 @@ def config(storage: Path | str, seed: int = 3, max_steps: int = 4) -> TrainerCon
 
 def train(trainer: TrainerConfig, submission_id: str) -> None:
     train_loop(LoopInput(trainer=trainer, submission_id=submission_id).model_dump(mode="json"))
+
+
+def as_rank_of_two(rank: int, port: int) -> None:
+    """This process as one of two ranks of a torchrun-style group on loopback (a spawned test process)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
 
 
 def history(run: Path) -> list[list[ProgressRecord]]:
