@@ -59,10 +59,11 @@ cluster-down: ## stop everything cluster-up started
 	@hack/cluster-down.sh
 
 .PHONY: lint
-lint: venv-operator ## ruff, mypy and the import layers (import-linter)
+lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator in its environment, the trainer in the DLC's, with torch) and the import layers (import-linter)
 	$(VENV)/bin/ruff check operator trainer tests bench
 	$(VENV)/bin/ruff format --check operator trainer tests bench
-	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy
+	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p fsdp_operator
+	MYPY_CACHE_DIR=$(CACHE)/mypy-cache-dlc $(DLC_VENV)/bin/mypy -p fsdp_trainer
 	PYTHONPATH=operator:trainer $(VENV)/bin/lint-imports
 
 .PHONY: test
@@ -83,12 +84,12 @@ demo: $(DEMO_PREREQUISITES) ## the main job end to end (local cluster, or the cl
 	@hack/demo.sh
 
 .PHONY: bench
-bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU, load; GPU script in bench/
+bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU (in the DLC's environment), load; GPU script in bench/
 	$(PY) bench/control_plane.py
-	$(PY) bench/trainer_cpu.py
-	$(PY) bench/trainer_checkpoint.py
-	$(PY) bench/trainer_mlflow.py
-	$(PY) bench/trainer_prefetch.py
+	$(DLC_PY) bench/trainer_cpu.py
+	$(DLC_PY) bench/trainer_checkpoint.py
+	$(DLC_PY) bench/trainer_mlflow.py
+	$(DLC_PY) bench/trainer_prefetch.py
 	$(DLC_PY) bench/attempt_cpu.py
 	$(PY) bench/load.py
 
