@@ -521,6 +521,8 @@ class MlflowServer:
 
 
 MLFLOW_VENV = Path(cluster_settings("MLFLOW_VENV")[0])  # hack/venv.sh installs the MLflow server there
+# The DLC's Python (3.13, torch): where the trainer runs, for tests that start it in a process of their own.
+DLC_PYTHON = Path(cluster_settings("DLC_VENV")[0]) / "bin" / "python"
 
 
 @contextlib.contextmanager

@@ -16,7 +16,6 @@ import re
 import shlex
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -31,7 +30,7 @@ import pytest
 from fsdp_operator import api, submission
 from fsdp_operator.builder import RunRef
 from fsdp_trainer.contract import MLFLOW_RUN_FILE, AttemptInfo, MlflowRunRef, ProgressRecord
-from tests.harness import REPO, MlflowServer, free_port, tiny_qwen2, wait_until
+from tests.harness import DLC_PYTHON, REPO, MlflowServer, free_port, tiny_qwen2, wait_until
 
 TINY_QWEN2 = tiny_qwen2()
 MAX_STEPS = 16
@@ -82,7 +81,7 @@ def start_attempt(
     assert command[:3] == ["python", "-m", "fsdp_trainer"]
     with log.open("w") as out:
         return subprocess.Popen(
-            [sys.executable, *command[1:], "--launcher", "direct"],
+            [str(DLC_PYTHON), *command[1:], "--launcher", "direct"],
             env={**os.environ, "PYTHONPATH": str(REPO / "trainer"), "HF_HUB_OFFLINE": "1", **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
