@@ -303,6 +303,15 @@ def job_to_observe(status: FSDPTrainingRunStatus) -> str | None:
     return status.job_submission_id if status.phase in watched else None
 
 
+def comparable_image_ids(image_ids: tuple[str, ...]) -> tuple[str, ...]:
+    """The registry digests (repo@sha256:...) among the pods' image IDs, when there are any. A node reports
+    one image either way: by its registry digest, or by its bare config digest (sha256:..., for an image with
+    no registry digest, or before the runtime has recorded it); the two forms never compare equal, so mixing
+    them would see one image as two and recreate a cluster for ever."""
+    digests = tuple(image_id for image_id in image_ids if "@" in image_id)
+    return digests or image_ids
+
+
 def submission_id(prefix: str, attempt: int) -> str:
     return f"{prefix}-{attempt}"
 
@@ -452,7 +461,7 @@ class _Pass:
         """The digest the pods run, once the cluster is past provisioning (ready, or given up): while it
         provisions, pods start one by one, and pinning the first one's would cost a status write alone."""
         if self.obs.pod_image_ids and self.new.phase != Phase.PROVISIONING:
-            self.absorb_image(set(self.obs.pod_image_ids))
+            self.absorb_image(set(comparable_image_ids(self.obs.pod_image_ids)))
 
     def absorb_image(self, image_ids: set[str]) -> None:
         image = self.new.image
@@ -872,7 +881,7 @@ class _Pass:
         """Pods of a new cluster that pulled different images for one tag (nodes holding different copies of a
         republished tag: different NCCL builds in one job): before any job runs, the cluster is recreated on
         the digest most of them run, pinned for every later attempt."""
-        ids = self.obs.pod_image_ids
+        ids = comparable_image_ids(self.obs.pod_image_ids)
         submitted = self.new.job_submission_id is not None and self.new.phase == Phase.CLUSTER_READY
         if len(set(ids)) < 2 or submitted:
             return False

@@ -359,6 +359,21 @@ def test_pods_of_a_new_cluster_that_pulled_different_images_are_recreated_on_one
     assert agreeing.submit_attempt == 1 and agreeing.status.image.digest == new
 
 
+def test_one_image_reported_by_its_registry_digest_and_by_its_bare_id_is_one_image() -> None:
+    """A node's runtime reports an image by its registry digest, or by its bare config digest before it has
+    recorded one (seen on the real node: a cluster recreated for ever, the bare ID pinned, pods then reporting
+    a third form). Only registry digests are compared, and the one pinned is pullable."""
+    digest, bare = "localhost/dlc@sha256:" + "c" * 64, "sha256:" + "1" * 64
+    provisioning = status(
+        api.Phase.PROVISIONING, attempt=0, job_submission_id=None, phase_transition_time=NOW
+    )
+    decision = reconcile(spec(), provisioning, observe(pod_image_ids=(digest, bare, bare)))
+    assert not decision.delete_cluster and decision.submit_attempt == 1
+    assert decision.status.image.digest == digest and decision.status.image.consistent is True
+    only_bare = reconcile(spec(), provisioning, observe(pod_image_ids=(bare, bare)))
+    assert only_bare.submit_attempt == 1 and only_bare.status.image.digest == bare
+
+
 def test_a_tag_is_pulled_from_the_registry_by_every_node_and_a_digest_only_where_missing() -> None:
     """A node holding an older copy of a republished tag would otherwise run it (IfNotPresent, the
     default for any tag but latest): one cluster, two NCCL builds."""
