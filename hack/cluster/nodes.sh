@@ -3,9 +3,10 @@
 # heads. Capacity and labels follow what EKS and the NVIDIA/EFA device plugins set.
 # - gpu-g6: four nodes, two per zone in us-west-2a and us-west-2b, whose launch template gives a 500 GiB root
 #   volume (the shape the examples' runs need);
-# - gpu-g6-default-disk: one node in us-west-2c as an EKS managed node group makes it when diskSize is left at
+# - gpu-g6-default-disk: one node in us-west-2d as an EKS managed node group makes it when diskSize is left at
 #   its default, 20 GiB, of which the kubelet offers 17Gi (as the real node does): a run's default disk does not
-#   fit there, which is what a new EKS user meets first.
+#   fit there, which is what a new EKS user meets first (not us-west-2c: that zone is the real node's alone, where
+#   the real-pod runs pin their workers).
 # p5.48xlarge (8 GPUs, 32 EFA) is a group that scales from zero: tests add its node as an autoscaler would.
 set -euo pipefail
 
@@ -55,5 +56,5 @@ for zone in us-west-2a us-west-2b; do
     node "gpu-${zone##*-}-$i" "$zone" g6.12xlarge gpu-g6 48 192Gi 500Gi 4 1
   done
 done
-node gpu-c-0 us-west-2c g6.12xlarge gpu-g6-default-disk 48 192Gi 17Gi 4 1
+node gpu-d-0 us-west-2d g6.12xlarge gpu-g6-default-disk 48 192Gi 17Gi 4 1
 node system-0 us-west-2a m6i.2xlarge system 8 32Gi 500Gi 0 0

@@ -116,7 +116,7 @@ def test_fake_gpu_node_groups_have_the_shape_of_eks_node_groups(local_cluster: L
     # Large root volumes in two zones; in a third, a group left at EKS's default 20 GiB disk.
     assert groups == {
         "gpu-g6": {("us-west-2a", "500Gi"), ("us-west-2b", "500Gi")},
-        "gpu-g6-default-disk": {("us-west-2c", "17Gi")},
+        "gpu-g6-default-disk": {("us-west-2d", "17Gi")},
     }
 
 

@@ -177,14 +177,14 @@ def test_a_worker_larger_than_every_node_fails_at_once_naming_the_resource(
 def test_a_run_on_a_node_group_left_at_eks_default_disk_fails_saying_what_to_change(
     namespace: str, operator: OperatorProcess
 ) -> None:
-    """us-west-2c's g6.12xlarge group has EKS's default 20 GiB root volume (17Gi for pods): Qwen2.5-1.5B's
+    """us-west-2d's g6.12xlarge group has EKS's default 20 GiB root volume (17Gi for pods): Qwen2.5-1.5B's
     default worker disk (its download, a resumed checkpoint and Ray's files) does not fit there."""
-    apply(namespace, example("aws-sample", **{"cluster.zone": "us-west-2c"}))
+    apply(namespace, example("aws-sample", **{"cluster.zone": "us-west-2d"}))
     started = time.monotonic()
     run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=60)
     print(f"default disk on a 20 GiB node group: Failed {time.monotonic() - started:.1f}s after apply")
     message = conditions_of(run)["Failed"]["message"]
-    assert "no g6.12xlarge node in us-west-2c can take one worker" in message, message
+    assert "no g6.12xlarge node in us-west-2d can take one worker" in message, message
     assert "at most 17Gi ephemeral-storage on a node" in message and "diskSize is 20 GiB" in message, message
     assert "spec.cluster.ephemeralStorage" in message and "instance store" in message, message
     assert rayclusters(namespace) == []
