@@ -394,12 +394,14 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
     reclaim of a node whose group cannot grow) leaves its replacement Pending; Ray Train goes on with one
     worker, from the latest checkpoint, with the same global batch. The GPUs back, the replacement starts and
     Ray Train grows back to two. No restart of the run is spent; the history says at which size it ran."""
-    every = 10
+    every = 20
     manifest = real_pods_run(
         namespace,
         **{
             "cluster.minWorkers": 1,
-            "training.maxSteps": 200,
+            # More steps than the test waits for (this tiny model takes about 0.4 s a step here): it ends
+            # once the run has trained past a checkpoint on two workers again.
+            "training.maxSteps": 5000,
             "training.globalBatchSize": 8,  # two workers x microBatchSize 4; one worker accumulates two
             "checkpoint.everySteps": every,
             "recovery.inJobMaxFailures": 2,
@@ -427,24 +429,33 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
         assert pending, "the lost worker's replacement should wait for GPUs"
         set_node_gpus(real_node, 8)
         wait_until("training on two workers again", lambda: world_size_of(namespace, run) == 2, timeout=600)
+        grown_at = step_of(namespace, run)
+        wait_until(
+            "a checkpoint on two workers again",
+            lambda: (
+                (run_of(namespace, run)["status"].get("checkpoints", {}).get("latest") or {}).get("step", 0)
+                >= grown_at + every
+            ),
+            timeout=600,
+        )
     finally:
         set_node_gpus(real_node, 8)
-    finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
-    status = finished["status"]
+    status = run_of(namespace, run)["status"]
+    assert status["phase"] == "Running", status["phase"]
     assert status["restarts"]["count"] == 0 and status["attempt"] == 1, status["restarts"]
     resizes = [e for e in status["restarts"]["history"] if e["reason"] == "Resized"]
     assert [e["worldSize"] for e in resizes] == [2, 1], resizes
     for entry in resizes:
         assert entry["resumedFromStep"] % every == 0, entry
-    # The loss curve goes on across both resizes: the same samples a step at either size, resumed from
-    # the checkpoint (the trainer's own test shows a resume on one process equal to two within 1e-4).
+    # The loss curve goes on across both resizes: the same samples a step at either size, resumed from the
+    # checkpoint (the trainer's own test shows a resume on one process equal to two within 1e-4); here only
+    # that no resize jumps: the first loss after each within 25 % of the last before it.
     losses = losses_by_step(s3, namespace, run)
     for entry in resizes:
         resumed = entry["resumedFromStep"]
         after = min(step for step in losses if step > resumed)
         before = max(step for step in losses if step <= resumed)
         assert losses[after][-1] < 1.25 * losses[before][0], (entry, losses[before], losses[after])
-    assert losses[200][-1] < losses[min(losses)][0]
     reliability.record(
         "A worker pod of an elastic run (minWorkers 1 of 2) lost while the node has GPUs for one worker; the "
         "GPUs back later",
