@@ -383,7 +383,10 @@ class _Pass:
                 eval_perplexity=_round(progress.eval_perplexity, 2),
                 tokens_per_second=_round(progress.tokens_per_second, 1),
                 mfu=_round(progress.mfu, 4),
-                world_size=_count(progress.world_size),
+                # The size that trains: a restarting group's setup heartbeats are not a resize yet.
+                world_size=_count(progress.world_size)
+                if progress.phase in ("training", "finished")
+                else new.progress.world_size,
                 non_finite_steps=_count(progress.non_finite_steps) or None,
                 updated_at=progress.updated_at,
             )

@@ -46,10 +46,12 @@ def running(world_size: int, updated: dt.datetime) -> api.FSDPTrainingRunStatus:
     )
 
 
-def pass_seeing(status: api.FSDPTrainingRunStatus, world_size: int) -> api.FSDPTrainingRunStatus:
+def pass_seeing(
+    status: api.FSDPTrainingRunStatus, world_size: int, phase: str = "training"
+) -> api.FSDPTrainingRunStatus:
     progress = ProgressRecord(
         run_name="r",
-        phase="training",
+        phase=phase,
         submission_id="run-1",
         step=31,
         max_steps=100,
@@ -73,6 +75,12 @@ def test_a_resize_within_an_attempt_is_in_the_history_with_the_size_it_ran_at_an
     assert (entry.reason, entry.world_size, entry.resumed_from_step) == ("Resized", 8, 30)
     assert "from 8 to 4 training processes" in entry.message and shrunk.restarts.count == 0
     assert shrunk.progress.world_size == 4
+    # Ray Train restarting the group on fewer workers: its setup heartbeats do not change the size shown, so
+    # the first training record after them is the resize.
+    starting = pass_seeing(running(8, NOW - dt.timedelta(minutes=1)), world_size=4, phase="starting")
+    assert starting.progress.world_size == 8 and starting.restarts.history == []
+    [after_setup] = pass_seeing(starting, world_size=4).restarts.history
+    assert (after_setup.reason, after_setup.world_size) == ("Resized", 8)
     # The same size again: nothing new. The size shown being the previous attempt's: nothing either.
     assert pass_seeing(shrunk, world_size=4).restarts.history == [entry]
     stale = running(8, NOW - dt.timedelta(minutes=20))
