@@ -116,11 +116,17 @@ def observe(
         run_uri=storage.uri,
         package_sha256=ctx.package_sha256,
         archived_driver_log=memory.archived_driver_log,
-        created=dt.datetime.fromisoformat(body["metadata"]["creationTimestamp"]),
+        created=created_at(body),
         forensics_answered=answered,
         forensics_answers=answers,
         instance_hour_price=ctx.settings.instance_hour_prices.get(spec.cluster.instance_type),
     )
+
+
+def created_at(body: Mapping[str, Any]) -> dt.datetime | None:
+    """The run's creationTimestamp (goodput counts from it); None where the body has none."""
+    created = body["metadata"].get("creationTimestamp")
+    return dt.datetime.fromisoformat(created) if created else None
 
 
 def forensics_pending(status: api.FSDPTrainingRunStatus) -> bool:

@@ -135,6 +135,7 @@ def test_valid_runs_are_accepted_with_server_side_defaults(namespace: str, crd_i
         "maxRestarts": 3,
         "backoffSeconds": 30,
         "hangTimeoutSeconds": 1800,
+        "forensicsSeconds": 60,
         "setupTimeoutSeconds": 1800,
         "provisioningTimeoutSeconds": 900,
         "provisioningAttempts": 3,
