@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from fsdp_operator import api, builder, conditions, metrics, submission
+from fsdp_operator import api, builder, conditions, fabric, metrics, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.reconcile import Decision, DriverLog
@@ -59,6 +59,12 @@ def act(
                 log.warning(
                     "%s/%s: could not stop job %s: %s", run.namespace, run.name, decision.stop_job, error
                 )
+        if decision.avoid_node is not None:  # before the cluster goes: its replacement's pods avoid the node
+            node = decision.avoid_node
+            ctx.kube.patch_node(node.node, fabric.label_patch(node.why, node.labelled_at))
+            log.warning(
+                "%s/%s: labelled node %s %s", run.namespace, run.name, node.node, fabric.DEGRADED_LABEL
+            )
         if decision.delete_cluster:
             ctx.kube.delete_raycluster(run.namespace, cluster_name)
             memory.created = None

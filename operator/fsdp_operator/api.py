@@ -21,6 +21,7 @@ from fsdp_trainer.contract import (
     ContractModel,
     DataSpec,
     EfaPolicy,
+    FabricReport,
     FsdpSpec,
     MlflowConfig,
     MlflowRunRef,
@@ -327,6 +328,7 @@ class PreflightSpec(ContractModel):
 
 MAX_RESTARTS = 100
 RESTART_HISTORY_IN_STATUS = 10
+MAX_AVOIDED_NODES = 8
 MAX_CONDITION_REASON = 128
 MAX_MESSAGE = 1024
 
@@ -560,8 +562,9 @@ class Condition(ContractModel):
         description="Preflight, ClusterReady, PodsHealthy, PodsScheduled (False with the scheduler's message "
         "while a worker pod waits for a node), JobRunning, Finished (True when the run ended "
         "either way: wait on it), Succeeded (False when the run failed), Failed, Suspended, "
-        "TransportDegraded, ImageConsistent, StorageReadable or Admitted (by Kueue, for runs with a "
-        "queue).",
+        "TransportDegraded, FabricVerified (the attempt's fabric check: False below "
+        "network.minBusBandwidthGbps, naming the slow pod and node), ImageConsistent, StorageReadable or "
+        "Admitted (by Kueue, for runs with a queue).",
     )
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=MAX_CONDITION_REASON, description="CamelCase reason.")
@@ -687,6 +690,26 @@ class ForensicsStatus(ContractModel):
     )
 
 
+class AvoidedNode(ContractModel):
+    node: str
+    labelled_at: dt.datetime
+    why: str = Field(max_length=MAX_MESSAGE)
+
+
+class FabricStatus(ContractModel):
+    attempt: int = Field(description="The attempt whose fabric check this is.")
+    report: FabricReport = Field(
+        description="Its figures (the sweep, the slowest links) and verdict, bounded; run.json and the "
+        "progress record hold the rest."
+    )
+    avoided_nodes: list[AvoidedNode] = Field(
+        default_factory=list,
+        max_length=MAX_AVOIDED_NODES,
+        description=f"Nodes this run's checks found slow and labelled {GROUP}/fabric-degraded (the last "
+        f"{MAX_AVOIDED_NODES}); every run's workers avoid them until the platform removes the label.",
+    )
+
+
 class GoodputSeconds(ContractModel):
     """Seconds since the run was created, by what they went to; they add up to accountedUntil minus the
     run's creation."""
@@ -781,6 +804,9 @@ class FSDPTrainingRunStatus(ContractModel):
         default=None, description="When the operator next re-checks capacity or restarts."
     )
     goodput: GoodputStatus = Field(default_factory=GoodputStatus)
+    fabric: FabricStatus | None = Field(
+        default=None, description="The latest fabric check, run before each attempt's first step."
+    )
     forensics: ForensicsStatus | None = Field(
         default=None, description="The latest hang forensics: what every rank was doing when it was stopped."
     )

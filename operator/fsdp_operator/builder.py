@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api
+from fsdp_operator import api, fabric
 from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_operator.settings import Settings
 from fsdp_trainer.contract import NODE_NAME_ENV, EfaPolicy
@@ -460,6 +460,14 @@ def _worker_group(
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
         "nodeSelector": node_selector,
+        # Off any node a fabric check found slow (fabric.py), whichever run's check it was.
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [{"matchExpressions": [fabric.avoid_degraded_nodes()]}]
+                }
+            }
+        },
         "tolerations": _tolerations(worker_tolerations(spec)),
         "containers": [container],
         "volumes": [

@@ -17,6 +17,7 @@ SUCCEEDED = "Succeeded"
 FAILED = "Failed"
 SUSPENDED = "Suspended"
 TRANSPORT_DEGRADED = "TransportDegraded"
+FABRIC_VERIFIED = "FabricVerified"  # the attempt's fabric check: True passed, False below the threshold
 IMAGE_CONSISTENT = "ImageConsistent"
 STORAGE_READABLE = "StorageReadable"
 QUEUE_ADMITTED = "Admitted"  # Kueue admitted the RayCluster (runs with spec.cluster.queueName only)

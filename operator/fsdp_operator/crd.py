@@ -260,6 +260,12 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Image Digest", "type": "string", "jsonPath": ".status.image.digest", "priority": 1},
     {"name": "Ray Cluster", "type": "string", "jsonPath": ".status.rayClusterName", "priority": 1},
     {"name": "Transport", "type": "string", "jsonPath": ".status.transport.observed", "priority": 1},
+    {
+        "name": "Bus GB/s",
+        "type": "number",
+        "jsonPath": ".status.fabric.report.busBandwidthGbps",
+        "priority": 1,
+    },
     {"name": "Progress %", "type": "number", "jsonPath": ".status.goodput.progressPercent", "priority": 1},
     {"name": "ETA", "type": "string", "jsonPath": ".status.goodput.eta", "priority": 1},
     {"name": "Goodput", "type": "number", "jsonPath": ".status.goodput.fraction", "priority": 1},

@@ -58,12 +58,13 @@ class Kube:
         body: Any = None,
         query: list[tuple[str, Any]] | None = None,
         preload: bool = True,
+        content_type: str = "application/json",
     ) -> Any:
         """One call by path, as the generated APIs make it (bearer token, timeout); ApiException on errors.
         The decoded JSON, or the raw response with preload=False."""
         headers = {"Accept": "application/json"}
         if body is not None:
-            headers["Content-Type"] = "application/json"
+            headers["Content-Type"] = content_type
         serialized = self.api_client.param_serialize(
             method=method,
             resource_path=path,
@@ -141,6 +142,10 @@ class Kube:
         except ApiException as error:
             if error.status != 404:
                 raise
+
+    def patch_node(self, name: str, patch: dict[str, Any]) -> None:
+        """A merge patch of a node's metadata (the fabric check's label, fabric.py)."""
+        self.request("PATCH", f"/api/v1/nodes/{name}", patch, content_type="application/merge-patch+json")
 
     def namespace_annotations(self, namespace: str) -> dict[str, str]:
         """The Namespace's annotations: what the platform grants runs there (tenancy.py)."""

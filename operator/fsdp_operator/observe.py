@@ -97,6 +97,7 @@ def observe(
         storage_error=storage_error,
         storage_error_reason=storage_error_reason,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
+        pod_nodes={pod["name"]: pod["node"] for pod in pods if pod.get("node")},
         pod_problems=scheduling.problems,
         unschedulable=scheduling.waiting,
         scale_up=scheduling.scale_up,

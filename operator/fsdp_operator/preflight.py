@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from fsdp_operator import api, instancetypes, quantity
+from fsdp_operator import api, fabric, instancetypes, quantity
 from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa, worker_tolerations
 
 CPU, MEMORY, DISK = "cpu", "memory", "ephemeral-storage"
@@ -186,6 +186,8 @@ def free_worker_nodes(
         meta, node_spec, status = node["metadata"], node.get("spec", {}), node.get("status", {})
         labels = meta.get("labels", {})
         if any(labels.get(k) != v for k, v in wanted.items()) or node_spec.get("unschedulable"):
+            continue
+        if fabric.is_degraded(labels):  # workers avoid it (builder.py): its capacity is not the run's
             continue
         ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
         taints = [t for t in node_spec.get("taints", []) if t.get("effect") in ("NoSchedule", "NoExecute")]

@@ -29,11 +29,13 @@ import dataclasses
 import datetime as dt
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fsdp_operator import api, conditions, goodput, hangs
+from fsdp_operator import api, conditions, fabric, goodput, hangs
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
+from fsdp_operator.bounds import CONTROL_CHARACTERS, TRUNCATED, bounded_text
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES, JobObservation
 from fsdp_operator.kueue import WorkloadObservation
@@ -43,18 +45,21 @@ from fsdp_operator.preflight import (
     WORKER_FITS_NO_NODE,
     PreflightResult,
 )
-from fsdp_operator.recovery import Failure, backoff_seconds, classify
+from fsdp_operator.recovery import REASON_BY_KIND, Failure, backoff_seconds, classify
 from fsdp_operator.tenancy import NOT_ALLOWED
 from fsdp_trainer.contract import (
     LOGS_DIR,
     MAX_URI,
     RUN_RECORD_FILE,
     CheckpointRef,
+    ErrorKind,
+    FabricReport,
     ForensicsRequest,
     MlflowRunRef,
     ProgressRecord,
     RankStacks,
     RestartEntry,
+    SlowFabricPolicy,
     Transport,
     TransportReport,
     Versions,
@@ -78,8 +83,6 @@ MAX_EVIDENCE_LINES = 8
 MAX_TRAINER_URI = MAX_URI
 MAX_MLFLOW_ID = 256
 MAX_COUNT = 2**63 - 1
-TRUNCATED = "...[truncated]"
-_CONTROL = re.compile(r"[\x00-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,7 @@ class Observation:
     storage_error_reason: str = "StorageError"
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
+    pod_nodes: Mapping[str, str] = field(default_factory=dict)  # the run's Ray pods' nodes, by pod name
     unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
     scale_up: str | None = None  # an autoscaler adding a node for one of them, in its words
     oom_kills: tuple[OomKill, ...] = ()
@@ -177,6 +181,7 @@ class Decision:
     stop_job: str | None = None  # submission id to stop
     keep_driver_log: DriverLog | None = None  # before stopping or deleting anything
     request_forensics: ForensicsRequest | None = None  # written under the run's prefix after the status
+    avoid_node: api.AvoidedNode | None = None  # label the node a fabric check found slow (fabric.py)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
 
@@ -397,6 +402,8 @@ class _Pass:
             )
             if progress.transport is not None:
                 self.absorb_transport(progress)
+            if progress.fabric is not None and progress.submission_id == new.job_submission_id:
+                self.absorb_fabric(progress.fabric)
         if obs.checkpoints:
             new.checkpoints.latest = obs.checkpoints[-1]
             new.checkpoints.recent = list(reversed(obs.checkpoints[-RECENT_CHECKPOINTS:]))
@@ -459,6 +466,49 @@ class _Pass:
         else:
             observed = Transport(progress.transport.observed).value
             self.condition(conditions.TRANSPORT_DEGRADED, False, "AsExpected", f"NCCL transport: {observed}")
+
+    def absorb_fabric(self, report: FabricReport) -> None:
+        """The attempt's fabric check: its figures in status.fabric and FabricVerified."""
+        new = self.new
+        avoided = new.fabric.avoided_nodes if new.fabric is not None else []
+        new.fabric = api.FabricStatus(
+            attempt=new.attempt, report=fabric.bounded_report(report), avoided_nodes=avoided
+        )
+        ok, reason, message = fabric.verdict(new.fabric.report)
+        if not ok and not self.condition_is(conditions.FABRIC_VERIFIED, "False"):
+            self.event(True, reason, message)
+        self.condition(conditions.FABRIC_VERIFIED, ok, reason, message)
+
+    def avoiding_slow_node(self, failure: Failure) -> Failure:
+        """A failed fabric check under network.slowFabric avoidNode, with one node to blame: the node is
+        labelled (recorded here, done by the actions before the cluster is deleted) and the attempt restarts
+        on a new cluster whose workers avoid it. Otherwise the failure stands, saying why no node was."""
+        new, obs = self.new, self.obs
+        if failure.reason != REASON_BY_KIND[ErrorKind.FABRIC]:
+            return failure
+        checked = new.fabric if new.fabric is not None and new.fabric.attempt == new.attempt else None
+        node = fabric.node_to_avoid(checked.report, obs.pod_nodes) if checked is not None else None
+        if self.spec.network.slow_fabric != SlowFabricPolicy.AVOID_NODE or checked is None or node is None:
+            why = (
+                "network.slowFabric is fail"
+                if self.spec.network.slow_fabric != SlowFabricPolicy.AVOID_NODE
+                else "no node to avoid: the slow links share no single pod the operator saw placed"
+            )
+            return dataclasses.replace(failure, message=f"{failure.message} ({why})")
+        why = f"{obs.run_uri} attempt {new.attempt}: {checked.report.message}"
+        avoided = api.AvoidedNode(node=node, labelled_at=obs.now, why=conditions.bounded(why))
+        checked.avoided_nodes = [*checked.avoided_nodes, avoided][-api.MAX_AVOIDED_NODES :]
+        self.decision.avoid_node = avoided
+        self.decision.delete_cluster = True
+        self.event(
+            True, "SlowNodeAvoided", f"node {node} labelled {fabric.DEGRADED_LABEL}: {checked.report.message}"
+        )
+        return Failure(
+            False,
+            failure.reason,
+            f"{failure.message}; node {node} labelled {fabric.DEGRADED_LABEL}, the next attempt's workers "
+            "avoid it",
+        )
 
     def absorb_pods_image(self) -> None:
         """The digest the pods run, once the cluster is past provisioning (ready, or given up): while it
@@ -1115,9 +1165,8 @@ class _Pass:
             step = new.progress.step if new.progress else None
             self.finish(Phase.SUCCEEDED, "Completed", f"training finished at step {step}")
         else:
-            self.fail_attempt(
-                self.oom_killed() or classify(job.message, job.logs_tail, obs.progress, job.start_time)
-            )
+            failure = self.oom_killed() or classify(job.message, job.logs_tail, obs.progress, job.start_time)
+            self.fail_attempt(self.avoiding_slow_node(failure))
 
     def oom_killed(self) -> Failure | None:
         """The attempt's failure when a process of it was killed at its pod's memory limit: a Ray container
@@ -1295,16 +1344,9 @@ def _count(value: int) -> int:
     return min(max(value, 0), MAX_COUNT)
 
 
-def bounded_text(text: str, limit: int = MAX_TRAINER_TEXT) -> str:
-    """Trainer-written text as the status keeps it: control characters replaced, at most `limit`
-    characters, a cut one ending in TRUNCATED."""
-    text = _CONTROL.sub("?", text)
-    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED
-
-
 def _whole(value: str | None, limit: int) -> str | None:
     """A value that means something only whole: kept if within `limit` and plain, else refused (None)."""
-    if value is None or len(value) > limit or _CONTROL.search(value):
+    if value is None or len(value) > limit or CONTROL_CHARACTERS.search(value):
         return None
     return value
 
@@ -1315,7 +1357,7 @@ def bounded_versions(versions: Versions) -> Versions:
 
 
 def bounded_transport(report: TransportReport) -> TransportReport:
-    lines = [bounded_text(line) for line in report.evidence[:MAX_EVIDENCE_LINES]]
+    lines = [bounded_text(line, MAX_TRAINER_TEXT) for line in report.evidence[:MAX_EVIDENCE_LINES]]
     if len(report.evidence) > MAX_EVIDENCE_LINES:
         lines.append(f"{TRUNCATED} {len(report.evidence) - MAX_EVIDENCE_LINES} more lines")
     bandwidth = report.bus_bandwidth_gbps

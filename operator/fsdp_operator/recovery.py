@@ -30,6 +30,7 @@ REASON_BY_KIND = {
     ErrorKind.OOM: "OutOfMemory",
     ErrorKind.TRANSPORT: "TransportPolicyViolated",
     ErrorKind.NON_FINITE_LOSS: "NonFiniteLoss",
+    ErrorKind.FABRIC: "FabricBelowThreshold",
 }
 
 

@@ -107,7 +107,12 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     except RefusedSpec as refused:
         refuse_spec(ctx, body, stored, str(refused))
         return Decision(api.FSDPTrainingRunStatus.model_validate(stored.get("status") or {}))
-    config = submission.trainer_config(spec, run, cpu_only=ctx.settings.trainer_device == "cpu")
+    config = submission.trainer_config(
+        spec,
+        run,
+        cpu_only=ctx.settings.trainer_device == "cpu",
+        min_bus_bandwidth_gbps=ctx.settings.fabric_min_bus_bandwidth_gbps,
+    )
     obs = observe(ctx, run, stored, spec, status, config, indexes)
     if creates_cluster_next(spec, status, obs.cluster is not None):
         obs = dataclasses.replace(obs, refusals=ctx.refusals(run.namespace, spec))

@@ -109,6 +109,12 @@ class Settings(BaseSettings):
         "node (on-demand, spot or internal rate): runs report their cost (status.goodput.costUsd); a type "
         "not named: no cost.",
     )
+    fabric_min_bus_bandwidth_gbps: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="The fabric check's threshold by instance type (JSON object, GB/s of all-reduce bus "
+        "bandwidth), over the operator's table of EFA instance types; a run's network.minBusBandwidthGbps "
+        "wins over both.",
+    )
     s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="s3:// prefixes every namespace's runs may read and write, comma-separated; "

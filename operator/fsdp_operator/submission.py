@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import shlex
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fsdp_operator import api
+from fsdp_operator import api, fabric
 from fsdp_operator.builder import RunRef, ray_cluster_name
 from fsdp_trainer import contract
 from fsdp_trainer.contract import AttemptInfo, TrackingConfig, TrainerConfig
@@ -27,9 +28,22 @@ def submission_prefix(run: RunRef) -> str:
     return f"{ray_cluster_name(run.name)}-{run.uid[:8]}"
 
 
-def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -> TrainerConfig:
-    """The run's spec as the trainer reads it. The run name is stable across attempts, so every attempt
-    writes under the same storage prefix and resumes from the same checkpoints."""
+def trainer_config(
+    spec: api.FSDPTrainingRunSpec,
+    run: RunRef,
+    cpu_only: bool,
+    min_bus_bandwidth_gbps: Mapping[str, float] | None = None,
+) -> TrainerConfig:
+    """The run's spec as the trainer reads it, with the fabric check's threshold resolved (the platform's
+    figures by instance type). The run name is stable across attempts, so every attempt writes under the
+    same storage prefix and resumes from the same checkpoints."""
+    network = spec.network.model_copy(
+        update={
+            "min_bus_bandwidth_gbps": fabric.threshold(
+                spec.network.min_bus_bandwidth_gbps, spec.cluster.instance_type, min_bus_bandwidth_gbps or {}
+            )
+        }
+    )
     return TrainerConfig(
         run_name=run.name,
         namespace=run.namespace,
@@ -42,7 +56,7 @@ def trainer_config(spec: api.FSDPTrainingRunSpec, run: RunRef, cpu_only: bool) -
         training=spec.training,
         data=spec.data,
         checkpoint=spec.checkpoint,
-        network=spec.network,
+        network=network,
         tracking=TrackingConfig(mlflow=spec.tracking.mlflow.trainer_view()) if spec.tracking.mlflow else None,
         # The MLflow credentials are Secrets in the pods' environment too: redacted like secretEnv.
         secret_env_names=sorted(

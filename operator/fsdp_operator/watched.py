@@ -108,6 +108,7 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     )
     return {
         "name": name,
+        "node": (body.get("spec") or {}).get("nodeName"),
         "head": head,
         "ready": ready,
         "imageIds": image_ids,

@@ -310,6 +310,12 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     )
     finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
     assert finished["status"]["checkpoints"]["latest"]["step"] == 160
+    # The restarted attempt's fabric check, with its figures: two pods, both ways between them.
+    verified = conditions_of(finished)["FabricVerified"]
+    assert verified["status"] == "True" and "bus bandwidth" in verified["message"], verified
+    fabric = finished["status"]["fabric"]
+    assert fabric["attempt"] == 2 and fabric["report"]["busBandwidthGbps"] > 0, fabric
+    assert len(fabric["report"]["links"]) == 2 and fabric["report"]["sweep"], fabric
     restarts = finished["status"]["restarts"]
     assert restarts["count"] == 1, restarts
     [entry] = restarts["history"]
@@ -463,6 +469,139 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
         "spent",
         f"one worker {seconds_between(lost_at, resizes[0]['time']):.0f} s after the loss (resumed from step "
         f"{resizes[0]['resumedFromStep']}); two again from step {resizes[1]['resumedFromStep']}",
+    )
+
+
+DEGRADED_LABEL = "fsdp.training.dev/fabric-degraded"
+
+
+def slow_pod_link(namespace: str, pod: str, rate: str) -> None:
+    """Shapes what reaches `pod` to `rate` with tc on its veth in the real node's network namespace (the
+    node's bridge side), as a bad NIC or cable would; the veth and its shaping go away with the pod."""
+    iflink = kubectl(
+        "exec", "-n", namespace, pod, "-c", "ray-worker", "--", "cat", "/sys/class/net/eth0/iflink"
+    )
+    [node_dir] = cluster_settings("NODE_DIR")
+    holder = (Path(node_dir) / "pids" / "namespaces.pid").read_text().strip()
+    in_node = ["nsenter", "--target", holder, "--net", "--"]
+    links = subprocess.run([*in_node, "ip", "-o", "link", "show"], check=True, capture_output=True, text=True)
+    [veth] = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in links.stdout.splitlines()
+        if line.split(":")[0] == iflink.stdout.strip()
+    ]
+    shape = [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        veth,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        "32kbit",
+        "latency",
+        "2s",
+    ]
+    subprocess.run([*in_node, *shape], check=True, capture_output=True)
+
+
+def node_labels(node: RealNode) -> dict[str, str]:
+    return dict(kubectl_json("get", "node", node.name)["metadata"].get("labels") or {})
+
+
+@pytest.mark.timeout(1500)
+def test_a_slow_pod_link_fails_the_fabric_check_naming_the_pod_and_node_which_the_next_attempt_avoids(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, reliability: Recorder
+) -> None:
+    """Three workers (three pods, so one pod's link can be told apart); one worker pod's link slowed to 20
+    Mbit/s with tc before the job starts. The attempt's fabric check finds the links into that pod below
+    network.minBusBandwidthGbps, names the pod and the node, and the operator labels the node and restarts on
+    a new cluster whose workers avoid it: on this one-node cluster they wait, Pending for the label, until the
+    platform takes it off; then the next check passes on fresh pods and the run trains."""
+    set_node_gpus(real_node, 12)  # three workers x 4
+    manifest = real_pods_run(
+        namespace,
+        **{
+            "cluster.workers": 3,
+            "cluster.cpu": "500m",  # three workers and the head on the node's 2 CPUs
+            "network.minBusBandwidthGbps": 0.05,  # 400 Mbit/s: far under a veth's, far over the slowed link
+            "training.maxSteps": 20,
+        },
+    )
+    run = manifest["metadata"]["name"]
+    try:
+
+        def first_worker_running() -> str | None:
+            workers = [p for p in pods_of(namespace, run) if node_type(p) == "worker"]
+            running = [p for p in workers if p["status"].get("phase") == "Running"]
+            return running[0]["metadata"]["name"] if running else None
+
+        slowed = wait_until("a worker pod running", first_worker_running, timeout=RUN_TIMEOUT, interval=0.5)
+        slow_pod_link(namespace, slowed, "20mbit")
+        slowed_at = dt.datetime.now(dt.UTC)
+        restarted = wait_until(
+            "a restart after the fabric check",
+            lambda: (r := run_of(namespace, run)) and r["status"]["restarts"]["history"] and r,
+            timeout=RUN_TIMEOUT,
+        )
+        entry = restarted["status"]["restarts"]["history"][0]
+        assert entry["reason"] == "FabricBelowThreshold", entry
+        assert f"every slow link touches pod {slowed} on node {real_node.name}" in entry["message"], entry
+        fabric = restarted["status"]["fabric"]
+        assert fabric["report"]["suspectPod"] == slowed and not fabric["report"]["passed"], fabric
+        assert [n["node"] for n in fabric["avoidedNodes"]] == [real_node.name], fabric
+        verified = conditions_of(restarted)["FabricVerified"]
+        assert verified["status"] == "False" and verified["reason"] == "BelowThreshold", verified
+        labels = node_labels(real_node)
+        assert DEGRADED_LABEL in labels, labels
+        annotation = kubectl_json("get", "node", real_node.name)["metadata"]["annotations"][DEGRADED_LABEL]
+        assert slowed in annotation, annotation
+        # The next attempt's workers avoid the node: on a one-node cluster they wait, and the run says why.
+        waiting = wait_until(
+            "the next attempt's workers Pending, kept off the labelled node",
+            lambda: (
+                (r := run_of(namespace, run))
+                and conditions_of(r).get("PodsScheduled", {}).get("status") == "False"
+                and r
+            ),
+            timeout=600,
+        )
+        assert "affinity" in conditions_of(waiting)["PodsScheduled"]["message"], conditions_of(waiting)
+        pods = pods_of(namespace, run)
+        assert all(p["metadata"]["name"] != slowed for p in pods), "the slowed pod should be gone"
+        assert all(p["status"].get("phase") == "Pending" for p in pods if node_type(p) == "worker"), [
+            (p["metadata"]["name"], p["status"].get("phase")) for p in pods
+        ]
+        kubectl(
+            "label", "node", real_node.name, f"{DEGRADED_LABEL}-"
+        )  # the platform's call, once it is fixed
+        passed = wait_until(
+            "the next attempt's fabric check passed and training going on",
+            lambda: (
+                (r := run_of(namespace, run))
+                and conditions_of(r).get("FabricVerified", {}).get("status") == "True"
+                and step_of(namespace, run) > 0
+                and r
+            ),
+            timeout=RUN_TIMEOUT,
+        )
+        report = passed["status"]["fabric"]["report"]
+        assert report["passed"] and len(report["links"]) >= 6 and report["busBandwidthGbps"] >= 0.05, report
+    finally:
+        kubectl("label", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
+        kubectl("annotate", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
+        set_node_gpus(real_node, 8)
+    reliability.record(
+        "One worker pod's link slowed to 20 Mbit/s (tc on its veth) before the job starts; three workers, "
+        "network.minBusBandwidthGbps 0.05",
+        "The fabric check fails naming the pod and node; the node is labelled and the next attempt's workers "
+        "avoid it",
+        f"FabricBelowThreshold {seconds_between(slowed_at, entry['time']):.0f} s after the slowing, naming "
+        f"pod {slowed} on {real_node.name}; the next check, label removed: "
+        f"{report['busBandwidthGbps']} GB/s in {report['seconds']} s",
     )
 
 

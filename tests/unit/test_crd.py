@@ -82,6 +82,7 @@ def test_printer_columns_give_the_daily_view() -> None:
         "Image Digest",
         "Ray Cluster",
         "Transport",
+        "Bus GB/s",
         "Progress %",
         "ETA",
         "Goodput",

@@ -104,6 +104,13 @@ class EfaPolicy(StrEnum):
     DISABLED = "disabled"
 
 
+class SlowFabricPolicy(StrEnum):
+    """What a failed fabric check leads to."""
+
+    FAIL = "fail"  # the run fails, naming the pod, node and figures
+    AVOID_NODE = "avoidNode"  # the suspect node is labelled and the attempt restarts on a cluster without it
+
+
 class ModelSpec(ContractModel):
     source: str | None = Field(
         default=None,
@@ -339,7 +346,23 @@ class NetworkSpec(ContractModel):
         return env
 
     bandwidth_probe_mb: int = Field(
-        default=64, ge=0, description="All-reduce probe size in MiB before training; 0 skips the probe."
+        default=64,
+        ge=0,
+        description="The fabric check's largest all-reduce size in MiB (its sweep doubles from 1 MiB up to "
+        "this, within a few seconds); 0 skips the bandwidth measurements.",
+    )
+    min_bus_bandwidth_gbps: float | None = Field(
+        default=None,
+        gt=0,
+        description="The fabric check's threshold: the all-reduce bus bandwidth (GB/s, 10^9 bytes per "
+        "second, as nccl-tests reports busbw) at the sweep's largest size, and the least any link between "
+        "two pods may carry. Default: the platform's figure for the workers' instance type, else the "
+        "operator's table (EFA instance types only); none: the figures are recorded, not judged.",
+    )
+    slow_fabric: SlowFabricPolicy = Field(
+        default=SlowFabricPolicy.AVOID_NODE,
+        description="Below the threshold: avoidNode labels the node the slow links share (when one does) and "
+        "restarts on a cluster whose pods avoid it; fail (or no single node to blame) fails the run.",
     )
 
 
@@ -463,6 +486,50 @@ class TransportReport(ContractModel):
     )
 
 
+class FabricLink(ContractModel):
+    """Bandwidth of one pod-to-pod direction, measured while every pod sends to one neighbour at once."""
+
+    source_pod: str
+    target_pod: str
+    gbps: float = Field(description="GB/s (10^9 bytes per second) the target received at.")
+
+
+class FabricPod(ContractModel):
+    pod: str = Field(description="The host name: the Ray pod on Kubernetes.")
+    node: str | None = Field(default=None, description="The Kubernetes node, where the pod is told it.")
+    ranks: list[int] = Field(default_factory=list)
+
+
+class SweepPoint(ContractModel):
+    size_bytes: int
+    bus_bandwidth_gbps: float
+    seconds: float = Field(description="One all-reduce of this size, the slowest rank's.")
+
+
+class FabricReport(ContractModel):
+    """The fabric check: what every attempt measures on its own pods, before its first training step."""
+
+    backend: str = Field(description="The torch.distributed backend, initialised as training uses it.")
+    transport: Transport = Field(description="The network the collectives used (NCCL's log, or gloo).")
+    libraries: list[str] = Field(
+        default_factory=list,
+        description="Network libraries this process has loaded (libfabric, the aws-ofi-nccl plugin) after "
+        "NCCL initialised; GPU workers only.",
+    )
+    pods: list[FabricPod] = Field(default_factory=list)
+    sweep: list[SweepPoint] = Field(default_factory=list)
+    links: list[FabricLink] = Field(default_factory=list)
+    bus_bandwidth_gbps: float | None = Field(
+        default=None, description="At the sweep's largest size: the figure judged against the threshold."
+    )
+    min_bus_bandwidth_gbps: float | None = Field(default=None, description="The threshold applied, if any.")
+    passed: bool = True
+    suspect_pod: str | None = Field(default=None, description="The pod every slow link touches, if one does.")
+    suspect_node: str | None = None
+    message: str = ""
+    seconds: float = Field(default=0.0, description="What the check cost this attempt, wall time.")
+
+
 class ErrorKind(StrEnum):
     """Why a run failed; every kind but RUNTIME is permanent: retrying the same input fails the same way."""
 
@@ -472,6 +539,7 @@ class ErrorKind(StrEnum):
     OOM = "oom"  # device out of memory
     TRANSPORT = "transport"  # the network policy was violated (e.g. EFA required, socket used)
     NON_FINITE_LOSS = "non-finite-loss"  # the loss or gradient norm stayed inf/NaN (maxNonFiniteSteps)
+    FABRIC = "fabric"  # the fabric check found the network below network.minBusBandwidthGbps
     RUNTIME = "runtime"  # anything else (lost workers, storage hiccups, collective timeouts): retryable
 
 
@@ -485,7 +553,7 @@ class SetupStage(StrEnum):
     DOWNLOADING_MODEL = "downloading-model"
     LOADING_DATA = "loading-data"  # reading and tokenising the corpus
     LOADING_CHECKPOINT = "loading-checkpoint"
-    PROBING_TRANSPORT = "probing-transport"
+    PROBING_TRANSPORT = "probing-transport"  # the fabric check
     COMPILING = "compiling"
 
 
@@ -525,6 +593,7 @@ class ProgressRecord(ContractModel):
     world_size: int = 1
     resumed_from_step: int | None = None
     transport: TransportReport | None = None
+    fabric: FabricReport | None = None
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None
     error: str | None = None
@@ -608,6 +677,7 @@ class RunRecord(ContractModel):
     restarts: list[RestartEntry] = Field(default_factory=list)
     final_progress: ProgressRecord | None = None
     transport: TransportReport | None = None
+    fabric: FabricReport | None = Field(default=None, description="The latest attempt's fabric check.")
     logs_uri: str | None = Field(
         default=None, description="Where the run's logs are: logs/attempt-<n>/rank-<k>.log and driver.log."
     )

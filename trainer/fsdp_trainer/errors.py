@@ -29,6 +29,13 @@ class TransportError(TrainerError):
     kind = ErrorKind.TRANSPORT
 
 
+class FabricError(TrainerError):
+    """The fabric check found the network between the pods below network.minBusBandwidthGbps. Permanent for
+    the trainer; the operator restarts without the node to blame where the run's policy says so."""
+
+    kind = ErrorKind.FABRIC
+
+
 class NonFiniteLossError(TrainerError):
     """training.maxNonFiniteSteps steps in a row had a non-finite loss or gradient norm. Permanent: a retry
     resumes from the newest checkpoint with the same weights, data order and hyperparameters, so it meets

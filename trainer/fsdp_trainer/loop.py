@@ -25,6 +25,7 @@ from fsdp_trainer import (
     chunked_loss,
     data,
     distributed,
+    fabric,
     forensics,
     model,
     optim,
@@ -33,7 +34,7 @@ from fsdp_trainer import (
     transport,
 )
 from fsdp_trainer.checkpoint_manager import CheckpointManager
-from fsdp_trainer.contract import Precision, SetupStage
+from fsdp_trainer.contract import NODE_NAME_ENV, Precision, SetupStage
 from fsdp_trainer.errors import ConfigError, ModelError, NonFiniteLossError, classify
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
@@ -194,11 +195,19 @@ class Trainer:
         validator = Validator(datasets.eval, config.data.eval_batches, training.micro_batch_size, runtime)
 
         self.stage(SetupStage.PROBING_TRANSPORT)
-        report = transport.measure(
-            config.network, config.run_name, runtime, self.versions, self.socket_interface
+        fabric_report, transport_report = fabric.check(
+            config.network,
+            config.run_name,
+            runtime,
+            self.versions,
+            self.socket_interface,
+            node=os.environ.get(NODE_NAME_ENV),
         )
         if self.progress is not None:
-            self.progress.update(transport=report)
+            self.progress.update(transport=transport_report, fabric=fabric_report)
+            if not fabric_report.passed:  # stored before the error ends the attempt: the operator acts on it
+                self.progress.write()
+        fabric.raise_if_failed(fabric_report)
 
         # Built on the meta device and sharded before it has storage; a resumed run then reads only the
         # checkpoint, a new one initialises or loads each rank's shards directly.

@@ -1,4 +1,4 @@
-"""Which network the collectives actually used, from NCCL's own log lines, and what bandwidth they got.
+"""Which network the collectives actually used, from NCCL's own log lines, and the workers' NCCL environment.
 
 NCCL picks its network at communicator init and falls back to TCP sockets silently when the EFA plugin or
 device is missing. The evidence is in its INFO log (subsystems INIT and NET), written per rank to
@@ -20,12 +20,8 @@ import glob
 import logging
 import os
 import re
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-
-import torch
-import torch.distributed as dist
 
 from fsdp_trainer import distributed
 from fsdp_trainer.contract import EfaPolicy, NetworkSpec, Transport, TransportReport, Versions
@@ -218,19 +214,16 @@ def measure(
     runtime: distributed.Runtime,
     versions: Versions,
     socket_interface: str | None = None,
+    bus_bandwidth_gbps: float | None = None,
 ) -> TransportReport:
-    """Bus bandwidth from a short all-reduce, then (under NCCL) the network every rank's NCCL log shows,
-    enforced against the EFA policy; the probe also makes NCCL initialise, so its log exists afterwards.
-    Records the NCCL version in `versions`, and `socket_interface` (choose_socket_interface's line) in the
-    evidence."""
-    bandwidth = (
-        _probe_bandwidth(network.bandwidth_probe_mb, runtime.device) if runtime.world_size > 1 else None
-    )
+    """The network every rank's NCCL log shows (NCCL has initialised: the fabric check's collectives came
+    first), enforced against the EFA policy, with the fabric check's bus bandwidth. Records the NCCL version
+    in `versions`, and `socket_interface` (choose_socket_interface's line) in the evidence."""
     if runtime.backend != "nccl":
         return TransportReport(
             observed=Transport.GLOO,
             evidence=[f"torch.distributed backend {runtime.backend} on {runtime.device.type}"],
-            bus_bandwidth_gbps=bandwidth,
+            bus_bandwidth_gbps=bus_bandwidth_gbps,
         )
     mine = parse_nccl_log(own_nccl_log_lines(run_name))
     if socket_interface is not None:  # after NCCL's own lines, which the operator quotes first
@@ -238,30 +231,9 @@ def measure(
     gathered = distributed.all_gather((os.uname().nodename, mine))
     nodes = len({host for host, _ in gathered})
     report = combine([rank_report for _, rank_report in gathered], nodes)
-    report.bus_bandwidth_gbps = bandwidth
+    report.bus_bandwidth_gbps = bus_bandwidth_gbps
     if mine.nccl_version:
         versions.nccl = mine.nccl_version
-    log.info("transport: %s over %d node(s), bus bandwidth %s GB/s", report.observed, nodes, bandwidth)
+    log.info("transport: %s over %d node(s)", report.observed, nodes)
     enforce(network.efa, report)
     return report
-
-
-def _probe_bandwidth(size_mb: int, device: torch.device, iterations: int = 5) -> float | None:
-    if size_mb <= 0:
-        return None
-    buffer = torch.ones(size_mb * 1024 * 1024 // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(buffer)  # warm-up: connection setup is not bandwidth
-    _synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        dist.all_reduce(buffer)
-    _synchronize(device)
-    seconds = (time.perf_counter() - start) / iterations
-    # Ranks finish at slightly different times; the slowest defines the collective's duration.
-    seconds = distributed.maximum(seconds, device)
-    return bus_bandwidth_gbps(buffer.numel() * 4, dist.get_world_size(), seconds)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

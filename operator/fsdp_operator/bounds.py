@@ -1,0 +1,14 @@
+"""Text a tenant's trainer wrote, as the operator keeps it in status (pure)."""
+
+from __future__ import annotations
+
+import re
+
+TRUNCATED = "...[truncated]"
+CONTROL_CHARACTERS = re.compile(r"[\x00-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
+
+
+def bounded_text(text: str, limit: int) -> str:
+    """Control characters replaced, at most `limit` characters, a cut one ending in TRUNCATED."""
+    text = CONTROL_CHARACTERS.sub("?", text)
+    return text if len(text) <= limit else text[: limit - len(TRUNCATED)] + TRUNCATED

@@ -1,0 +1,201 @@
+"""The fabric check's operator side (issue 36 item 1): the threshold a run gets, what a failed check leads to
+(the slow node labelled and avoided, or the run failed saying why), and what the status keeps of a report."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+import pytest
+
+from fsdp_operator import api, builder, conditions, fabric, preflight, submission
+from fsdp_operator.jobs import JobObservation
+from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_trainer.contract import FabricLink, FabricPod, FabricReport, ProgressRecord, SweepPoint
+
+pytestmark = pytest.mark.unit
+
+NOW = dt.datetime(2026, 12, 4, 18, 0, tzinfo=dt.UTC)
+SUBMISSION = "run-0f1e2d3c-1"
+RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000")
+PODS = {"w0": "node-a", "w1": "node-b", "w2": "node-c"}
+
+
+def spec(**network: Any) -> api.FSDPTrainingRunSpec:
+    return api.FSDPTrainingRunSpec.model_validate(
+        {
+            "model": {"source": "m"},
+            "checkpoint": {"storagePath": "s3://b/p"},
+            "cluster": {"instanceType": "p5.48xlarge", "workers": 3},
+            "network": network,
+        }
+    )
+
+
+def slow_into_w1(passed: bool = False, suspect: str | None = "w1") -> FabricReport:
+    links = [
+        FabricLink(source_pod=a, target_pod=b, gbps=0.4 if b == "w1" else 50.0)
+        for a in PODS
+        for b in PODS
+        if a != b
+    ]
+    return FabricReport(
+        backend="nccl",
+        transport="efa",
+        pods=[FabricPod(pod=pod, node=node, ranks=[i]) for i, (pod, node) in enumerate(PODS.items())],
+        sweep=[SweepPoint(size_bytes=64 << 20, bus_bandwidth_gbps=0.9, seconds=0.2)],
+        links=links,
+        bus_bandwidth_gbps=0.9,
+        min_bus_bandwidth_gbps=110.0,
+        passed=passed,
+        suspect_pod=suspect,
+        suspect_node=PODS.get(suspect or ""),
+        message="bus bandwidth 0.9 GB/s at 64 MiB over 3 pod(s), 110 GB/s required; "
+        "every slow link touches w1",
+        seconds=2.5,
+    )
+
+
+def failed_attempt(report: FabricReport, run_spec: api.FSDPTrainingRunSpec, pods: dict[str, str] = PODS):
+    record = ProgressRecord(
+        run_name="run",
+        phase="failed",
+        max_steps=100,
+        submission_id=SUBMISSION,
+        fabric=report,
+        error=f"FabricError: {report.message}",
+        error_kind="fabric",
+        updated_at=NOW - dt.timedelta(seconds=5),
+    )
+    status = api.FSDPTrainingRunStatus(
+        phase=api.Phase.RUNNING,
+        attempt=1,
+        job_submission_id=SUBMISSION,
+        start_time=NOW - dt.timedelta(minutes=3),
+    )
+    job = JobObservation(SUBMISSION, "FAILED", "job failed", "", NOW - dt.timedelta(minutes=2))
+    obs = Observation(
+        now=NOW,
+        generation=1,
+        cluster=ClusterObservation(ready=True, message=""),
+        job=job,
+        progress=record,
+        pod_nodes=pods,
+        run_uri="s3://b/p/team-a/run",
+    )
+    return reconcile(run_spec, status, obs)
+
+
+def test_the_threshold_is_the_runs_else_the_platforms_else_the_table() -> None:
+    assert fabric.threshold(42.0, "p5.48xlarge", {"p5.48xlarge": 300.0}) == 42.0
+    assert fabric.threshold(None, "p5.48xlarge", {"p5.48xlarge": 300.0}) == 300.0
+    assert fabric.threshold(None, "p5.48xlarge", {}) == fabric.DEFAULT_MIN_BUS_BANDWIDTH_GBPS["p5.48xlarge"]
+    assert fabric.threshold(None, "g6.12xlarge", {}) is None  # no EFA, no published figure: not judged
+    config = submission.trainer_config(
+        spec(), RUN, cpu_only=False, min_bus_bandwidth_gbps={"p5.48xlarge": 9.5}
+    )
+    assert config.network.min_bus_bandwidth_gbps == 9.5
+
+
+def test_a_slow_node_is_labelled_and_the_attempt_restarts_on_a_cluster_that_avoids_it() -> None:
+    decision = failed_attempt(slow_into_w1(), spec())
+    status = decision.status
+    assert status.phase == api.Phase.RESTARTING and status.restarts.count == 1
+    assert decision.avoid_node is not None and decision.avoid_node.node == "node-b"
+    assert decision.delete_cluster, "the replacement cluster's pods must be scheduled afresh"
+    assert status.fabric is not None and [n.node for n in status.fabric.avoided_nodes] == ["node-b"]
+    entry = status.restarts.history[-1]
+    assert entry.reason == "FabricBelowThreshold" and "node node-b labelled" in entry.message
+    verified = conditions.condition(status.conditions, conditions.FABRIC_VERIFIED)
+    assert verified is not None and verified.status == "False" and verified.reason == "BelowThreshold"
+    assert "w1 (node-b) 0.4 GB/s" in verified.message
+    assert "SlowNodeAvoided" in [event.reason for event in decision.events]
+
+
+def test_under_the_fail_policy_a_slow_fabric_fails_the_run_naming_the_node() -> None:
+    decision = failed_attempt(slow_into_w1(), spec(slowFabric="fail"))
+    assert decision.status.phase == api.Phase.FAILED and decision.avoid_node is None
+    assert "touches w1" in (decision.status.message or "") and "network.slowFabric is fail" in (
+        decision.status.message or ""
+    )
+
+
+def test_without_one_pod_to_blame_the_run_fails_saying_so() -> None:
+    decision = failed_attempt(slow_into_w1(suspect=None), spec())
+    assert decision.status.phase == api.Phase.FAILED and decision.avoid_node is None
+    assert "no node to avoid" in (decision.status.message or "")
+
+
+def test_a_forged_report_cannot_mark_a_node_the_runs_pods_were_not_on() -> None:
+    forged = slow_into_w1().model_copy(update={"suspect_pod": "someone-elses-pod", "suspect_node": "node-z"})
+    decision = failed_attempt(forged, spec())
+    assert decision.avoid_node is None and decision.status.phase == api.Phase.FAILED
+
+
+def test_a_passing_check_sets_fabric_verified_with_its_figures() -> None:
+    report = slow_into_w1(passed=True, suspect=None).model_copy(update={"message": "bus bandwidth 300 GB/s"})
+    record = ProgressRecord(
+        run_name="run",
+        phase="training",
+        max_steps=100,
+        submission_id=SUBMISSION,
+        fabric=report,
+        updated_at=NOW,
+    )
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING, attempt=1, job_submission_id=SUBMISSION)
+    obs = Observation(
+        now=NOW,
+        generation=1,
+        cluster=ClusterObservation(ready=True, message=""),
+        job=JobObservation(SUBMISSION, "RUNNING", "", "", NOW),
+        progress=record,
+    )
+    new = reconcile(spec(), status, obs).status
+    verified = conditions.condition(new.conditions, conditions.FABRIC_VERIFIED)
+    assert verified is not None and verified.status == "True" and verified.reason == "Measured"
+    assert "bus bandwidth 300 GB/s" in verified.message and "checked in 2.5 s" in verified.message
+    assert new.fabric is not None and new.fabric.attempt == 1 and new.fabric.report.bus_bandwidth_gbps == 0.9
+
+
+def test_the_status_keeps_a_bounded_report() -> None:
+    huge = slow_into_w1().model_copy(
+        update={
+            "links": [
+                FabricLink(source_pod="p" * 5000, target_pod=f"q{i}", gbps=float(i)) for i in range(500)
+            ],
+            "message": "m\x1b[2J" * 5000,
+            "bus_bandwidth_gbps": float("inf"),
+        }
+    )
+    kept = fabric.bounded_report(huge)
+    assert len(kept.links) == fabric.MAX_LINKS and [link.gbps for link in kept.links][:2] == [0.0, 1.0]
+    assert len(kept.links[0].source_pod) <= 253 and len(kept.message) <= fabric.MAX_WHY
+    assert "\x1b" not in kept.message and kept.bus_bandwidth_gbps is None
+
+
+def test_workers_avoid_labelled_nodes_and_preflight_does_not_count_them() -> None:
+    manifest = builder.build_raycluster(spec(), RUN, "image", zone="us-west-2a")
+    worker = manifest["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    terms = worker["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"][
+        "nodeSelectorTerms"
+    ]
+    assert {"key": fabric.DEGRADED_LABEL, "operator": "DoesNotExist"} in terms[0]["matchExpressions"]
+
+    def node(name: str, **labels: str) -> dict[str, Any]:
+        return {
+            "metadata": {"name": name, "labels": {builder.LABEL_INSTANCE_TYPE: "p5.48xlarge", **labels}},
+            "status": {
+                "allocatable": {builder.GPU: "8"},
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+
+    marked = node("slow", **{fabric.DEGRADED_LABEL: "20261204T180000Z"})
+    free = preflight.free_worker_nodes(spec(), [node("healthy"), marked], [])
+    assert [n.name for n in free] == ["healthy"]
+
+
+def test_the_label_says_when_and_its_annotation_why() -> None:
+    patch = fabric.label_patch("x" * 5000, dt.datetime(2026, 12, 4, 18, 30, 5, tzinfo=dt.UTC))
+    assert patch["metadata"]["labels"] == {fabric.DEGRADED_LABEL: "20261204T183005Z"}
+    assert len(patch["metadata"]["annotations"][fabric.DEGRADED_LABEL]) == fabric.MAX_WHY
