@@ -719,6 +719,9 @@ class GoodputSeconds(ContractModel):
         default=0,
         description="The cluster starting, the job submitted, the trainer setting up before its first step.",
     )
+    fabric_check: int = Field(
+        default=0, description="Each attempt's fabric check before its first step (status.fabric)."
+    )
     training: int = Field(default=0, description="Training steps that count.")
     checkpoint_stall: int = Field(
         default=0, description="Training held up by checkpoints (their staging off the device)."

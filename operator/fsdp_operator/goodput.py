@@ -3,9 +3,10 @@
 Pure. Each pass that writes the status (and at least once a minute while the run is not finished) charges
 the time since `accountedUntil` to the category the status it read was in: the run was in that state since
 the last write. So the categories add up, to the second, to the time from the run's creation to
-`accountedUntil` (its completion once finished). Two moves between categories follow the trainer's record:
-a new checkpoint's blocking time leaves training for checkpoint stall, and a restart moves the steps it will
-redo (those after the checkpoint it resumes from) from training to lost to restarts.
+`accountedUntil` (its completion once finished). Three moves between categories follow the trainer's record:
+an attempt's fabric check leaves provisioning for fabric check, a new checkpoint's blocking time leaves
+training for checkpoint stall, and a restart moves the steps it will redo (those after the checkpoint it
+resumes from) from training to lost to restarts.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def account(
         goodput.gpu_seconds_held += elapsed * spec.cluster.workers * spec.cluster.gpus()
     step_time = progress.step_time_seconds if progress is not None else None
     _move_checkpoint_stall(old, new, progress, seconds)
+    if new.fabric is not None and (old.fabric is None or old.fabric.attempt != new.fabric.attempt):
+        _move(seconds, "provisioning", "fabric_check", round(new.fabric.report.seconds))
     if new.phase == api.Phase.RESTARTING and old.phase != api.Phase.RESTARTING and step_time:
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else 0
         redone = max((old.progress.step or 0) - resumed, 0) if _attempt_is_training(old) else 0

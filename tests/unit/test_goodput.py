@@ -188,3 +188,24 @@ def test_a_running_run_has_an_eta_from_its_step_time() -> None:
     new = status(api.Phase.RUNNING, attempt_time=at(0), progress=progress(20, 160))
     result = goodput.account(SPEC, old, new, record(20, 160, step_time_seconds=3.0), at(160), CREATED, None)
     assert result.progress_percent == 40.0 and result.eta == at(160 + 30 * 3)
+
+
+def test_each_attempts_fabric_check_leaves_provisioning_for_its_own_category() -> None:
+    from fsdp_trainer.contract import FabricReport
+
+    def checked(attempt: int, seconds: float) -> api.FabricStatus:
+        return api.FabricStatus(
+            attempt=attempt, report=FabricReport(backend="gloo", transport="gloo", seconds=seconds)
+        )
+
+    setting_up = status(api.Phase.RUNNING, attempt=1, attempt_time=at(0), progress=progress(None, 50, "x"))
+    first = setting_up.model_copy(update={"fabric": checked(1, 4.4)})
+    first.goodput = goodput.account(SPEC, setting_up, first, None, at(60), CREATED, None)
+    assert (first.goodput.seconds.provisioning, first.goodput.seconds.fabric_check) == (56, 4)
+    again = first.model_copy(update={"message": "still setting up"})
+    again.goodput = goodput.account(SPEC, first, again, None, at(70), CREATED, None)
+    assert again.goodput.seconds.fabric_check == 4, "one check is counted once"
+    second = again.model_copy(update={"attempt": 2, "fabric": checked(2, 2.6)})
+    second.goodput = goodput.account(SPEC, again, second, None, at(80), CREATED, None)
+    spent = second.goodput.seconds
+    assert spent.fabric_check == 7 and spent.provisioning + spent.fabric_check == 80
