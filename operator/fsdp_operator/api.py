@@ -756,9 +756,10 @@ class GoodputStatus(ContractModel):
     )
     cost_usd: float | None = Field(
         default=None,
-        description="Worker-hours held at the platform's price for the instance type (the operator's "
-        "instance-hour-prices; chart pricing.instanceHourUSD), a worker counting for its share of a node's "
-        "GPUs; unset without a price.",
+        description="Worker-hours held, each stretch at the platform's price for the instance type and the "
+        "capacity type (spot or on-demand) of the workers' nodes then (the operator's instance-hour-prices; "
+        "chart pricing.instanceHourUSD), a worker counting for its share of a node's GPUs; unset without a "
+        "price.",
     )
     cost_per_million_tokens_usd: float | None = None
 

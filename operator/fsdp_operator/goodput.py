@@ -71,6 +71,9 @@ def account(
     if old.phase in api.ACTIVE_PHASES:
         goodput.worker_seconds_held += elapsed * spec.cluster.workers
         goodput.gpu_seconds_held += elapsed * spec.cluster.workers * spec.cluster.gpus()
+        if instance_hour_price is not None:  # at the price of the capacity held meanwhile
+            charged_usd = elapsed * spec.cluster.workers / 3600 * instance_hour_price * _node_share(spec)
+            goodput.cost_usd = round((goodput.cost_usd or 0.0) + charged_usd, 6)
     step_time = progress.step_time_seconds if progress is not None else None
     _move_checkpoint_stall(old, new, progress, seconds)
     if new.fabric is not None and (old.fabric is None or old.fabric.attempt != new.fabric.attempt):
@@ -82,7 +85,7 @@ def account(
     goodput.accounted_until = now
     if progress is not None:
         goodput.tokens = max(progress.tokens_seen, goodput.tokens)
-    _derive(spec, new, goodput, step_time, now, instance_hour_price)
+    _derive(new, goodput, step_time, now)
     return goodput
 
 
@@ -107,15 +110,16 @@ def _move_checkpoint_stall(
 
 
 def _derive(
-    spec: api.FSDPTrainingRunSpec,
-    new: api.FSDPTrainingRunStatus,
-    goodput: api.GoodputStatus,
-    step_time: float | None,
-    now: dt.datetime,
-    instance_hour_price: float | None,
+    new: api.FSDPTrainingRunStatus, goodput: api.GoodputStatus, step_time: float | None, now: dt.datetime
 ) -> None:
     seconds = goodput.seconds
-    held = seconds.provisioning + seconds.training + seconds.checkpoint_stall + seconds.lost_to_restarts
+    held = (
+        seconds.provisioning
+        + seconds.fabric_check
+        + seconds.training
+        + seconds.checkpoint_stall
+        + seconds.lost_to_restarts
+    )
     goodput.fraction = round(seconds.training / held, 4) if held else None
     goodput.gpu_hours_held = round(goodput.gpu_seconds_held / 3600, 3)
     step, max_steps = new.progress.step, new.progress.max_steps
@@ -126,12 +130,34 @@ def _derive(
         if not finished and step_time and step is not None and max_steps and new.phase == api.Phase.RUNNING
         else None
     )
-    if instance_hour_price is None:
-        goodput.cost_usd = goodput.cost_per_million_tokens_usd = None
-        return
+    cost = goodput.cost_usd
+    goodput.cost_per_million_tokens_usd = (
+        round(cost / goodput.tokens * 1e6, 4) if cost is not None and goodput.tokens else None
+    )
+
+
+def _node_share(spec: api.FSDPTrainingRunSpec) -> float:
+    """A worker pays for the part of its node's GPUs it takes (a whole node by default)."""
     gpus_of_type = instancetypes.of(spec.cluster.instance_type).gpus
-    # A worker pays for the part of its node's GPUs it takes (a whole node by default).
-    share = spec.cluster.gpus() / gpus_of_type if gpus_of_type else 1.0
-    cost = goodput.worker_seconds_held / 3600 * instance_hour_price * share
-    goodput.cost_usd = round(cost, 2)
-    goodput.cost_per_million_tokens_usd = round(cost / goodput.tokens * 1e6, 4) if goodput.tokens else None
+    return spec.cluster.gpus() / gpus_of_type if gpus_of_type else 1.0
+
+
+# Where EKS managed node groups and Karpenter say whether a node is spot capacity.
+CAPACITY_TYPE_LABELS = ("eks.amazonaws.com/capacityType", "karpenter.sh/capacity-type")
+
+
+def capacity_type(labels: dict[str, str]) -> str:
+    """spot or on-demand, from the node's labels (on-demand when none says)."""
+    said = next((labels[key] for key in CAPACITY_TYPE_LABELS if key in labels), "")
+    return "spot" if said.lower() == "spot" else "on-demand"
+
+
+def hour_price(prices: dict[str, float], instance_type: str, capacity_types: list[str]) -> float | None:
+    """USD per instance-hour of the run's workers: each worker's node at `<type>:spot` or
+    `<type>:on-demand` where the platform priced them apart, else `<type>`; their mean. None where a worker's
+    price is unknown (no cost is better than a wrong one)."""
+    each = [prices.get(f"{instance_type}:{kind}", prices.get(instance_type)) for kind in capacity_types]
+    if not each:  # no worker placed yet: the type's own (or on-demand) price
+        each = [prices.get(f"{instance_type}:on-demand", prices.get(instance_type))]
+    known = [price for price in each if price is not None]
+    return sum(known) / len(known) if known and len(known) == len(each) else None

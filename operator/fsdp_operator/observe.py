@@ -12,7 +12,7 @@ from typing import Any
 
 import kopf
 
-from fsdp_operator import api, builder, submission
+from fsdp_operator import api, builder, goodput, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
@@ -120,8 +120,22 @@ def observe(
         created=created_at(body),
         forensics_answered=answered,
         forensics_answers=answers,
-        instance_hour_price=ctx.settings.instance_hour_prices.get(spec.cluster.instance_type),
+        instance_hour_price=goodput.hour_price(
+            ctx.settings.instance_hour_prices,
+            spec.cluster.instance_type,
+            worker_capacity_types(pods, indexes),
+        ),
     )
+
+
+def worker_capacity_types(pods: list[dict[str, Any]], indexes: Indexes) -> list[str]:
+    """spot or on-demand for each placed worker pod, from its node's labels (the operator's node index)."""
+    labels = {node["metadata"]["name"]: node["metadata"]["labels"] for node in Indexes.all(indexes.nodes)}
+    return [
+        goodput.capacity_type(labels.get(pod["node"], {}))
+        for pod in pods
+        if not pod["head"] and pod.get("node")
+    ]
 
 
 def created_at(body: Mapping[str, Any]) -> dt.datetime | None:

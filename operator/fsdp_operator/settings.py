@@ -106,8 +106,10 @@ class Settings(BaseSettings):
     instance_hour_prices: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
         description="USD per instance-hour by instance type (JSON object), what the platform charges for a "
-        "node (on-demand, spot or internal rate): runs report their cost (status.goodput.costUsd); a type "
-        "not named: no cost.",
+        "node: `<type>:spot` and `<type>:on-demand` price a worker by its node's capacity type (EKS's or "
+        "Karpenter's label), `<type>` any node of the type. Runs report their cost "
+        "(status.goodput.costUsd), each stretch of time at the price of the capacity it held; a worker whose "
+        "price is unknown: no cost.",
     )
     fabric_min_bus_bandwidth_gbps: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict,

@@ -141,9 +141,11 @@ def test_a_run_with_a_restart_adds_up_to_its_wall_time_to_the_second() -> None:
     assert result.fraction == round(347 / held, 4)
     workers, gpus = SPEC.cluster.workers, SPEC.cluster.gpus()
     assert result.gpu_seconds_held == held * workers * gpus and result.worker_seconds_held == held * workers
-    assert result.cost_usd == round(held * workers / 3600 * PRICE, 2)
+    assert result.cost_usd == pytest.approx(held * workers / 3600 * PRICE, abs=1e-4)
     assert result.tokens == 50_000
-    assert result.cost_per_million_tokens_usd == round(held * workers / 3600 * PRICE / 50_000 * 1e6, 4)
+    assert result.cost_per_million_tokens_usd == pytest.approx(
+        held * workers / 3600 * PRICE / 50_000 * 1e6, abs=1e-3
+    )
     assert result.eta is None and result.progress_percent == 100.0
 
     later = status(api.Phase.SUCCEEDED, goodput=result, completion_time=at(600))
@@ -209,3 +211,25 @@ def test_each_attempts_fabric_check_leaves_provisioning_for_its_own_category() -
     second.goodput = goodput.account(SPEC, again, second, None, at(80), CREATED, None)
     spent = second.goodput.seconds
     assert spent.fabric_check == 7 and spent.provisioning + spent.fabric_check == 80
+
+
+def test_spot_and_on_demand_hours_are_each_charged_at_their_own_price() -> None:
+    prices = {"g6.12xlarge:spot": 1.5, "g6.12xlarge:on-demand": 4.6016, "p5.48xlarge": 98.32}
+    assert goodput.hour_price(prices, "g6.12xlarge", ["spot", "spot"]) == 1.5
+    assert goodput.hour_price(prices, "g6.12xlarge", ["spot", "on-demand"]) == pytest.approx(
+        (1.5 + 4.6016) / 2
+    )
+    assert goodput.hour_price(prices, "g6.12xlarge", []) == 4.6016  # none placed yet: on-demand
+    assert goodput.hour_price(prices, "p5.48xlarge", ["spot"]) == 98.32  # not priced apart: the type's
+    assert goodput.hour_price(prices, "g5.48xlarge", ["spot"]) is None
+    assert goodput.capacity_type({"karpenter.sh/capacity-type": "spot"}) == "spot"
+    assert goodput.capacity_type({"eks.amazonaws.com/capacityType": "SPOT"}) == "spot"
+    assert goodput.capacity_type({"eks.amazonaws.com/capacityType": "ON_DEMAND"}) == "on-demand"
+    # An hour on spot, then an hour on demand after the spot node was reclaimed: each at its price.
+    first = status(api.Phase.RUNNING, attempt=1, progress=progress(1, 10))
+    spot_hour = first.model_copy(update={"message": "on spot"})
+    spot_hour.goodput = goodput.account(SPEC, first, spot_hour, None, at(3600), CREATED, 1.5)
+    demand_hour = spot_hour.model_copy(update={"message": "on demand"})
+    demand_hour.goodput = goodput.account(SPEC, spot_hour, demand_hour, None, at(7200), CREATED, 4.6016)
+    workers = SPEC.cluster.workers
+    assert demand_hour.goodput.cost_usd == pytest.approx(workers * (1.5 + 4.6016), abs=1e-4)
