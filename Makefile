@@ -59,12 +59,13 @@ cluster-down: ## stop everything cluster-up started
 	@hack/cluster-down.sh
 
 .PHONY: lint
-lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator in its environment, the trainer in the DLC's, with torch) and the import layers (import-linter)
-	$(VENV)/bin/ruff check operator trainer tests bench
-	$(VENV)/bin/ruff format --check operator trainer tests bench
+lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator and the kubectl plugin in the operator's environment, the trainer in the DLC's, with torch) and the import layers (import-linter)
+	$(VENV)/bin/ruff check operator trainer kubectl_trainingrun tests bench
+	$(VENV)/bin/ruff format --check operator trainer kubectl_trainingrun tests bench
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p fsdp_operator
+	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p kubectl_trainingrun
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache-dlc $(DLC_VENV)/bin/mypy -p fsdp_trainer
-	PYTHONPATH=operator:trainer $(VENV)/bin/lint-imports
+	PYTHONPATH=operator:trainer:kubectl_trainingrun $(VENV)/bin/lint-imports
 
 .PHONY: test
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side

@@ -26,14 +26,14 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
+sys.path[:0] = [str(REPO / "kubectl_trainingrun"), str(REPO / "trainer")]
 
 import boto3  # noqa: E402
 
-from fsdp_operator import kubectl_plugin  # noqa: E402
 from fsdp_trainer import runlog  # noqa: E402
 from fsdp_trainer.contract import rank_log_name  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
+from kubectl_trainingrun import cli  # noqa: E402
 
 LINE = "step %d/%d | loss %.4f | lr %.3g | %s tok/s | MFU %s"
 
@@ -118,9 +118,9 @@ def follow_delays(bucket: str, seconds: float) -> list[float]:
 
     thread = threading.Thread(target=train)
     thread.start()
-    options = kubectl_plugin.build_parser().parse_args(["logs", "tiny", "-f"])
-    objects = kubectl_plugin.RunObjects(boto3.client("s3"), kubectl_plugin.storage_prefix(run))
-    kubectl_plugin.logs(options, run, objects, write, lambda: run)
+    options = cli.build_parser().parse_args(["logs", "tiny", "-f"])
+    objects = cli.RunObjects(boto3.client("s3"), cli.storage_prefix(run))
+    cli.logs(options, run, objects, write, lambda: run)
     thread.join()
     return [seen[line] - emitted[line] for line in emitted]
 

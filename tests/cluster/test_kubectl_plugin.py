@@ -19,10 +19,11 @@ from typing import Any
 import boto3
 import pytest
 
-from fsdp_operator import api, kubectl_plugin, plot
+from fsdp_operator import api
 from fsdp_trainer import runlog
 from fsdp_trainer.contract import MlflowRunRef, ProgressRecord, RunRecord, TrainerConfig, rank_log_name
 from fsdp_trainer.storage import Location
+from kubectl_trainingrun import cli, plot
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -65,14 +66,14 @@ def run_object(storage: str, phase: str = "Running", attempt: int = 2) -> dict[s
 
 
 def options(*argv: str) -> argparse.Namespace:
-    return kubectl_plugin.build_parser().parse_args(argv)
+    return cli.build_parser().parse_args(argv)
 
 
 def test_kubectls_options_are_taken_before_or_after_the_command() -> None:
     before = options("-n", "team-a", "--context", "prod", "logs", "tiny", "-f", "--rank", "3")
     after = options("logs", "tiny", "--namespace", "team-a", "--context", "prod", "--attempt", "2")
     for parsed in (before, after):
-        assert kubectl_plugin.kubectl_args(parsed) == ["--namespace", "team-a", "--context", "prod"]
+        assert cli.kubectl_args(parsed) == ["--namespace", "team-a", "--context", "prod"]
     assert (before.follow, before.rank, before.attempt) == (True, 3, None)
     assert (after.follow, after.rank, after.attempt) == (False, 0, 2)
 
@@ -91,7 +92,7 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
 
     def trainer_steps_meanwhile(seconds: float) -> None:
         nonlocal polls
-        assert seconds == kubectl_plugin.FOLLOW_POLL_SECONDS
+        assert seconds == cli.FOLLOW_POLL_SECONDS
         polls += 1
         assert polls <= 20, "still following long after the run ended"
         if polls <= 8:
@@ -103,8 +104,8 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
             writer.close()
             run["status"]["phase"] = "Succeeded"
 
-    objects = kubectl_plugin.RunObjects(boto3.client("s3"), kubectl_plugin.storage_prefix(run))
-    kubectl_plugin.logs(
+    objects = cli.RunObjects(boto3.client("s3"), cli.storage_prefix(run))
+    cli.logs(
         options("logs", "tiny", "-f", "--rank", "1"),
         run,
         objects,
@@ -122,12 +123,12 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
 def test_following_a_capped_log_continues_after_the_last_line_printed() -> None:
     printed = "a 1\na 2\na 3\n"
     capped = "a 1\n[... 1 lines left out ...]\na 3\na 4\n"
-    assert kubectl_plugin.new_output(printed, capped) == "a 4\n"
-    assert kubectl_plugin.new_output(printed, printed + "a 4\n") == "a 4\n"
+    assert cli.new_output(printed, capped) == "a 4\n"
+    assert cli.new_output(printed, printed + "a 4\n") == "a 4\n"
 
 
 def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
-    text = kubectl_plugin.describe(run_object(s3_storage))
+    text = cli.describe(run_object(s3_storage))
     assert len(text.splitlines()) <= 40
     for expected in (
         "team-a/tiny",
@@ -149,12 +150,12 @@ def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
 def test_describe_links_the_mlflow_run_once_the_trainer_has_created_it(s3_storage: str) -> None:
     run = run_object(s3_storage)
     run["spec"]["tracking"] = {"mlflow": {"trackingUri": "https://mlflow.example.com/"}}
-    assert "MLflow run:    - (not created yet)" in kubectl_plugin.describe(run)
+    assert "MLflow run:    - (not created yet)" in cli.describe(run)
     ref = MlflowRunRef(
         tracking_uri="https://mlflow.example.com/", experiment_id="7", run_id="r1", submission_id="s"
     )
     run["status"]["record"]["mlflowRun"] = api.MlflowRunStatus.of(ref).model_dump(mode="json", by_alias=True)
-    assert "MLflow run:    https://mlflow.example.com/#/experiments/7/runs/r1" in kubectl_plugin.describe(run)
+    assert "MLflow run:    https://mlflow.example.com/#/experiments/7/runs/r1" in cli.describe(run)
 
 
 def history(steps: range, loss: float, resumed: int | None = None, eval_at: int | None = None) -> str:
@@ -202,14 +203,14 @@ def test_plot_draws_both_curves_of_every_attempt_and_marks_the_restart(
     args = kubectl_stand_in(tmp_path, run_object(s3_storage, phase="Succeeded"))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
 
-    assert kubectl_plugin.main(["plot", "tiny", "-n", "team-a", "--context", "lab"]) == 0
+    assert cli.main(["plot", "tiny", "-n", "team-a", "--context", "lab"]) == 0
     assert args.read_text().split()[-4:] == ["--namespace", "team-a", "--context", "lab"]
     drawing = capsys.readouterr().out
     assert plot.LOSS_MARK in drawing and plot.EVAL_MARK in drawing and plot.RESTART_MARK in drawing
     assert "restart (from step 10)" in drawing
 
     image = tmp_path / "loss.png"
-    assert kubectl_plugin.main(["plot", "tiny", "-o", str(image)]) == 0
+    assert cli.main(["plot", "tiny", "-o", str(image)]) == 0
     width, height, pixels = decode_png(image.read_bytes())
     assert (width, height) == (plot.WIDTH, plot.HEIGHT)
     for colour in (plot.LOSS_COLOUR, plot.EVAL_COLOUR, plot.RESTART_COLOUR):
@@ -238,16 +239,16 @@ def test_describe_and_logs_need_no_more_than_kubectl_and_the_users_s3_access(
 ) -> None:
     kubectl_stand_in(tmp_path, run_object(s3_storage, phase="Failed", attempt=1))
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert kubectl_plugin.main(["describe", "tiny"]) == 0
+    assert cli.main(["describe", "tiny"]) == 0
     assert "Phase:         Failed" in capsys.readouterr().out
 
-    assert kubectl_plugin.main(["logs", "tiny"]) == 1
+    assert cli.main(["logs", "tiny"]) == 1
     assert "no log at" in capsys.readouterr().err
     bucket, prefix = s3_storage.removeprefix("s3://").split("/", 1)
     boto3.client("s3").put_object(
         Bucket=bucket, Key=f"{prefix}/team-a/tiny/logs/attempt-1/driver.log", Body=b"driver says hi\n"
     )
-    assert kubectl_plugin.main(["logs", "tiny", "--driver", "-f"]) == 0
+    assert cli.main(["logs", "tiny", "--driver", "-f"]) == 0
     assert capsys.readouterr().out == "driver says hi\n"
 
 
@@ -273,8 +274,8 @@ def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(
 
     thread = threading.Thread(target=restart)
     thread.start()
-    objects = kubectl_plugin.RunObjects(s3, kubectl_plugin.storage_prefix(run))
-    kubectl_plugin.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
+    objects = cli.RunObjects(s3, cli.storage_prefix(run))
+    cli.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
     thread.join()
     assert "".join(printed) == "one\nlast words\n\n[--- logs/attempt-2/rank-0.log ---]\nresumed\n"
 
@@ -332,17 +333,15 @@ def test_diff_shows_exactly_what_differs_between_two_runs_of_two_namespaces(
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
 
-    assert (
-        kubectl_plugin.main(["diff", "first", "second", "-n", "team-a", "--other-namespace", "team-b"]) == 0
-    )
+    assert cli.main(["diff", "first", "second", "-n", "team-a", "--other-namespace", "team-b"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["FIELD", "team-a/first", "team-b/second"]
     assert [line.split()[0] for line in lines[1:]] == ["config.training.learning_rate", "config.data.source"]
     assert lines[1].split()[1:] == ["0.0001", "0.0003"]
 
-    assert kubectl_plugin.main(["diff", "first", "first", "-n", "team-a"]) == 0
+    assert cli.main(["diff", "first", "first", "-n", "team-a"]) == 0
     assert capsys.readouterr().out == "no differences\n"
-    assert kubectl_plugin.main(["diff", "first", "first", "-n", "team-a", "--all"]) == 0
+    assert cli.main(["diff", "first", "first", "-n", "team-a", "--all"]) == 0
     everything = capsys.readouterr().out
     assert (
         "image_digest" in everything

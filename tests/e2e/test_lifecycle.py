@@ -127,8 +127,12 @@ def trainingrun(*args: str) -> str:
     """`kubectl trainingrun ARGS` as a user runs it: kubectl on PATH, the session's kubeconfig, S3 access."""
     path = f"{REPO / 'bin'}{os.pathsep}{os.environ['PATH']}"
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_operator.kubectl_plugin", *args],
-        env={**os.environ, "PATH": path, "PYTHONPATH": f"{REPO / 'operator'}{os.pathsep}{REPO / 'trainer'}"},
+        [sys.executable, "-m", "kubectl_trainingrun", *args],
+        env={
+            **os.environ,
+            "PATH": path,
+            "PYTHONPATH": f"{REPO / 'kubectl_trainingrun'}{os.pathsep}{REPO / 'trainer'}",
+        },
         cwd=REPO,
         capture_output=True,
         text=True,

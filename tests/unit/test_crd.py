@@ -7,6 +7,7 @@ from typing import Any
 import yaml
 
 from fsdp_operator import api, conditions, crd
+from kubectl_trainingrun import cli
 
 
 def _walk(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
@@ -90,6 +91,13 @@ def test_printer_columns_give_the_daily_view() -> None:
         "Cost USD",
     ]
     assert "trainingruns" in crd.crd_manifest()["spec"]["names"]["shortNames"]
+
+
+def test_the_kubectl_plugin_names_the_resource_and_phases_the_crd_has() -> None:
+    # The plugin imports nothing of the operator: it reads the API as any kubectl user does.
+    names = crd.crd_manifest()["spec"]["names"]
+    assert f"{names['plural']}.{crd.crd_manifest()['spec']['group']}" == cli.RESOURCE
+    assert cli.FINISHED_PHASES == api.FINISHED_PHASES
 
 
 def test_trainer_config_sections_are_the_contract_models() -> None:

@@ -17,7 +17,7 @@ import pytest
 from botocore.exceptions import ClientError
 from pydantic import ValidationError
 
-from fsdp_operator import api, conditions, kubectl_plugin, submission
+from fsdp_operator import api, conditions, submission
 from fsdp_operator.builder import RunRef
 from fsdp_operator.reconcile import MAX_EVIDENCE_LINES, MAX_TRAINER_TEXT, Observation, reconcile
 from fsdp_operator.records import MAX_LIST_PAGES, MAX_RECORD_BYTES, RecordTooLarge, RunStorage
@@ -36,6 +36,7 @@ from fsdp_trainer.contract import (
     TransportReport,
     Versions,
 )
+from kubectl_trainingrun import cli
 
 NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
 GIB = 1 << 30
@@ -383,7 +384,7 @@ def test_describe_prints_tenant_text_inert_and_on_its_own_line() -> None:
             ],
         },
     }
-    shown = kubectl_plugin.describe(run)
+    shown = cli.describe(run)
     for control in ("\x1b", "\x07", "\x9b", "\u202e", "\t"):
         assert control not in shown
     assert "\\x1b]0;pwned\\x07" in shown  # escaped, still readable
@@ -391,7 +392,7 @@ def test_describe_prints_tenant_text_inert_and_on_its_own_line() -> None:
 
 
 def test_logs_and_errors_reach_the_terminal_escaped(capsys: pytest.CaptureFixture[str]) -> None:
-    kubectl_plugin._write(f"line one{ESCAPES}\nline two\r\n\tindented\rprogress 50%\n")
+    cli.to_terminal(f"line one{ESCAPES}\nline two\r\n\tindented\rprogress 50%\n")
     out = capsys.readouterr().out
     assert out.splitlines() == [
         "line one\\x1b]0;pwned\\x07\\x1b[2J\\x9b31m\\u202e",

@@ -17,11 +17,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from fsdp_operator import api, plot, rundiff
-from fsdp_operator.records import split_s3_uri
 from fsdp_trainer.contract import (
     METRICS_DIR,
     RUN_RECORD_FILE,
@@ -33,13 +32,16 @@ from fsdp_trainer.contract import (
     rank_log_name,
     run_prefix,
 )
+from kubectl_trainingrun import plot, rundiff
 
-RESOURCE = f"{api.PLURAL}.{api.GROUP}"
+# The FSDPTrainingRun API as every kubectl user sees it: its resource name and the phases a run ends in (the
+# operator's api.PLURAL, api.GROUP and api.FINISHED_PHASES; tests/unit/test_crd.py holds them equal).
+RESOURCE = "fsdptrainingruns.fsdp.training.dev"
+FINISHED_PHASES = ("Succeeded", "Failed")
 KUBECTL_TIMEOUT_SECONDS = 30
 S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 3}}
 FOLLOW_POLL_SECONDS = 2.0  # S3 reads while following; the trainer stores a rank's log every 15 s
 FOLLOW_RUN_POLL_SECONDS = 10.0  # kubectl reads of the run while following: is it still active?
-ENDED_PHASES = (api.Phase.SUCCEEDED, api.Phase.FAILED)
 # What the plugin prints is the tenant's text (logs, the trainer's records, status fields it fed). In a
 # terminal, control characters (C0 but newline and tab, DEL, C1, whose \x9b is a CSI) act rather than read:
 # they move the cursor, rewrite lines, set the title or the clipboard; bidirectional overrides make text read
@@ -111,6 +113,13 @@ def storage_prefix(run: dict[str, Any]) -> str:
     return run_prefix(storage, run["metadata"]["namespace"], run["metadata"]["name"])
 
 
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise PluginError(f"not an s3:// URI: {uri!r}")
+    return parsed.netloc, parsed.path.lstrip("/")
+
+
 def s3_client() -> Any:
     import boto3
     from botocore.config import Config
@@ -164,7 +173,7 @@ def log_name(run: dict[str, Any], options: argparse.Namespace) -> str:
 
 
 def run_is_active(run: dict[str, Any]) -> bool:
-    return (run.get("status") or {}).get("phase") not in ENDED_PHASES
+    return (run.get("status") or {}).get("phase") not in FINISHED_PHASES
 
 
 def logs(
@@ -428,7 +437,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _write(text: str) -> None:
+def to_terminal(text: str) -> None:
     sys.stdout.write(printable(text))
     sys.stdout.flush()
 
@@ -437,26 +446,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = build_parser().parse_args(argv)
     try:
         if options.command == "diff":
-            diff_command(options, _write)
+            diff_command(options, to_terminal)
             return 0
         run = get_run(options)
         if options.command == "describe":
-            _write(describe(run))
+            to_terminal(describe(run))
             return 0
         objects = RunObjects(s3_client(), storage_prefix(run))
         if options.command == "logs":
-            logs(options, run, objects, _write, lambda: get_run(options))
+            logs(options, run, objects, to_terminal, lambda: get_run(options))
         elif options.command == "forensics":
-            forensics_command(options, run, objects, _write)
+            forensics_command(options, run, objects, to_terminal)
         else:
-            plot_command(options, objects, _write)
+            plot_command(options, objects, to_terminal)
     except (PluginError, BotoCoreError, ClientError) as error:
         print(f"error: {printable(str(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
