@@ -245,6 +245,7 @@ def describe(run: dict[str, Any]) -> str:
         f"{spec.get('cluster', {}).get('workers', 1)} worker(s)",
         f"Transport:     {transport.get('observed', '-')}  bus bandwidth "
         f"{_number(transport.get('busBandwidthGbps'), '.2f')} GB/s",
+        f"Fabric check:  {fabric_line(status.get('fabric') or {})}",
         f"Progress:      step {progress.get('step', '-')}/{progress.get('maxSteps', '-')}  "
         f"loss {_number(progress.get('loss'))}  eval loss {_number(progress.get('evalLoss'))}  "
         f"{_number(rate, ',.0f')} tok/s  MFU {_number(progress.get('mfu'), '.1%')}  "
@@ -262,7 +263,8 @@ def describe(run: dict[str, Any]) -> str:
             + (f"  (ran at world size {size})" if size else "")
             + f"  {entry.get('message', '')}".rstrip()
         )
-    failing = [c for c in status.get("conditions") or [] if c["type"] in ("Failed", "TransportDegraded")]
+    shown = ("Failed", "TransportDegraded", "FabricVerified")
+    failing = [c for c in status.get("conditions") or [] if c["type"] in shown]
     lines += [
         f"Condition:     {c['type']}={c['status']} {c['reason']}: {c.get('message', '')}" for c in failing
     ]
@@ -274,6 +276,20 @@ def describe(run: dict[str, Any]) -> str:
     if spec.get("tracking", {}).get("mlflow"):
         lines.append(f"MLflow run:    {(record.get('mlflowRun') or {}).get('url', '- (not created yet)')}")
     return "\n".join(lines) + "\n"
+
+
+def fabric_line(fabric: dict[str, Any]) -> str:
+    """The latest attempt's fabric check, and the nodes this run's checks marked slow."""
+    if not fabric:
+        return "-"
+    report = fabric.get("report") or {}
+    verdict = "passed" if report.get("passed", True) else "FAILED"
+    avoided = ", ".join(node["node"] for node in fabric.get("avoidedNodes") or [])
+    return (
+        f"attempt {fabric.get('attempt', '-')} {verdict} in {_number(report.get('seconds'), '.1f')} s: "
+        + report.get("message", "")
+        + (f"  (nodes labelled slow: {avoided})" if avoided else "")
+    )
 
 
 def goodput_lines(goodput: dict[str, Any]) -> list[str]:

@@ -219,6 +219,7 @@ def write_run_record(
             checkpoints=list(reversed(status.checkpoints.recent)),
             restarts=restarts,
             transport=status.transport,
+            fabric=status.fabric.report if status.fabric is not None else None,
             logs_uri=status.record.logs_uri,
         )
         if previous == record:

@@ -46,6 +46,19 @@ def run_object(storage: str, phase: str = "Running", attempt: int = 2) -> dict[s
                     "tokensPerSecond": 1234.5,
                 },
                 "transport": {"observed": "gloo"},
+                "fabric": {
+                    "attempt": 2,
+                    "report": {
+                        "backend": "gloo",
+                        "transport": "gloo",
+                        "passed": True,
+                        "seconds": 1.25,
+                        "message": "bus bandwidth 1.2 GB/s at 64 MiB over 2 pod(s)",
+                    },
+                    "avoidedNodes": [
+                        {"node": "ip-10-0-1-7", "labelledAt": "2026-12-04T18:00:00Z", "why": "slow"}
+                    ],
+                },
                 "checkpoints": {
                     "recent": [{"uri": f"{storage}/team-a/tiny/checkpoint_1", "step": 30, "time": NOW}]
                 },
@@ -140,6 +153,8 @@ def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
         "1,234 tok/s",
         f"{s3_storage}/team-a/tiny/checkpoint_1",
         "WorkerLost  resumed from step 30  pod gone",
+        "Fabric check:  attempt 2 passed in 1.2 s: bus bandwidth 1.2 GB/s at 64 MiB over 2 pod(s)  "
+        "(nodes labelled slow: ip-10-0-1-7)",
         f"{s3_storage}/team-a/tiny/run.json",
         f"{s3_storage}/team-a/tiny/logs",
     ):
