@@ -287,7 +287,7 @@ def fabric_line(fabric: dict[str, Any]) -> str:
     avoided = ", ".join(node["node"] for node in fabric.get("avoidedNodes") or [])
     return (
         f"attempt {fabric.get('attempt', '-')} {verdict} in {_number(report.get('seconds'), '.1f')} s: "
-        + report.get("message", "")
+        + str(report.get("message", ""))
         + (f"  (nodes labelled slow: {avoided})" if avoided else "")
     )
 
@@ -400,6 +400,9 @@ def forensics_command(
         )
         for thread in answer.threads:
             write(f"--- thread {thread.name}{' (daemon)' if thread.daemon else ''}\n{thread.stack}")
+        if answer.collectives:
+            entered = "\n".join(f"  {c.process_group} #{c.seq} {c.op}" for c in answer.collectives)
+            write(f"--- last collectives entered (torch's flight recorder)\n{entered}\n")
         write(f"--- last log lines\n{answer.recent_log}")
 
 

@@ -8,7 +8,9 @@ from fsdp_trainer.contract import RankStacks
 
 def suspect(answers: list[RankStacks], world_size: int | None) -> api.SuspectStatus | None:
     """A rank whose training thread is not in a collective while others wait in one: the others wait for it.
-    Else the rank behind the others in steps; else a rank that did not answer (its process may be gone)."""
+    Else a rank that entered fewer collectives of a process group than the others (torch's flight recorder:
+    all wait, but not in the same collective); else the rank behind the others in steps; else a rank that did
+    not answer (its process may be gone)."""
     if not answers:
         return None
     waiting = [a for a in answers if a.in_collective]
@@ -20,6 +22,9 @@ def suspect(answers: list[RankStacks], world_size: int | None) -> api.SuspectSta
             f"its training thread is at {first.training_thread_top or 'an unknown frame'} while ranks "
             f"{_ranks(waiting)} wait in a collective",
         )
+    out_of_step = _behind_in_collectives(answers)
+    if out_of_step is not None:
+        return out_of_step
     steps = {a.step for a in answers}
     if len(steps) > 1:
         behind = min(answers, key=lambda a: (a.step, a.rank))
@@ -42,3 +47,26 @@ def _ranks(answers: list[RankStacks]) -> str:
     ranks = sorted(a.rank for a in answers)
     shown = ", ".join(str(r) for r in ranks[:8])
     return shown + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+
+
+def _behind_in_collectives(answers: list[RankStacks]) -> api.SuspectStatus | None:
+    """The rank that entered the fewest collectives of a process group the ranks disagree on."""
+    entered: dict[str, dict[int, int]] = {}  # process group -> rank -> the last collective it entered
+    for answer in answers:
+        for record in answer.collectives:
+            group = entered.setdefault(record.process_group, {})
+            group[answer.rank] = max(group.get(answer.rank, 0), record.seq)
+    for name, by_rank in sorted(entered.items()):
+        if len(by_rank) < 2 or len(set(by_rank.values())) < 2:
+            continue
+        rank = min(by_rank, key=lambda r: (by_rank[r], r))
+        ahead = [a for a in answers if by_rank.get(a.rank, 0) > by_rank[rank]]
+        last = max(by_rank.values())
+        answer = next(a for a in answers if a.rank == rank)
+        return _named(
+            answer,
+            f"it entered collective {by_rank[rank]} of process group {name[:64] or '?'} and ranks "
+            f"{_ranks(ahead)} collective {last}, where they wait for it (torch's flight recorder); its "
+            f"training thread is at {answer.training_thread_top or 'an unknown frame'}",
+        )
+    return None

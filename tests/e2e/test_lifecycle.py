@@ -271,6 +271,7 @@ def test_hung_job_is_stopped_after_the_hang_timeout_with_every_ranks_stacks_and_
     }
     printed = trainingrun("forensics", name, "-n", namespace)
     assert "suspect: rank 0" in printed and "time.sleep(3600)" in printed and "=== rank 1/2" in printed
+    assert "last collectives entered (torch's flight recorder)" in printed, printed[-3000:]
     collected = seconds_between(forensics["requestedAt"], forensics["concludedAt"])
     reliability.record(
         "Rank 0 of two stops making progress at step 15, every process alive (Ray reports RUNNING)",

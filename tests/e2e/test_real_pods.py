@@ -363,14 +363,17 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     assert_in_sync(namespace, manifest)
 
 
-def set_node_gpus(node: RealNode, gpus: int) -> None:
-    """The real node's fake GPU capacity, as a device plugin would report it, once allocatable shows it."""
-    patch = {"status": {"capacity": {"nvidia.com/gpu": str(gpus)}}}
+def set_node_gpus(node: RealNode, gpus: int, efa: int = 2) -> None:
+    """The real node's fake GPU and EFA capacity, as device plugins would report it, once allocatable shows
+    it (2 EFA interfaces: the local cluster's, one per demo worker)."""
+    wanted = {"nvidia.com/gpu": str(gpus), "vpc.amazonaws.com/efa": str(efa)}
+    patch = {"status": {"capacity": wanted}}
     kubectl("patch", "node", node.name, "--subresource", "status", "--type", "merge", "-p", json.dumps(patch))
     wait_until(
-        f"the real node's allocatable GPUs at {gpus}",
-        lambda: (
-            kubectl_json("get", "node", node.name)["status"]["allocatable"].get("nvidia.com/gpu") == str(gpus)
+        f"the real node's allocatable at {wanted}",
+        lambda: all(
+            kubectl_json("get", "node", node.name)["status"]["allocatable"].get(resource) == amount
+            for resource, amount in wanted.items()
         ),
         timeout=60,
     )
@@ -521,7 +524,7 @@ def test_a_slow_pod_link_fails_the_fabric_check_naming_the_pod_and_node_which_th
     network.minBusBandwidthGbps, names the pod and the node, and the operator labels the node and restarts on
     a new cluster whose workers avoid it: on this one-node cluster they wait, Pending for the label, until the
     platform takes it off; then the next check passes on fresh pods and the run trains."""
-    set_node_gpus(real_node, 12)  # three workers x 4
+    set_node_gpus(real_node, 12, efa=3)  # three workers x (4 GPUs, 1 EFA)
     manifest = real_pods_run(
         namespace,
         **{

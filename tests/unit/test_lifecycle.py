@@ -367,6 +367,23 @@ def test_every_permanent_trainer_verdict_fails_the_run_with_a_reason_of_its_own(
     assert skipped.status.progress.non_finite_steps == 2
 
 
+def test_when_every_rank_waits_the_flight_recorder_names_the_one_a_collective_behind() -> None:
+    """Mismatched collectives: all ranks are inside torch.distributed, rank 1 one collective behind."""
+    from fsdp_operator import hangs
+    from fsdp_trainer.contract import CollectiveRecord
+
+    def entered(rank: int, last: int) -> RankStacks:
+        records = [
+            CollectiveRecord(seq=seq, process_group="default_pg", op="nccl:all_reduce") for seq in (1, last)
+        ]
+        return stacks(rank, True, "fsdp.py:1 in reduce").model_copy(update={"collectives": records})
+
+    found = hangs.suspect([entered(0, 41), entered(1, 40), entered(2, 41)], 3)
+    assert found is not None and found.rank == 1, found
+    assert "entered collective 40 of process group default_pg and ranks 0, 2 collective 41" in found.why
+    assert hangs.suspect([entered(0, 41), entered(1, 41)], 2) is None  # agreeing ranks: no suspect from it
+
+
 def test_without_a_rank_out_of_collectives_the_suspect_is_the_one_behind_or_the_silent_one() -> None:
     from fsdp_operator import hangs
 

@@ -70,3 +70,17 @@ def test_both_ranks_answer_with_where_they_are_and_only_the_hung_one_is_out_of_a
     assert {"MainThread", "forensics", "rank-log"} <= names, names
     main = next(thread for thread in hung.threads if thread.name == "MainThread")
     assert "time.sleep(3600)" in main.stack
+
+    # torch's flight recorder: rank 1 entered one collective more than rank 0 (step 3's), in the same group.
+    def entered(answer: RankStacks) -> dict[str, int]:
+        latest: dict[str, int] = {}
+        for record in answer.collectives:
+            latest[record.process_group] = max(latest.get(record.process_group, 0), record.seq)
+        return latest
+
+    hung_entered, waiting_entered = entered(hung), entered(waiting)
+    assert hung_entered and hung.collectives[-1].op.startswith("gloo:"), hung.collectives
+    assert any(waiting_entered[group] > seq for group, seq in hung_entered.items()), (
+        hung_entered,
+        waiting_entered,
+    )

@@ -698,6 +698,14 @@ class ThreadStack(ContractModel):
     stack: str = Field(description="Innermost frame last, as Python's traceback prints it.")
 
 
+class CollectiveRecord(ContractModel):
+    """One collective a rank entered, from torch's flight recorder."""
+
+    seq: int = Field(description="Its number in its process group (collective_seq_id), counting from 1.")
+    process_group: str = Field(default="", max_length=128)
+    op: str = Field(default="", max_length=128, description="As torch names it, e.g. nccl:all_reduce.")
+
+
 class RankStacks(ContractModel):
     """What one rank was doing when the operator asked: every thread's stack and the last lines it logged."""
 
@@ -715,6 +723,12 @@ class RankStacks(ContractModel):
     )
     threads: list[ThreadStack] = Field(default_factory=list)
     recent_log: str = Field(default="", description="The rank's last log lines.")
+    collectives: list[CollectiveRecord] = Field(
+        default_factory=list,
+        description="The last collectives this rank entered, oldest first, from torch's flight recorder "
+        "(TORCH_FR_BUFFER_SIZE, which the trainer sets): ranks that entered different numbers of them "
+        "show who the others wait for.",
+    )
     written_at: dt.datetime
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import DataError, classify
+from fsdp_trainer.forensics import flight_recorder_env
 from fsdp_trainer.launch import LoopInput, ray_train_worker
 from fsdp_trainer.progress import read_progress, utc_now
 from fsdp_trainer.shards import source_shards
@@ -22,6 +23,7 @@ MAX_ERROR_CHARS = 2000
 
 def worker_environment(config: TrainerConfig) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV_PREFIX)}
+    env.update(flight_recorder_env())
     if config.gpus_per_worker > 0:
         env.update(worker_env(config.network, config.run_name))
         env.update(allocator_env())  # these env_vars override the job's, so only where the job has none

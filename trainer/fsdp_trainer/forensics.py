@@ -7,6 +7,7 @@ outlives the cluster."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import socket
 import sys
@@ -17,6 +18,7 @@ from types import FrameType
 
 from fsdp_trainer.contract import (
     NODE_NAME_ENV,
+    CollectiveRecord,
     RankStacks,
     ThreadStack,
     forensics_request_name,
@@ -27,6 +29,17 @@ from fsdp_trainer.storage import Location
 # How often each rank looks for a request: one small read per rank per interval, and the operator waits a
 # minute for every answer (recovery.forensicsSeconds).
 POLL_SECONDS = 5.0
+# torch's flight recorder: the last collectives of every process group, kept in memory by c10d for every
+# backend (read only when the operator asks). Read by the process group as it is created, so it is set in the
+# workers' environment (driver.py) and, under other launchers, before the group starts (distributed.py).
+FLIGHT_RECORDER_ENV = "TORCH_FR_BUFFER_SIZE"
+FLIGHT_RECORDER_ENTRIES = "2000"
+COLLECTIVES_IN_ANSWER = 16
+
+
+def flight_recorder_env() -> dict[str, str]:
+    """The flight recorder's size, unless the run's environment sets its own."""
+    return {} if FLIGHT_RECORDER_ENV in os.environ else {FLIGHT_RECORDER_ENV: FLIGHT_RECORDER_ENTRIES}
 
 
 class ForensicsWatch:
@@ -96,8 +109,34 @@ def capture(rank: int, world_size: int, step: int, recent_log: str, training: in
         training_thread_top=f"{top.filename}:{top.lineno} in {top.name}" if top else "",
         threads=threads,
         recent_log=recent_log,
+        collectives=recent_collectives(),
         written_at=dt.datetime.now(dt.UTC),
     )
+
+
+def recent_collectives(limit: int = COLLECTIVES_IN_ANSWER) -> list[CollectiveRecord]:
+    """The last collectives this process entered, from torch's flight recorder; none when it is off or
+    unreadable (forensics must answer with what it has)."""
+    try:
+        # Not in torch's type stubs: the binding torch's own flight-recorder tools call.
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+
+        entries = json.loads(_dump_fr_trace_json(True, False)).get("entries") or []
+        records = [
+            CollectiveRecord(
+                seq=int(entry["collective_seq_id"]),
+                process_group=str((entry.get("process_group") or ["", ""])[-1])[:128],
+                op=str(entry.get("profiling_name", ""))[:128],
+            )
+            for entry in entries
+            if not entry.get("is_p2p")
+        ]
+    except Exception as error:
+        sys.stderr.write(
+            f"hang forensics: torch's flight recorder unreadable: {type(error).__name__}: {error}\n"
+        )
+        return []
+    return records[-limit:]
 
 
 def waits_in_distributed(frame: FrameType) -> bool:

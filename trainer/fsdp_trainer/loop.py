@@ -64,6 +64,7 @@ def train_loop(config: dict[str, Any]) -> None:
             os.environ.setdefault(key, value)
         os.environ.update(transport.allocator_env())  # before distributed.start initialises CUDA
         socket_interface = transport.choose_socket_interface()  # on the worker: its own pod's interfaces
+    os.environ.update(forensics.flight_recorder_env())  # before the group starts (Ray's: the driver sets it)
     runtime = distributed.start(use_gpu=use_gpu)
     run = Location.parse(loop_input.trainer.run_uri())
     rank_log = runlog.start_rank_log(
