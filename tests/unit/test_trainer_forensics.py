@@ -84,3 +84,39 @@ def test_both_ranks_answer_with_where_they_are_and_only_the_hung_one_is_out_of_a
         hung_entered,
         waiting_entered,
     )
+
+
+def test_under_ray_only_rank_0_reads_storage_and_the_others_follow_its_flag(tmp_path: Path) -> None:
+    """One storage read per interval for the attempt, not one per rank: rank 1 does not see a request that is
+    only in storage; rank 0 finds it, raises the flag in Ray's GCS, and then rank 1 answers too."""
+    import ray
+
+    from fsdp_trainer import forensics
+    from fsdp_trainer.storage import Location
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    run = Location.parse(str(tmp_path / "team-a" / "tiny"))
+    watches: list[forensics.ForensicsWatch] = []
+    try:
+
+        def watch(rank: int) -> forensics.ForensicsWatch:
+            started = forensics.ForensicsWatch(
+                run, 1, rank, 2, lambda: 7, lambda: "", poll_seconds=0.1, relay=forensics.RayRelay(run, 1)
+            )
+            watches.append(started)
+            return started
+
+        watch(1)
+        request = tmp_path / "team-a" / "tiny" / forensics_request_name(1)
+        request.parent.mkdir(parents=True, exist_ok=True)
+        asked = ForensicsRequest(attempt=1, reason="Hang", requested_at="2026-12-04T12:00:00Z")
+        request.write_text(asked.model_dump_json(by_alias=True))
+        answers = [tmp_path / "team-a" / "tiny" / rank_stacks_name(1, rank) for rank in (0, 1)]
+        time.sleep(2)
+        assert not answers[1].exists(), "rank 1 must not read the request from storage"
+        watch(0)
+        wait_for("both ranks' stacks once rank 0 has raised the flag", answers, timeout=30)
+    finally:
+        for started in watches:
+            started.stop()
+        ray.shutdown()

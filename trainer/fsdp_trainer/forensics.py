@@ -26,8 +26,8 @@ from fsdp_trainer.contract import (
 )
 from fsdp_trainer.storage import Location
 
-# How often each rank looks for a request: one small read per rank per interval, and the operator waits a
-# minute for every answer (recovery.forensicsSeconds).
+# How often each rank looks for a request (under Ray, rank 0 reads storage and the others the GCS); the
+# operator waits a minute for every answer (recovery.forensicsSeconds).
 POLL_SECONDS = 5.0
 # torch's flight recorder: the last collectives of every process group, kept in memory by c10d for every
 # backend (read only when the operator asks). Read by the process group as it is created, so it is set in the
@@ -42,6 +42,25 @@ def flight_recorder_env() -> dict[str, str]:
     return {} if FLIGHT_RECORDER_ENV in os.environ else {FLIGHT_RECORDER_ENV: FLIGHT_RECORDER_ENTRIES}
 
 
+class RayRelay:
+    """Under Ray Train, one storage read per interval for the whole attempt rather than one per rank: rank 0
+    reads the request and raises a flag in the Ray cluster's key-value store (the GCS), which the other ranks
+    read instead of storage. A hang leaves every process alive, rank 0's watcher included."""
+
+    def __init__(self, run: Location, attempt: int) -> None:
+        self._key = f"fsdp-forensics:{run.uri}:attempt-{attempt}".encode()
+
+    def raise_flag(self) -> None:
+        from ray.experimental import internal_kv
+
+        internal_kv._internal_kv_put(self._key, b"1", overwrite=True)
+
+    def flagged(self) -> bool:
+        from ray.experimental import internal_kv
+
+        return bool(internal_kv._internal_kv_exists(self._key))
+
+
 class ForensicsWatch:
     """Answers the operator's forensics request for this rank's attempt, once."""
 
@@ -54,9 +73,11 @@ class ForensicsWatch:
         step: Callable[[], int],
         recent_log: Callable[[], str],
         poll_seconds: float = POLL_SECONDS,
+        relay: RayRelay | None = None,
     ) -> None:
         self._run, self._attempt, self._rank, self._world_size = run, attempt, rank, world_size
         self._step, self._recent_log, self._poll_seconds = step, recent_log, poll_seconds
+        self._relay = relay  # None: every rank reads storage
         # The thread that trains: Ray Train V2 runs the loop in a thread of its own, not the main one.
         self._training = threading.get_ident()
         self._stopped = threading.Event()
@@ -71,7 +92,7 @@ class ForensicsWatch:
         request = self._run.child(forensics_request_name(self._attempt))
         while not self._stopped.wait(self._poll_seconds):
             try:
-                if not request.exists():
+                if not self._asked(request):
                     continue
                 stacks = capture(
                     self._rank, self._world_size, self._step(), self._recent_log(), self._training
@@ -81,6 +102,16 @@ class ForensicsWatch:
                 return
             except Exception as error:  # forensics must never stop training; the next poll tries again
                 sys.stderr.write(f"hang forensics of rank {self._rank}: {type(error).__name__}: {error}\n")
+
+    def _asked(self, request: Location) -> bool:
+        if self._relay is None:
+            return request.exists()
+        if self._rank != 0:
+            return self._relay.flagged()
+        if not request.exists():
+            return False
+        self._relay.raise_flag()
+        return True
 
 
 def capture(rank: int, world_size: int, step: int, recent_log: str, training: int | None) -> RankStacks:

@@ -78,6 +78,7 @@ def train_loop(config: dict[str, Any]) -> None:
         runtime.world_size,
         step=lambda: trainer.step,
         recent_log=rank_log.recent,
+        relay=forensics.RayRelay(run, loop_input.attempt.attempt or 1) if runtime.launcher == "ray" else None,
     )
     tracking_status = "FAILED"
     try:
