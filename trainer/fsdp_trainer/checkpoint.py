@@ -45,9 +45,8 @@ from fsdp_trainer.storage import Location, node_local_copy
 log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint_"
-# The global batch (sequences per optimizer step) a checkpoint was trained with, written by rank 0 beside the
-# shards and listed in the manifest's files: a resume keeps it at any world size. A file of its own because
-# CheckpointManifest (contract.py, shared with the operator) forbids fields it does not declare.
+# Where checkpoints written before CheckpointManifest.global_batch_size recorded their global batch: a file
+# rank 0 wrote beside the shards. Read on resume only; new checkpoints record it in the manifest.
 GLOBAL_BATCH_FILE = "global_batch.json"
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
@@ -217,15 +216,17 @@ def inspect(location: Location) -> Candidate:
 
 
 def resumed_global_batch(location: Location, sequence_length: int, unrecorded: int) -> int:
-    """The global batch a complete checkpoint was trained with, as it records it. One written before
-    checkpoints recorded it is resumed with `unrecorded` (the batch this attempt's fields give) only when its
-    tokens seen show that every one of its steps had that batch; otherwise its last batch cannot be known
-    (an average over a resize is no batch), and a ConfigError asks for training.globalBatchSize rather than
-    changing tokens per step silently."""
-    listing = location.list_files()
-    if GLOBAL_BATCH_FILE in listing:
-        return int(json.loads(location.child(GLOBAL_BATCH_FILE).read_text())["globalBatchSize"])
+    """The global batch a complete checkpoint was trained with, as its manifest records it (or, written
+    before manifests did, its GLOBAL_BATCH_FILE). One written before checkpoints recorded it at all is
+    resumed with `unrecorded` (the batch this attempt's fields give) only when its tokens seen show that
+    every one of its steps had that batch; otherwise its last batch cannot be known (an average over a
+    resize is no batch), and a ConfigError asks for training.globalBatchSize rather than changing tokens per
+    step silently."""
     manifest = CheckpointManifest.model_validate_json(location.child(MANIFEST_FILE).read_text())
+    if manifest.global_batch_size is not None:
+        return manifest.global_batch_size
+    if GLOBAL_BATCH_FILE in manifest.files:
+        return int(json.loads(location.child(GLOBAL_BATCH_FILE).read_text())["globalBatchSize"])
     if manifest.tokens_seen == manifest.step * sequence_length * unrecorded:
         return unrecorded
     average = manifest.tokens_seen / max(manifest.step * sequence_length, 1)
@@ -465,7 +466,7 @@ class CheckpointSaver:
         """Begins a save of the current state and returns the seconds that took (including waiting for the
         previous save). The state is staged in the background: call
         `wait_for_staging` before anything changes the weights or the optimizer state. `global_batch`, the
-        sequences per optimizer step, is recorded for a resume (GLOBAL_BATCH_FILE) when given."""
+        sequences per optimizer step, is recorded in the manifest for a resume when given."""
         started = time.perf_counter()
         self.wait()
         location = self.run.child(name)
@@ -474,9 +475,6 @@ class CheckpointSaver:
         require_disk(write_dir, staged_bytes(state) * self.ranks_per_node + DISK_RESERVE_BYTES)
         os.makedirs(write_dir, exist_ok=True)
         save_rng(write_dir, self.rank)
-        if self.rank == 0 and global_batch is not None:
-            with open(os.path.join(write_dir, GLOBAL_BATCH_FILE), "w") as batch_file:
-                json.dump({"globalBatchSize": global_batch}, batch_file)
         train = app_state.train
         manifest = CheckpointManifest(
             run_name=self.identity.run_name,
@@ -490,6 +488,7 @@ class CheckpointSaver:
             submission_id=self.identity.submission_id,
             fingerprint=self.identity.fingerprint,
             data_fingerprint=self.identity.data_fingerprint,
+            global_batch_size=global_batch,
         )
         # Synced in place: a local checkpoint is the durable copy. Unsynced for S3: the local files are a
         # staging copy the upload reads back at once, and the checkpoint is durable once storage holds it.
