@@ -79,8 +79,8 @@ class CheckpointManager:
         """Loads `chosen` into the state; returns the step it was saved at."""
         runtime = self.runtime
         reseed = checkpoint.rank_seed(self.config.training.seed, runtime.rank)
-        had_rng = checkpoint.load(chosen, app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier)
-        if not had_rng:
+        loaded = checkpoint.load(chosen, app_state, runtime.rank, reseed)
+        if not loaded.rng_restored:
             log.warning(
                 "checkpoint has no RNG state for rank %d (saved on fewer workers): reseeded", runtime.rank
             )
