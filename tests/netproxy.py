@@ -77,6 +77,7 @@ class BlackHoleProxy:
         self.target_port = target_port
         self.port = 0
         self.accepted = 0  # connections accepted so far, in either mode
+        self.answered_bytes = 0  # bytes passed from the target to clients so far (headers and bodies)
         self._black_hole = False
         self._crashed = False
         self._connections: set[_Connection] = set()
@@ -205,23 +206,29 @@ class BlackHoleProxy:
             connection.swallow()
             return
         assert connection.client is not None
-        answers = asyncio.create_task(self._pump(connection, upstream_reader, connection.client))
+        answers = asyncio.create_task(self._pump(connection, upstream_reader, connection.client, True))
         try:
             await self._pump(connection, reader, connection.upstream)
             await answers
         finally:
             answers.cancel()
 
-    @staticmethod
     async def _pump(
-        connection: _Connection, source: asyncio.StreamReader, sink: asyncio.StreamWriter
+        self,
+        connection: _Connection,
+        source: asyncio.StreamReader,
+        sink: asyncio.StreamWriter,
+        answers: bool = False,
     ) -> None:
-        """Copies source to sink until end of stream, an error, or the connection is swallowed."""
+        """Copies source to sink until end of stream, an error, or the connection is swallowed; `answers`:
+        the target's side, counted in answered_bytes."""
         # OSError, not only ConnectionError: a peer gone before write_eof's shutdown() is ENOTCONN.
         with contextlib.suppress(OSError):
             while data := await source.read(_CHUNK):
                 if connection.black_holed:
                     return
+                if answers:
+                    self.answered_bytes += len(data)
                 sink.write(data)
                 await sink.drain()
             if not connection.black_holed and sink.can_write_eof():

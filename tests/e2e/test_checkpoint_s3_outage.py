@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_trainer import checkpoint, storage
+from fsdp_trainer import checkpoint
 from fsdp_trainer.contract import MANIFEST_FILE, Versions
 from fsdp_trainer.storage import Location
 from tests.harness import free_port
@@ -75,14 +75,13 @@ def resumed(run: Location) -> tuple[int, dict[str, torch.Tensor]] | None:
     if found is None or found.manifest is None:
         return None
     target = app_state()
-    checkpoint.load(Location.parse(found.location.uri), target, 0, 0, reseed=0, barrier=lambda: None)
+    checkpoint.load(Location.parse(found.location.uri), target, 0, reseed=0)
     return found.manifest.step, weights(target)
 
 
 def test_a_checkpoint_cut_by_an_s3_outage_is_never_resumed_and_nothing_complete_is_lost(
     s3_endpoint: str, tmp_path: Path, reliability: Recorder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(storage, "NODE_CACHE", str(tmp_path / "node-cache"))
     bucket = f"outage-{uuid.uuid4().hex[:8]}"
     boto3.client("s3", endpoint_url=s3_endpoint).create_bucket(
         Bucket=bucket, CreateBucketConfiguration={"LocationConstraint": "us-west-2"}

@@ -101,7 +101,7 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(run: L
     found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
     assert found is not None
     restored = sharded_app(TrainingSpec(learning_rate=1e-2))
-    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    checkpoint.load(found.location, restored, 0, reseed=0)
     assert restored.train.step == 1
     for name, tensor in weights(restored).items():
         torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0)
@@ -149,7 +149,7 @@ def test_a_checkpoint_stages_the_weights_after_the_optimizer_step_still_queued_o
     found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
     assert found is not None
     restored = sharded_app(TrainingSpec())
-    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    checkpoint.load(found.location, restored, 0, reseed=0)
     for name, tensor in weights(restored).items():
         torch.testing.assert_close(tensor, weights(app)[name], rtol=0, atol=0)
 
@@ -236,7 +236,7 @@ def test_the_writer_process_saves_what_training_had_at_the_step(tmp_path: Path) 
     found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
     assert found is not None
     restored = sharded_app(TrainingSpec(learning_rate=1e-2))
-    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    checkpoint.load(found.location, restored, 0, reseed=0)
     for name, tensor in weights(restored).items():
         torch.testing.assert_close(tensor, at_save[name], rtol=0, atol=0)
 
@@ -255,7 +255,7 @@ def test_a_resumed_run_uses_its_own_learning_rate_and_weight_decay(tmp_path: Pat
     resumed = sharded_app(changed)
     found = checkpoint.find_resume_point(Location.parse(str(tmp_path)), "auto", "job-2", FINGERPRINT)
     assert found is not None
-    checkpoint.load(found.location, resumed, 0, 0, reseed=0, barrier=dist.barrier)
+    checkpoint.load(found.location, resumed, 0, reseed=0)
     expected = 5e-3 * optim.lr_factor(2, changed)
     assert resumed.scheduler.get_last_lr() == pytest.approx([expected, expected])
     assert [group["lr"] for group in resumed.optimizer.param_groups] == pytest.approx([expected, expected])
@@ -287,7 +287,7 @@ def test_a_checkpoint_restores_the_data_position_and_every_streams_cursor(tmp_pa
     restored = sharded_app(TrainingSpec(), loader(tokenizer))
     found = checkpoint.find_resume_point(Location.parse(str(tmp_path / "run")), "auto", "job-2", FINGERPRINT)
     assert found is not None and restored.batches is not None
-    checkpoint.load(found.location, restored, 0, 0, reseed=0, barrier=dist.barrier)
+    checkpoint.load(found.location, restored, 0, reseed=0)
     assert restored.batches.position == 200 * layout.samples_per_step
     continued = [torch.cat(list(restored.batches.next_step())) for _ in range(20)]
     assert all(torch.equal(a, b) for a, b in zip(continued, uninterrupted, strict=True))

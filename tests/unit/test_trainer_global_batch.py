@@ -4,6 +4,7 @@ and the data position. The loop runs on CPU (gloo, a tiny Qwen2): two processes,
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 from pathlib import Path
@@ -14,8 +15,9 @@ import torch.multiprocessing as multiprocessing
 from pydantic import ValidationError
 
 from fsdp_trainer import checkpoint, data
-from fsdp_trainer.contract import MANIFEST_FILE, TrainerConfig, TrainingSpec
+from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, TrainerConfig, TrainingSpec
 from fsdp_trainer.errors import ConfigError
+from fsdp_trainer.storage import Location
 from tests.harness import free_port
 from tests.unit.test_trainer_setup import as_rank_of_two, config, history, manifests, train
 
@@ -120,11 +122,10 @@ def test_a_resume_at_another_world_size_keeps_the_global_batch_samples_and_loss(
     for step in (3, 4):
         assert resumed[step] == pytest.approx(uninterrupted[step], rel=1e-4), step
 
-    # The checkpoint records its batch: a later resume at the world size it was written at keeps 8 a step,
-    # where this world size's own fields give 1 x 2 x 2 = 4.
-    batch_file = next(run.glob("checkpoint_00000004_*")) / checkpoint.GLOBAL_BATCH_FILE
-    assert json.loads(batch_file.read_text()) == {"globalBatchSize": 8}
-    assert again.files[checkpoint.GLOBAL_BATCH_FILE] == batch_file.stat().st_size
+    # The checkpoint's manifest records its batch: a later resume at the world size it was written at keeps 8
+    # a step, where this world size's own fields give 1 x 2 x 2 = 4.
+    assert again.global_batch_size == 8 and last.global_batch_size == 8
+    assert checkpoint.GLOBAL_BATCH_FILE not in again.files, "no file of its own any more"
     train(with_training(trainer, max_steps=5), "job-3")
     [fifth] = [m for m in manifests(run) if m.step == 5]
     assert fifth.world_size == 1 and fifth.tokens_seen == 5 * 8 * 16
@@ -132,12 +133,49 @@ def test_a_resume_at_another_world_size_keeps_the_global_batch_samples_and_loss(
 
 def forget_global_batch(checkpoint_dir: Path, **manifest_update: Any) -> None:
     """Makes a checkpoint look written before checkpoints recorded their global batch."""
-    (checkpoint_dir / checkpoint.GLOBAL_BATCH_FILE).unlink()
     path = checkpoint_dir / MANIFEST_FILE
     manifest = json.loads(path.read_text())
-    del manifest["files"][checkpoint.GLOBAL_BATCH_FILE]
+    manifest.pop("globalBatchSize", None)
+    if manifest["files"].pop(checkpoint.GLOBAL_BATCH_FILE, None) is not None:
+        (checkpoint_dir / checkpoint.GLOBAL_BATCH_FILE).unlink()
     manifest.update(manifest_update)
     path.write_text(json.dumps(manifest))
+
+
+def recorded_in_a_file(checkpoint_dir: Path, global_batch: int) -> None:
+    """Makes a checkpoint look written while the global batch had a file of its own beside the shards."""
+    forget_global_batch(checkpoint_dir)
+    batch_file = checkpoint_dir / checkpoint.GLOBAL_BATCH_FILE
+    batch_file.write_text(json.dumps({"globalBatchSize": global_batch}))
+    path = checkpoint_dir / MANIFEST_FILE
+    manifest = json.loads(path.read_text())
+    manifest["files"][checkpoint.GLOBAL_BATCH_FILE] = batch_file.stat().st_size
+    path.write_text(json.dumps(manifest))
+
+
+def test_the_global_batch_is_read_from_the_manifest_or_an_older_checkpoints_file(tmp_path: Path) -> None:
+    """Sequence length 16; this attempt's fields give 2 a step; the checkpoints were trained with 4."""
+    directory = tmp_path / "checkpoint_00000003_a"
+    directory.mkdir()
+    manifest = CheckpointManifest(
+        run_name="r",
+        step=3,
+        tokens_seen=3 * 4 * 16,
+        world_size=2,
+        created_at=dt.datetime(2026, 1, 1, tzinfo=dt.UTC),
+        files={},
+        global_batch_size=4,
+    )
+    (directory / MANIFEST_FILE).write_text(manifest.to_json())
+    location = Location.parse(str(directory))
+    assert checkpoint.resumed_global_batch(location, 16, unrecorded=2) == 4
+    assert json.loads((directory / MANIFEST_FILE).read_text())["globalBatchSize"] == 4
+    recorded_in_a_file(directory, 4)  # written between the two: global_batch.json, listed in the manifest
+    assert checkpoint.resumed_global_batch(location, 16, unrecorded=2) == 4
+    forget_global_batch(directory)
+    with pytest.raises(ConfigError, match="does not record its global batch"):
+        checkpoint.resumed_global_batch(location, 16, unrecorded=2)
+    assert checkpoint.resumed_global_batch(location, 16, unrecorded=4) == 4, "its tokens show 4 a step"
 
 
 def test_a_checkpoint_without_a_recorded_batch_resumes_only_when_its_tokens_show_the_batch(

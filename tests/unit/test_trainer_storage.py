@@ -1,5 +1,5 @@
 """Storage operations whose order matters to the user: the exported model is replaced, never emptied first;
-and uploads to S3 (a real S3 server on loopback) store every file whole."""
+uploads to S3 (a real S3 server on loopback) store every file whole; ranged reads are retried, then fail."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import boto3
 import pytest
 
+from fsdp_trainer import storage
 from fsdp_trainer.storage import Location
 
 
@@ -80,3 +81,42 @@ def test_replacing_a_model_in_s3_leaves_exactly_the_new_files(tmp_path: Path, s3
     destination.replace_with(str(new))
     assert destination.list_files() == {"model.safetensors": 11, "config.json": 2}
     assert destination.child("model.safetensors").read_text() == "new weights"
+
+
+class FlakyFile:
+    """A random-access file whose first `failures` reads fail as a reset connection does."""
+
+    def __init__(self, data: bytes, failures: int) -> None:
+        self.data, self.failures, self.reads = data, failures, 0
+
+    def read_at(self, length: int, offset: int) -> bytes:
+        self.reads += 1
+        if self.failures:
+            self.failures -= 1
+            raise OSError("Connection reset by peer")
+        return self.data[offset : offset + length]
+
+    def close(self) -> None:
+        pass
+
+
+class FlakyFs:
+    def __init__(self, file: FlakyFile) -> None:
+        self.file = file
+
+    def open_input_file(self, path: str) -> FlakyFile:
+        return self.file
+
+
+def test_ranged_reads_come_in_parts_and_are_retried_before_they_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(storage, "READ_PART", 16)
+    monkeypatch.setattr(storage, "READ_BACKOFF_S", 0.0)
+    monkeypatch.setattr(storage, "READ_THREADS", 1)  # the failures in a known order
+    data = os.urandom(100)
+    file = FlakyFile(data, failures=storage.READ_ATTEMPTS - 1)
+    location = Location(FlakyFs(file), "bucket/f", "s3://bucket/f")  # type: ignore[arg-type]
+    assert list(location.read_ranges([(60, 5), (10, 40), (99, 0)])) == [data[60:65], data[10:50], b""]
+    assert file.reads == storage.READ_ATTEMPTS - 1 + 1 + 3, "3 parts of 16 bytes for 40, after the retries"
+    file.failures = storage.READ_ATTEMPTS
+    with pytest.raises(OSError, match=r"s3://bucket/f bytes 0-15: Connection reset .*tried 4 times"):
+        list(location.read_ranges([(0, 16)]))

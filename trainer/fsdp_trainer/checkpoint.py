@@ -12,10 +12,12 @@ resumption scans storage, and `prune` keeps the newest `keep` complete ones and 
 from __future__ import annotations
 
 import datetime as dt
+import io
 import json
 import logging
 import math
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -29,7 +31,10 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.distributed as dist
 from pydantic import ValidationError
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
@@ -37,17 +42,17 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType,
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
+from torch.futures import Future as TorchFuture
 
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, Versions, checkpoint_is_complete
 from fsdp_trainer.errors import ConfigError
-from fsdp_trainer.storage import Location, node_local_copy
+from fsdp_trainer.storage import Location
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_PREFIX = "checkpoint_"
-# The global batch (sequences per optimizer step) a checkpoint was trained with, written by rank 0 beside the
-# shards and listed in the manifest's files: a resume keeps it at any world size. A file of its own because
-# CheckpointManifest (contract.py, shared with the operator) forbids fields it does not declare.
+# Where checkpoints written before CheckpointManifest.global_batch_size recorded their global batch: a file
+# rank 0 wrote beside the shards. Read on resume only; new checkpoints record it in the manifest.
 GLOBAL_BATCH_FILE = "global_batch.json"
 RESUME_AUTO = "auto"
 RESUME_NEVER = "never"
@@ -178,12 +183,15 @@ def load_rng(directory: str, rank: int, reseed: int) -> bool:
     if not os.path.exists(path):
         seed_generators(reseed)
         return False
-    state = torch.load(path, weights_only=True)
+    _set_rng(torch.load(path, weights_only=True))
+    return True
+
+
+def _set_rng(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-    return True
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -217,15 +225,17 @@ def inspect(location: Location) -> Candidate:
 
 
 def resumed_global_batch(location: Location, sequence_length: int, unrecorded: int) -> int:
-    """The global batch a complete checkpoint was trained with, as it records it. One written before
-    checkpoints recorded it is resumed with `unrecorded` (the batch this attempt's fields give) only when its
-    tokens seen show that every one of its steps had that batch; otherwise its last batch cannot be known
-    (an average over a resize is no batch), and a ConfigError asks for training.globalBatchSize rather than
-    changing tokens per step silently."""
-    listing = location.list_files()
-    if GLOBAL_BATCH_FILE in listing:
-        return int(json.loads(location.child(GLOBAL_BATCH_FILE).read_text())["globalBatchSize"])
+    """The global batch a complete checkpoint was trained with, as its manifest records it (or, written
+    before manifests did, its GLOBAL_BATCH_FILE). One written before checkpoints recorded it at all is
+    resumed with `unrecorded` (the batch this attempt's fields give) only when its tokens seen show that
+    every one of its steps had that batch; otherwise its last batch cannot be known (an average over a
+    resize is no batch), and a ConfigError asks for training.globalBatchSize rather than changing tokens per
+    step silently."""
     manifest = CheckpointManifest.model_validate_json(location.child(MANIFEST_FILE).read_text())
+    if manifest.global_batch_size is not None:
+        return manifest.global_batch_size
+    if GLOBAL_BATCH_FILE in manifest.files:
+        return int(json.loads(location.child(GLOBAL_BATCH_FILE).read_text())["globalBatchSize"])
     if manifest.tokens_seen == manifest.step * sequence_length * unrecorded:
         return unrecorded
     average = manifest.tokens_seen / max(manifest.step * sequence_length, 1)
@@ -465,7 +475,7 @@ class CheckpointSaver:
         """Begins a save of the current state and returns the seconds that took (including waiting for the
         previous save). The state is staged in the background: call
         `wait_for_staging` before anything changes the weights or the optimizer state. `global_batch`, the
-        sequences per optimizer step, is recorded for a resume (GLOBAL_BATCH_FILE) when given."""
+        sequences per optimizer step, is recorded in the manifest for a resume when given."""
         started = time.perf_counter()
         self.wait()
         location = self.run.child(name)
@@ -474,9 +484,6 @@ class CheckpointSaver:
         require_disk(write_dir, staged_bytes(state) * self.ranks_per_node + DISK_RESERVE_BYTES)
         os.makedirs(write_dir, exist_ok=True)
         save_rng(write_dir, self.rank)
-        if self.rank == 0 and global_batch is not None:
-            with open(os.path.join(write_dir, GLOBAL_BATCH_FILE), "w") as batch_file:
-                json.dump({"globalBatchSize": global_batch}, batch_file)
         train = app_state.train
         manifest = CheckpointManifest(
             run_name=self.identity.run_name,
@@ -490,6 +497,7 @@ class CheckpointSaver:
             submission_id=self.identity.submission_id,
             fingerprint=self.identity.fingerprint,
             data_fingerprint=self.identity.data_fingerprint,
+            global_batch_size=global_batch,
         )
         # Synced in place: a local checkpoint is the durable copy. Unsynced for S3: the local files are a
         # staging copy the upload reads back at once, and the checkpoint is durable once storage holds it.
@@ -673,27 +681,133 @@ class _BackgroundSave:
         return self._manifest
 
 
-def load(
-    checkpoint: Location,
-    app_state: AppState,
-    rank: int,
-    local_rank: int,
-    reseed: int,
-    barrier: Callable[[], None],
-) -> bool:
-    """Loads a complete checkpoint, resharding onto this world size; returns whether this rank's RNG state
-    was in it. A checkpoint in S3 is copied to each node once and removed after loading; a local one is read
-    in place."""
+@dataclass(frozen=True)
+class Loaded:
+    """What `load` did on this rank: whether the checkpoint had this rank's RNG state, and for one read from
+    storage (None when read in place from local disk) the bytes this rank read and in how many reads."""
+
+    rng_restored: bool
+    bytes_read: int | None = None
+    reads: int | None = None
+
+
+def load(checkpoint: Location, app_state: AppState, rank: int, reseed: int) -> Loaded:
+    """Loads a complete checkpoint, resharding onto this world size. A local checkpoint is read in place;
+    one in S3 is read where it is, each rank reading only the byte ranges its share of the state needs
+    (RangeReader) and its own RNG file, never a copy of the whole checkpoint."""
     if checkpoint.is_local:
-        return _load_from(checkpoint.path, app_state, rank, reseed)
-    local_dir = node_local_copy(checkpoint.uri, local_rank, barrier)
-    restored = _load_from(local_dir, app_state, rank, reseed)
-    barrier()
-    if local_rank == 0:
-        shutil.rmtree(local_dir, ignore_errors=True)
-    return restored
+        dcp_load({"app": app_state}, checkpoint_id=checkpoint.path)
+        return Loaded(load_rng(checkpoint.path, rank, reseed))
+    started = time.perf_counter()
+    reader = RangeReader(checkpoint)
+    dcp_load({"app": app_state}, storage_reader=reader)
+    rng = checkpoint.child(_rng_file(rank))
+    restored = rng.exists()
+    if restored:
+        data = rng.read_whole()
+        reader.bytes_read += len(data)
+        reader.reads += 1
+        _set_rng(torch.load(io.BytesIO(data), weights_only=True))
+    else:
+        seed_generators(reseed)
+    log.info(
+        "rank %d read %d bytes of %s in %d reads (%.2f s)",
+        rank,
+        reader.bytes_read,
+        checkpoint.uri,
+        reader.reads,
+        time.perf_counter() - started,
+    )
+    return Loaded(restored, reader.bytes_read, reader.reads)
 
 
-def _load_from(directory: str, app_state: AppState, rank: int, reseed: int) -> bool:
-    dcp_load({"app": app_state}, checkpoint_id=directory)
-    return load_rng(directory, rank, reseed)
+# Adjacent items of a shard file a rank needs are read as one range of up to this many bytes (an item larger
+# than this is one range of its own): fewer requests where a rank reads most of a file, as at the world size
+# the checkpoint was written at.
+RANGE_LIMIT = 64 << 20
+
+
+class RangeReader(FileSystemReader):
+    """DCP's FileSystemReader for a checkpoint in storage (S3) read where it is: the metadata whole, then of
+    the shard files only the items this rank's load plan names, adjacent ones merged into ranges of up to
+    RANGE_LIMIT bytes, read through Location.read_ranges (concurrent parts, timeouts, retries).
+
+    What a rank reads is what its share of the state needs: every item that overlaps its shards (at the
+    world size the checkpoint was written at, the items its rank wrote), plus the items every rank loads
+    whole (scheduler and loop state, unsharded tensors). `bytes_read` counts them, with the metadata."""
+
+    def __init__(self, checkpoint: Location) -> None:
+        super().__init__(checkpoint.path)  # a path DCP keeps as the checkpoint id; never opened as a file
+        self.location = checkpoint
+        self.bytes_read = 0
+        self.reads = 0
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        data = self.location.child(".metadata" if rank is None else f"__{rank}.metadata").read_whole()
+        self.bytes_read += len(data)
+        self.reads += 1
+        metadata = pickle.loads(data)
+        if not isinstance(metadata, Metadata):
+            raise TypeError(f"{self.location.uri}/.metadata holds a {type(metadata).__name__}, not Metadata")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> TorchFuture[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            ranges = merged_ranges([(self.storage_data[item.storage_index], item) for item in items])
+            spans = [(start, length) for start, length, _ in ranges]
+            for (start, _, members), data in zip(
+                ranges, self.location.child(relative_path).read_ranges(spans), strict=True
+            ):
+                self.bytes_read += len(data)
+                self.reads += 1
+                view = memoryview(data)
+                for info, item in members:
+                    at = info.offset - start
+                    self._load_item(planner, item, info, view[at : at + info.length])
+        done: TorchFuture[None] = TorchFuture()
+        done.set_result(None)
+        return done
+
+    def _load_item(self, planner: LoadPlanner, item: ReadItem, info: Any, data: memoryview) -> None:
+        """What FileSystemReader.read_data does with one item it has read from its file."""
+        stream = self.transforms.transform_load_stream(
+            item, info.transform_descriptors or (), io.BytesIO(data)
+        )
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(stream.read(-1)))
+            return
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        tensor = torch.load(seekable, map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{item.storage_index}: stored {tensor.size()}, loading into {target.size()}")
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+
+def merged_ranges(items: list[tuple[Any, ReadItem]]) -> list[tuple[int, int, list[tuple[Any, ReadItem]]]]:
+    """(offset, length, items) ranges of one file covering each item's stored bytes (`info`: DCP's
+    _StorageInfo, offset and length) once, by offset; an item that starts where the range before it ends
+    joins it while the range stays within RANGE_LIMIT bytes. Items that share bytes (a stored chunk two of
+    this rank's shards overlap) are read once."""
+    ranges: list[tuple[int, int, list[tuple[Any, ReadItem]]]] = []
+    for info, item in sorted(items, key=lambda pair: (pair[0].offset, pair[0].length)):
+        if ranges:
+            start, length, members = ranges[-1]
+            end = start + length
+            if info.offset >= start and info.offset + info.length <= end:  # already inside the last range
+                members.append((info, item))
+                continue
+            if info.offset == end and length + info.length <= RANGE_LIMIT:
+                ranges[-1] = (start, length + info.length, [*members, (info, item)])
+                continue
+        ranges.append((info.offset, info.length, [(info, item)]))
+    return ranges

@@ -1,18 +1,18 @@
 """The checkpoint manager: finds the checkpoint a run resumes from, loads it, saves asynchronously (the saver
-finalises each checkpoint with its manifest and prunes old ones), and exports the trained model."""
+finalises each checkpoint with its manifest and prunes old ones), and exports the trained model
+(export.py)."""
 
 from __future__ import annotations
 
 import logging
-import tempfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from fsdp_trainer import checkpoint, distributed
 from fsdp_trainer.contract import MODEL_DIR, TrainerConfig, Versions
 from fsdp_trainer.errors import ConfigError
+from fsdp_trainer.export import export_model
 from fsdp_trainer.storage import Location
 
 log = logging.getLogger(__name__)
@@ -79,8 +79,8 @@ class CheckpointManager:
         """Loads `chosen` into the state; returns the step it was saved at."""
         runtime = self.runtime
         reseed = checkpoint.rank_seed(self.config.training.seed, runtime.rank)
-        had_rng = checkpoint.load(chosen, app_state, runtime.rank, runtime.local_rank, reseed, dist.barrier)
-        if not had_rng:
+        loaded = checkpoint.load(chosen, app_state, runtime.rank, reseed)
+        if not loaded.rng_restored:
             log.warning(
                 "checkpoint has no RNG state for rank %d (saved on fewer workers): reseeded", runtime.rank
             )
@@ -118,27 +118,18 @@ class CheckpointManager:
         self.saver.close()
 
     def export(self, lm: torch.nn.Module, model_config: Any, tokenizer: Any, dtype: torch.dtype) -> str:
-        """A consolidated Hugging Face model (safetensors) at <storage>/<run>/model/: the full state dict is
-        gathered to rank 0's CPU only, then saved through a weightless copy of the architecture."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        from fsdp_trainer.model import AutoModelForCausalLM
-
-        full_state = get_model_state_dict(
-            lm, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        """A Hugging Face model (safetensors) at <storage>/<run>/model/, written by every rank, each holding
+        one full tensor at a time (export.py)."""
         destination = self.run.child(MODEL_DIR)
-        if self.runtime.is_main:
-            with torch.device("meta"):
-                shell = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-            weights = {k: v.to(dtype) for k, v in full_state.items() if isinstance(v, torch.Tensor)}
-            shell.load_state_dict(weights, assign=True)
-            shell.tie_weights()
-            with tempfile.TemporaryDirectory(prefix="fsdp-export-") as local_dir:
-                shell.save_pretrained(local_dir)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(local_dir)
-                destination.replace_with(local_dir)
-            log.info("exported the model to %s", destination.uri)
-        dist.barrier()
+        runtime = self.runtime
+        exported = export_model(
+            lm, model_config, tokenizer, dtype, destination, runtime.rank, runtime.world_size
+        )
+        log.info(
+            "export: rank %d wrote %d weight files, holding at most %d bytes of the model at once (of %d)",
+            runtime.rank,
+            len(exported.files),
+            exported.peak_tensor_bytes,
+            exported.total_bytes,
+        )
         return destination.uri

@@ -623,6 +623,13 @@ class CheckpointManifest(ContractModel):
         description="Hash of the packed training samples it was trained on: the saved data position means "
         "the same samples only while this matches (the trainer checks it; the operator cannot).",
     )
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        description="Sequences per optimizer step it was trained with: a resume at any world size keeps it "
+        "unless training.globalBatchSize says otherwise. Absent in checkpoints written before manifests "
+        "recorded it (some of those have a global_batch.json beside the shards instead).",
+    )
 
 
 class AttemptInfo(ContractModel):

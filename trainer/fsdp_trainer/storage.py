@@ -4,15 +4,23 @@ One code path for S3 and local disk, except uploads of whole directories to S3 (
 model), which go through boto3's managed transfer for throughput. S3 honours AWS_ENDPOINT_URL and the usual
 AWS credential chain. boto3 is imported only for such an upload: a run on local storage (the GPU benchmark's
 machine has no boto3) never needs it.
+
+Byte ranges of a file (`Location.read_ranges`, what a resume reads of a checkpoint's shards) are read in parts
+of READ_PART bytes, READ_THREADS at a time, each part a ranged GET on S3 bounded by the S3 client's connect
+and request timeouts and retried READ_ATTEMPTS times in all, with backoff, before the read fails (OSError).
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import pyarrow.fs as pafs
 
@@ -58,6 +66,55 @@ class Location:
 
     def read_text(self) -> str:
         return self.read_bytes().decode()
+
+    def read_whole(self) -> bytes:
+        """The file's bytes, retried as a ranged read is (read_bytes tries once: a missing manifest must not
+        take READ_ATTEMPTS tries to report)."""
+        return _retried(f"reading {self.uri}", self.read_bytes)
+
+    def read_ranges(self, ranges: list[tuple[int, int]]) -> Iterator[bytes]:
+        """The bytes of each (offset, length) range of this file, in the order given, read in parts of
+        READ_PART bytes, READ_THREADS at a time and at most READ_AHEAD parts ahead of the range the caller
+        is at: memory holds the range being handed out plus READ_AHEAD parts. Each part is one ranged read
+        (a GET with a Range header on S3), retried as `_retried` says; a short read is an error."""
+        handle = _retried(f"opening {self.uri}", lambda: self.fs.open_input_file(self.path))
+
+        def part(offset: int, length: int) -> bytes:
+            def read() -> bytes:
+                data = bytes(handle.read_at(length, offset))
+                if len(data) != length:
+                    raise OSError(f"short read: {len(data)} of {length} bytes")
+                return data
+
+            return _retried(f"reading {self.uri} bytes {offset}-{offset + length - 1}", read)
+
+        parts = iter(
+            [
+                (offset, min(READ_PART, start + length - offset))
+                for start, length in ranges
+                for offset in range(start, start + length, READ_PART)
+            ]
+        )
+        try:
+            with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="storage-read") as pool:
+                ahead: collections.deque[tuple[int, Future[bytes]]] = collections.deque()
+
+                def fill() -> None:
+                    while len(ahead) < READ_AHEAD and (next_part := next(parts, None)) is not None:
+                        ahead.append((next_part[1], pool.submit(part, *next_part)))
+
+                fill()
+                for _, length in ranges:
+                    pieces: list[bytes] = []
+                    got = 0
+                    while got < length:
+                        size, future = ahead.popleft()
+                        pieces.append(future.result())
+                        got += size
+                        fill()
+                    yield pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        finally:
+            handle.close()
 
     def write_bytes(self, data: bytes) -> None:
         """Readers see the old content or the new, never a partial file: an object store's PUT is atomic,
@@ -141,6 +198,31 @@ class Location:
 _LOCAL = pafs.LocalFileSystem()
 # pyarrow copies in 1 MiB chunks by default: 16 MiB means 16 times fewer requests per copy.
 COPY_CHUNK = 16 << 20
+# Ranged reads: parts of 16 MiB, 8 in flight (a single S3 GET streams at about 90 MB/s; several in parallel
+# are what S3's guidance gives for throughput), at most 16 parts (256 MiB) read ahead of the consumer.
+READ_PART = 16 << 20
+READ_THREADS = 8
+READ_AHEAD = 16
+# Every read of a part is tried this many times in all, waiting READ_BACKOFF_S, then twice that, and so on
+# between tries (about 7 s of waiting in all); each try is bounded by the S3 client's own timeouts.
+READ_ATTEMPTS = 4
+READ_BACKOFF_S = 1.0
+
+T = TypeVar("T")
+
+
+def _retried(what: str, attempt: Callable[[], T]) -> T:
+    """`attempt()`, tried READ_ATTEMPTS times while it raises OSError; a missing file is not retried."""
+    for tried in range(1, READ_ATTEMPTS + 1):
+        try:
+            return attempt()
+        except FileNotFoundError:
+            raise
+        except OSError as error:
+            if tried == READ_ATTEMPTS:
+                raise OSError(f"{what}: {error} (tried {READ_ATTEMPTS} times)") from error
+            time.sleep(READ_BACKOFF_S * 2 ** (tried - 1))
+    raise AssertionError("unreachable")
 
 
 def _upload_to_s3(local_dir: str, path: str, region: str) -> None:
