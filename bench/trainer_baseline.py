@@ -26,8 +26,9 @@ sys.path.insert(0, str(REPO / "trainer"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from fsdp_trainer import data, distributed, model, optim, parallelize  # noqa: E402
-from fsdp_trainer.contract import Precision, TrainerConfig  # noqa: E402
+from fsdp_trainer import data, distributed, model, optim  # noqa: E402
+from fsdp_trainer.contract import TrainerConfig  # noqa: E402
+from fsdp_trainer.sharded_model import build_sharded_model  # noqa: E402
 
 
 def run_baseline(
@@ -37,24 +38,8 @@ def run_baseline(
     the peak device memory of the steps after `reset_memory_after`."""
     training = config.training
     model_config = model.model_config(config.model, runtime.local_rank, dist.barrier)
-    lm = model.empty_model(model_config)
-    device_type = runtime.device.type
-    dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
-    mesh = parallelize.build_mesh(
-        parallelize.mesh_shape(config.fsdp.sharding, runtime.world_size, runtime.local_world_size),
-        device_type,
-    )
-    root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
-    model.materialise(
-        lm,
-        runtime.device,
-        "initialise",
-        config.model,
-        training.seed,
-        runtime.rank,
-        runtime.local_rank,
-        dist.barrier,
-    )
+    sharded = build_sharded_model(config, model_config, runtime, "initialise")
+    lm, root = sharded.lm, sharded.root
     optimizer = optim.build_optimizer(lm, training)
     scheduler = optim.build_scheduler(optimizer, training)
     samples = data.SyntheticSamples(int(model_config.vocab_size), training.sequence_length, training.seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -120,6 +121,33 @@ def test_the_ray_driver_leaves_the_model_code_to_the_workers() -> None:
         check=True,
     )
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_no_two_trainer_modules_import_each_other() -> None:
+    """Imports inside functions count too: a cycle means neither module can be read without the other."""
+    package = REPO / "trainer" / "fsdp_trainer"
+    imports: dict[str, set[str]] = {}
+    for path in package.glob("*.py"):
+        found = imports.setdefault(path.stem, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "fsdp_trainer":
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsdp_trainer."):
+                found.add(str(node.module).split(".")[1])
+            elif isinstance(node, ast.Import):
+                found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("fsdp_trainer."))
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [start]
+        while todo:
+            for imported in imports.get(todo.pop(), set()) - seen:
+                seen.add(imported)
+                todo.append(imported)
+        return seen
+
+    cycles = sorted(module for module in imports if module in reachable(module))
+    assert cycles == [], f"modules that import themselves through others: {cycles}"
 
 
 def test_a_missing_data_source_fails_in_the_driver_before_ray_is_asked_for_workers(

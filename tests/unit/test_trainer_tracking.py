@@ -3,8 +3,26 @@ real server's tests are tests/unit/test_tracking_mlflow.py, in the operator's en
 
 from __future__ import annotations
 
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from fsdp_trainer import tracking
 from fsdp_trainer.contract import AttemptInfo, MlflowConfig, MlflowRunRef, TrainerConfig
-from fsdp_trainer.tracking import auth_headers, config_params, continues, proxied_artifact_path, run_tags
+from fsdp_trainer.storage import Location
+from fsdp_trainer.tracking import (
+    Metric,
+    MlflowError,
+    auth_headers,
+    config_params,
+    continues,
+    proxied_artifact_path,
+    run_tags,
+)
 
 CONFIG = TrainerConfig.model_validate(
     {
@@ -71,3 +89,60 @@ def test_credentials_come_from_mlflows_own_variables() -> None:
         "Authorization": "Basic dTpw"
     }
     assert auth_headers({}) == {}
+
+
+class FlakyServer:
+    """The MlflowClient calls the tracker makes, refused while `down`."""
+
+    def __init__(self, tracking_uri: str) -> None:
+        self.down = True
+        self.refused = 0
+        self.metrics: list[tuple[str, float, int]] = []
+        self.status: tuple[str, bool] | None = None
+
+    def answer(self) -> None:
+        if self.down:
+            self.refused += 1
+            raise MlflowError("connection refused")
+
+    def experiment_id(self, name: str) -> str:
+        self.answer()
+        return "1"
+
+    def create_run(self, experiment_id: str, run_name: str) -> dict[str, Any]:
+        self.answer()
+        return {"info": {"run_id": "r-1", "artifact_uri": "mlflow-artifacts:/1/r-1/artifacts"}}
+
+    def log_batch(self, run_id: str, metrics: list[Metric] | None = None, **_: Any) -> None:
+        self.answer()
+        self.metrics += [(m.key, m.value, m.step) for m in metrics or []]
+
+    def update_run(self, run_id: str, status: str, end: bool) -> None:
+        self.answer()
+        self.status = (status, end)
+
+
+def test_a_server_that_is_down_costs_one_warning_and_gets_every_metric_once_it_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(tracking, "MlflowClient", FlakyServer)
+    monkeypatch.setattr(tracking, "RETRY_SECONDS", 0.05)
+    monkeypatch.setattr(tracking, "FLUSH_INTERVAL_SECONDS", 0.01)
+    caplog.set_level(logging.INFO, logger=tracking.__name__)
+    tracker = tracking.MlflowTracker(CONFIG, AttemptInfo(), "s-1", Location.parse(str(tmp_path)), "d" * 16)
+    server = cast(FlakyServer, tracker.client)
+    tracker.log_metrics(1, {"loss": 2.5, "mfu": None, "grad_norm": math.inf})
+    deadline = time.monotonic() + 10
+    while server.refused < 3:  # the run is opened at once, then retried every RETRY_SECONDS
+        assert time.monotonic() < deadline, "no retries"
+        time.sleep(0.01)
+    server.down = False
+    tracker.log_metrics(2, {"loss": 2.0})
+    tracker.close("FAILED")
+    assert server.metrics == [("loss", 2.5, 1), ("loss", 2.0, 2)], "finite values, each once"
+    assert server.status == ("FAILED", True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("mlflow: tracking degraded, training goes on")
+    assert warnings[1] == "mlflow: the tracking server answers again"
+    assert MlflowRunRef.model_validate_json((tmp_path / "mlflow.json").read_text()).run_id == "r-1"

@@ -20,25 +20,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer import (
-    checkpoint,
-    chunked_loss,
-    data,
-    distributed,
-    fabric,
-    forensics,
-    model,
-    optim,
-    parallelize,
-    runlog,
-    transport,
-)
+from fsdp_trainer import checkpoint, data, distributed, fabric, forensics, model, optim, runlog, transport
 from fsdp_trainer.checkpoint_manager import CheckpointManager
-from fsdp_trainer.contract import NODE_NAME_ENV, Precision, SetupStage
+from fsdp_trainer.contract import NODE_NAME_ENV, SetupStage
 from fsdp_trainer.errors import ConfigError, ModelError, NonFiniteLossError, classify
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
+from fsdp_trainer.sharded_model import build_sharded_model
 from fsdp_trainer.storage import Location
 from fsdp_trainer.telemetry import MetricsProcessor, Throughput
 from fsdp_trainer.tracking import MlflowTracker, start_tracking
@@ -211,8 +200,6 @@ class Trainer:
                 self.progress.write()
         fabric.raise_if_failed(fabric_report)
 
-        # Built on the meta device and sharded before it has storage; a resumed run then reads only the
-        # checkpoint, a new one initialises or loads each rank's shards directly.
         checkpoints = CheckpointManager(
             config, self.submission_id, runtime, self.run_location, datasets.fingerprint, self.versions
         )
@@ -224,34 +211,14 @@ class Trainer:
         resume_from = checkpoints.find()
         layout = self.batch_layout(resume_from)
         self.stage(SetupStage.DOWNLOADING_MODEL)
-        lm = model.empty_model(model_config)
-        shape = model.model_shape(lm)
-        device_type = runtime.device.type
-        dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
-        mesh = parallelize.build_mesh(
-            parallelize.mesh_shape(config.fsdp.sharding, runtime.world_size, runtime.local_world_size),
-            device_type,
-        )
-        root = parallelize.parallelize(lm, config.fsdp, mesh, dtype)
-        if training.loss_chunk_tokens:
-            chunked_loss.install(lm, training.loss_chunk_tokens)
         if resume_from is not None:
-            weights: Literal["initialise", "load", "checkpoint"] = "checkpoint"
+            weights: model.Weights = "checkpoint"
         elif config.model.from_config is not None:
             weights = "initialise"
         else:
             weights = "load"
-        model.materialise(
-            lm,
-            runtime.device,
-            weights,
-            config.model,
-            training.seed,
-            runtime.rank,
-            runtime.local_rank,
-            barrier,
-            config.fsdp.cpu_offload,
-        )
+        sharded = build_sharded_model(config, model_config, runtime, weights)
+        lm = sharded.lm
         # Each rank's own stream from the run's seed, whatever setup drew before (the initialisation draws the
         # same stream on every rank on CUDA, a loaded model none): dropout is reproducible and differs between
         # ranks. A resumed run then continues the checkpoint's streams.
@@ -272,15 +239,15 @@ class Trainer:
             )
         throughput = Throughput(
             tokens_per_step=layout.samples_per_step * training.sequence_length,
-            flops_per_token=flops_per_token(shape, training.sequence_length),
+            flops_per_token=flops_per_token(sharded.shape, training.sequence_length),
         )
         return Session(
             attempt_id=attempt_id,
             lm=lm,
-            root=root,
+            root=sharded.root,
             model_config=model_config,
             tokenizer=tokenizer,
-            dtype=dtype,
+            dtype=sharded.dtype,
             optimizer=optimizer,
             scheduler=scheduler,
             batches=batches,

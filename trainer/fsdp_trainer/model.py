@@ -110,6 +110,10 @@ def model_config(spec: ModelSpec, local_rank: int, barrier: Callable[[], None]) 
     return loaded
 
 
+# What a materialised model is filled with: see `materialise`.
+Weights = Literal["initialise", "load", "checkpoint"]
+
+
 def empty_model(config: PretrainedConfig) -> PreTrainedModel:
     """The architecture on the meta device: no memory, no initialisation. It is sharded first and then
     materialised (`materialise`), so no rank ever holds more than its shard of the fp32 weights."""
@@ -125,7 +129,7 @@ def empty_model(config: PretrainedConfig) -> PreTrainedModel:
 def materialise(
     model: PreTrainedModel,
     device: torch.device,
-    weights: Literal["initialise", "load", "checkpoint"],
+    weights: Weights,
     spec: ModelSpec,
     seed: int,
     rank: int,

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import math
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from fsdp_trainer.background import BackgroundStore
 from fsdp_trainer.contract import METRICS_DIR, PROGRESS_FILE, ProgressRecord, SetupStage, Versions
 from fsdp_trainer.storage import Location
 
@@ -74,39 +72,32 @@ class ProgressWriter:
         self._progress = run.child(PROGRESS_FILE)
         self._history_file = run.child(METRICS_DIR, f"{attempt_id}.jsonl")
         self._heartbeat_seconds = heartbeat_seconds
-        self._store_interval_seconds = store_interval_seconds
         self._fields: dict[str, Any] = fields
         self._history: list[str] = []
-        self._lock = threading.Condition()
-        self._version = 0  # of the newest record
-        self._stored_version = 0
-        self._urgent_version = 0  # the version a `write` waits for
-        self._last_attempt = -math.inf  # monotonic time of the last store attempt
-        self._failures = 0
-        self._last_error: Exception | None = None
-        self._closed = False
-        self._thread = threading.Thread(target=self._store_forever, name="progress-writer", daemon=True)
-        self._thread.start()
+        self._store = BackgroundStore(
+            "progress-writer",
+            self._record_text,
+            lambda text: self._progress.write_text(text),
+            _report_store_failure,
+            interval_seconds=store_interval_seconds,
+            heartbeat_seconds=self._heartbeat_interval,
+        )
+        self._store.start()
 
     def update(self, **fields: Any) -> ProgressRecord:
-        with self._lock:
+        with self._store.lock:
             self._fields.update(fields, updated_at=utc_now())
             record = ProgressRecord(**self._fields)
             self._history.append(record.to_json())
-            self._version += 1
-            self._lock.notify_all()
+            self._store.changed()
         return record
 
     def write(self, **fields: Any) -> ProgressRecord:
         """Updates, then waits until this record is stored; raises what storing it raised."""
         record = self.update(**fields)
-        with self._lock:
-            target, failures = self._version, self._failures
-            self._urgent_version = target
-            self._lock.notify_all()
-            self._lock.wait_for(lambda: self._stored_version >= target or self._failures > failures)
-            if self._stored_version < target and self._last_error is not None:
-                raise self._last_error
+        error = self._store.flush()
+        if error is not None:
+            raise error
         return record
 
     def stage(self, stage: SetupStage) -> None:
@@ -115,65 +106,26 @@ class ProgressWriter:
         self.write(phase="starting", stage=stage)
 
     def flush_history(self) -> None:
-        with self._lock:
+        with self._store.lock:
             lines = list(self._history)
         self._history_file.write_text("".join(line + "\n" for line in lines))
 
     def close(self) -> None:
         """Stores what is pending (one attempt) and stops the thread."""
-        with self._lock:
-            self._closed = True
-            self._lock.notify_all()
-        self._thread.join()
+        self._store.close()
 
-    def _store_forever(self) -> None:
-        closing_attempts = 0
-        while True:
-            with self._lock:
-                self._lock.wait_for(self._store_due, timeout=self._next_timeout())
-                if self._closed and (self._version == self._stored_version or closing_attempts > 0):
-                    return
-                if not self._store_due():
-                    continue
-                closing_attempts += self._closed
-                if self._version == self._stored_version:  # a heartbeat: the same record, a new time
-                    self._fields["updated_at"] = utc_now()
-                text = ProgressRecord(**self._fields).to_json()
-                version = self._version
-                self._last_attempt = time.monotonic()
-            try:
-                self._progress.write_text(text)
-                error = None
-            except Exception as store_error:  # given to the waiting writer, retried later
-                log.warning("cannot store the progress record: %s", store_error)
-                error = store_error
-            with self._lock:
-                if error is None:
-                    self._stored_version = max(self._stored_version, version)
-                else:
-                    self._failures += 1
-                    self._last_error = error
-                    self._urgent_version = self._stored_version  # the waiter has its answer: no busy retry
-                self._lock.notify_all()
+    def _record_text(self) -> str:
+        """What the store writes (it holds the lock)."""
+        if not self._store.pending:  # a heartbeat: the same record, a new time
+            self._fields["updated_at"] = utc_now()
+        return ProgressRecord(**self._fields).to_json()
 
-    def _store_due(self) -> bool:
-        """Called with the lock held."""
-        if self._closed:
-            return True
-        since = time.monotonic() - self._last_attempt
-        if self._version > self._stored_version:
-            return self._urgent_version > self._stored_version or since >= self._store_interval_seconds
-        return self._fields.get("phase") == "starting" and since >= self._heartbeat_seconds
+    def _heartbeat_interval(self) -> float | None:
+        return self._heartbeat_seconds if self._fields.get("phase") == "starting" else None
 
-    def _next_timeout(self) -> float | None:
-        """Seconds until a store may become due without a notification (called with the lock held)."""
-        since = time.monotonic() - self._last_attempt
-        waits = []
-        if self._version > self._stored_version:
-            waits.append(self._store_interval_seconds - since)
-        if self._fields.get("phase") == "starting":
-            waits.append(self._heartbeat_seconds - since)
-        return max(0.0, min(waits)) if waits else None
+
+def _report_store_failure(error: Exception) -> None:  # the waiting writer gets the error; retried later
+    log.warning("cannot store the progress record: %s", error)
 
 
 def read_progress(run: Location) -> ProgressRecord | None:

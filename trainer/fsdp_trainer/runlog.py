@@ -19,10 +19,10 @@ import datetime as dt
 import logging
 import os
 import sys
-import threading
 from collections.abc import Iterable, Mapping
 from typing import TextIO
 
+from fsdp_trainer.background import BackgroundStore
 from fsdp_trainer.contract import rank_log_name
 from fsdp_trainer.storage import Location
 
@@ -151,20 +151,17 @@ class RankLog(logging.Handler):
         self.target = target
         self.setFormatter(_UtcFormatter(LINE_FORMAT))
         self.addFilter(_RedactingFilter(redact))
-        self._upload_seconds = upload_seconds
         self._text = CappedText()
-        self._changed = threading.Condition()
-        self._version = self._stored = 0
-        self._failures = 0
-        self._closed = False
         try:
             earlier = target.read_text() if target.is_file() else ""
         except OSError as error:  # the log must never stop training
             earlier = f"[earlier lines of this file unreadable: {error}]\n"
         for line in earlier.splitlines(keepends=True):
             self._text.add(line)
-        self._thread = threading.Thread(target=self._upload_forever, name="rank-log", daemon=True)
-        self._thread.start()
+        self._store = BackgroundStore(
+            "rank-log", self._text.text, target.write_text, self._report_upload_failure, upload_seconds
+        )
+        self._store.start()
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
@@ -172,52 +169,28 @@ class RankLog(logging.Handler):
         except Exception:
             self.handleError(record)
             return
-        with self._changed:
+        with self._store.lock:
             self._text.add(line)
-            self._version += 1
+            self._store.changed()
 
     def recent(self, lines: int = 40) -> str:
         """The newest lines this process logged."""
-        with self._changed:
+        with self._store.lock:
             return self._text.last(lines)
 
     def flush(self) -> None:
         """Stores what is new now and waits for it."""
-        with self._changed:
-            target, failures = self._version, self._failures
-            self._changed.notify_all()
-            self._changed.wait_for(
-                lambda: self._stored >= target or self._failures > failures or self._closed
-            )
+        self._store.flush()  # a failure is already on stderr, and retried
 
     def close(self) -> None:
         """Stores the last lines and stops the thread; the handler is removed from wherever it was added."""
-        with self._changed:
-            self._closed = True
-            self._changed.notify_all()
-        self._thread.join(timeout=120)
+        self._store.close(timeout=120)
         super().close()
 
-    def _upload_forever(self) -> None:
-        while True:
-            with self._changed:
-                self._changed.wait(timeout=self._upload_seconds)
-                closing = self._closed
-                version = self._version
-                text = self._text.text() if version > self._stored else None
-            if text is not None:
-                try:
-                    self.target.write_text(text)
-                except Exception as error:  # retried at the next interval; never a reason to stop training
-                    sys.stderr.write(f"cannot store the rank log at {self.target.uri}: {error}\n")
-                    version = -1
-            with self._changed:
-                if version < 0:
-                    self._failures += 1
-                self._stored = max(self._stored, version)
-                self._changed.notify_all()
-            if closing:
-                return
+    def _report_upload_failure(self, error: Exception) -> None:
+        # To stderr, not the log: a line logged here would be one more line to upload. Retried at the next
+        # interval; never a reason to stop training.
+        sys.stderr.write(f"cannot store the rank log at {self.target.uri}: {error}\n")
 
 
 def start_rank_log(run: Location, attempt: int, rank: int, secret_env_names: Iterable[str]) -> RankLog:

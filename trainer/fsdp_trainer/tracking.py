@@ -20,7 +20,6 @@ import json
 import logging
 import math
 import os
-import threading
 import time
 import urllib.error
 import urllib.parse
@@ -29,6 +28,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from fsdp_trainer.background import BackgroundStore
 from fsdp_trainer.contract import (
     MLFLOW_RUN_FILE,
     MODEL_DIR,
@@ -309,18 +309,23 @@ class MlflowTracker:
         self._dropped = 0
         self._model: Location | None = None
         self._end_status: str | None = None
-        self._flush_requested = False
-        self._lock = threading.Condition()
-        self._healthy = True  # the last request succeeded: the next failure is worth a warning
         self.sent = 0  # metric values the server took
         self.thread_cpu_seconds = 0.0  # the thread's CPU time, once it has ended
-        self._thread = threading.Thread(target=self._work, name="mlflow-tracker", daemon=True)
-        self._thread.start()
+        self._store = BackgroundStore(
+            "mlflow-tracker",
+            lambda: self._end_status,
+            self._send,
+            self._report_failure,
+            interval_seconds=FLUSH_INTERVAL_SECONDS,
+            retry_seconds=RETRY_SECONDS,
+        )
+        self._store.start()
+        self._store.changed()  # the MLflow run is found or created at once, while the model is built
 
     # Called by the training loop -----------------------------------------------------------------------
     def log_metrics(self, step: int, values: dict[str, float | None]) -> None:
         timestamp = now_ms()
-        with self._lock:
+        with self._store.lock:
             for key, value in values.items():
                 if value is None or not math.isfinite(value):
                     continue
@@ -328,55 +333,40 @@ class MlflowTracker:
                     self._dropped += 1
                     continue
                 self._metrics.append(Metric(key, float(value), step, timestamp))
+            self._store.changed()
 
     def flush(self) -> None:
         """Sends what is buffered now, without waiting: at a checkpoint, so that a crash loses only the
         metrics of steps that a restart trains again."""
-        with self._lock:
-            self._flush_requested = True
-            self._lock.notify_all()
+        self._store.request()
 
     def log_model(self, exported: Location) -> None:
         """Uploads the exported model's files as the run's model/ artifacts when the run ends."""
-        with self._lock:
+        with self._store.lock:
             self._model = exported
 
     def close(self, status: str = "FINISHED") -> None:
-        with self._lock:
+        with self._store.lock:
             self._end_status = status
-            self._lock.notify_all()
-        self._thread.join()
+            self._store.changed()
+        self._store.close()
+        self.thread_cpu_seconds = self._store.cpu_seconds
+        log.info(
+            "mlflow: %d metric values sent; the tracker's thread used %.3f s of CPU",
+            self.sent,
+            self.thread_cpu_seconds,
+        )
 
     # The background thread ------------------------------------------------------------------------------
-    def _work(self) -> None:
-        next_try = 0.0
-        while True:
-            with self._lock:
-                self._lock.wait_for(
-                    lambda: self._end_status is not None or self._flush_requested,
-                    timeout=FLUSH_INTERVAL_SECONDS,
-                )
-                closing, self._flush_requested = self._end_status is not None, False
-            if not closing and time.monotonic() < next_try:
-                continue
-            try:
-                if self.run is None:
-                    self.run = self._open_run()
-                self._send_metrics(self.run)
-                if closing:
-                    self._finish(self.run)
-                self._succeeded()
-            except Exception as error:  # tracking must never fail the training
-                self._failed(error)
-                next_try = time.monotonic() + RETRY_SECONDS
-            if closing:
-                self.thread_cpu_seconds = time.thread_time()
-                log.info(
-                    "mlflow: %d metric values sent; the tracker's thread used %.3f s of CPU",
-                    self.sent,
-                    self.thread_cpu_seconds,
-                )
-                return
+    def _send(self, end_status: str | None) -> None:
+        """Opens the run (once), sends the buffered metrics and, with `end_status`, ends the run."""
+        if self.run is None:
+            self.run = self._open_run()
+        self._send_metrics(self.run)
+        if end_status is not None:
+            self._finish(self.run, end_status)
+        if self._store.failures_in_a_row:
+            log.warning("mlflow: the tracking server answers again")
 
     def _open_run(self) -> TrackedRun:
         """The recorded run when this attempt continues it, else a new one (recorded for the next)."""
@@ -428,7 +418,7 @@ class MlflowTracker:
 
     def _send_metrics(self, run: TrackedRun) -> None:
         while True:
-            with self._lock:
+            with self._store.lock:
                 batch = [self._metrics[i] for i in range(min(MAX_METRICS_PER_BATCH, len(self._metrics)))]
                 dropped, self._dropped = self._dropped, 0
             if dropped:
@@ -437,13 +427,13 @@ class MlflowTracker:
                 return
             self.client.log_batch(run.run_id, metrics=batch)
             self.sent += len(batch)
-            with self._lock:  # only now: a failed batch stays buffered for the next try
+            with self._store.lock:  # only now: a failed batch stays buffered for the next try
                 for _ in batch:
                     self._metrics.popleft()
 
-    def _finish(self, run: TrackedRun) -> None:
-        with self._lock:
-            model, status = self._model, self._end_status or "FINISHED"
+    def _finish(self, run: TrackedRun, status: str) -> None:
+        with self._store.lock:
+            model = self._model
         if model is not None:
             self._upload_model(run, model)
         self.client.update_run(run.run_id, status, end=True)
@@ -475,19 +465,13 @@ class MlflowTracker:
             )
             log.info("mlflow: registered the model as %s version %s", registered, version)
 
-    def _succeeded(self) -> None:
-        if not self._healthy:
-            log.warning("mlflow: the tracking server answers again")
-        self._healthy = True
-
-    def _failed(self, error: Exception) -> None:
-        if self._healthy:
+    def _report_failure(self, error: Exception) -> None:  # tracking must never fail the training
+        if self._store.failures_in_a_row == 1:  # the first of a run of failures is worth a warning
             log.warning(
                 "mlflow: tracking degraded, training goes on (retrying every %.0f s): %s",
                 RETRY_SECONDS,
                 error,
             )
-        self._healthy = False
 
 
 def start_tracking(

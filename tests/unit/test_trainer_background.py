@@ -1,0 +1,192 @@
+"""The background store behind the progress record, the rank logs and MLflow tracking."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from fsdp_trainer.background import BackgroundStore
+
+pytestmark = pytest.mark.unit
+
+WAIT = 10.0  # seconds a test waits for something that takes milliseconds
+
+
+class Owner:
+    """A value stored by a BackgroundStore, with every write recorded and the writes under test control."""
+
+    def __init__(self, interval_seconds: float = 3600.0, **options: Any) -> None:
+        self.value = 0
+        self.written: list[int] = []
+        self.write_times: list[float] = []
+        self.reported: list[Exception] = []
+        self.fail_with: Exception | None = None
+        self.writing = threading.Event()  # set while a write is in progress
+        self.release = threading.Event()  # writes wait for it
+        self.release.set()
+        self.thread_name = f"test-store-{id(self)}"
+        self.store = BackgroundStore(
+            self.thread_name,
+            lambda: self.value,
+            self.write,
+            self.reported.append,
+            interval_seconds,
+            **options,
+        )
+        self.store.start()
+
+    def set(self, value: int) -> None:
+        with self.store.lock:
+            self.value = value
+            self.store.changed()
+
+    def thread_alive(self) -> bool:
+        return any(thread.name == self.thread_name for thread in threading.enumerate())
+
+    def write(self, value: int) -> None:
+        self.write_times.append(time.monotonic())
+        self.writing.set()
+        try:
+            assert self.release.wait(WAIT)
+            if self.fail_with is not None:
+                raise self.fail_with
+            self.written.append(value)
+        finally:
+            self.writing.clear()
+
+
+@pytest.fixture
+def owner() -> Iterator[Owner]:
+    made = Owner()
+    yield made
+    made.release.set()
+    made.store.close(timeout=WAIT)
+
+
+def in_thread(call: Callable[[], object]) -> tuple[threading.Thread, list[object]]:
+    results: list[object] = []
+    thread = threading.Thread(target=lambda: results.append(call()), daemon=True)
+    thread.start()
+    return thread, results
+
+
+def eventually(condition: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        assert time.monotonic() < deadline, "not within the wait"
+        time.sleep(0.005)
+
+
+def test_flush_waits_until_the_version_it_asked_for_is_written(owner: Owner) -> None:
+    owner.release.clear()
+    owner.set(1)
+    flushing, results = in_thread(owner.store.flush)
+    assert owner.writing.wait(WAIT), "a flush makes the write due at once, whatever the interval"
+    flushing.join(0.2)
+    assert flushing.is_alive(), "the flush returned before its version was written"
+    owner.release.set()
+    flushing.join(WAIT)
+    assert results == [None] and owner.written == [1]
+
+
+def test_changes_during_a_write_go_out_together_and_only_the_newest_is_written(owner: Owner) -> None:
+    owner.release.clear()
+    owner.set(1)
+    owner.store.request()
+    assert owner.writing.wait(WAIT)
+    for value in range(2, 50):  # while the first write is in flight
+        owner.set(value)
+    flushing, results = in_thread(owner.store.flush)
+    owner.release.set()
+    flushing.join(WAIT)
+    assert results == [None]
+    assert owner.written == [1, 49], "one write for the changes made meanwhile, of the newest value"
+
+
+def test_routine_writes_wait_for_the_interval_without_another_change() -> None:
+    """A change soon after a write is written once the interval has passed, though nothing wakes the thread
+    (the change woke it while the interval had not passed)."""
+    owner = Owner(interval_seconds=0.3)
+    try:
+        owner.set(1)
+        eventually(lambda: owner.written == [1])  # the first change after a quiet spell goes out at once
+        owner.set(2)
+        eventually(lambda: owner.written == [1, 2])
+        first, second = owner.write_times
+        assert second - first >= 0.29, "two routine writes within the interval"
+    finally:
+        owner.store.close(timeout=WAIT)
+
+
+def test_a_failed_write_is_reported_counted_and_answered_to_the_flush(owner: Owner) -> None:
+    owner.fail_with = OSError("storage down")
+    owner.set(1)
+    assert owner.store.flush() is owner.fail_with
+    assert owner.store.flush() is owner.fail_with, "a flush asks again at once"
+    assert owner.reported == [owner.fail_with] * 2
+    assert owner.store.failures_in_a_row == 2
+    time.sleep(0.2)
+    assert len(owner.reported) == 2, "no retry before the interval: a failure is not retried in a busy loop"
+    owner.fail_with = None
+    assert owner.store.flush() is None and owner.written == [1]
+    assert owner.store.failures_in_a_row == 0
+
+
+def test_no_write_begins_within_the_retry_time_after_a_failure_even_when_asked() -> None:
+    owner = Owner(interval_seconds=0.01, retry_seconds=3600.0)
+    try:
+        owner.fail_with = OSError("server down")
+        owner.set(1)
+        eventually(lambda: len(owner.reported) == 1)
+        owner.fail_with = None
+        owner.store.request()
+        owner.set(2)
+        time.sleep(0.2)
+        assert owner.written == [] and len(owner.reported) == 1
+    finally:
+        owner.store.close(timeout=WAIT)
+    assert owner.written == [2], "closing writes at once, retry time or not"
+
+
+def test_close_writes_what_is_pending_once_and_stops_the_thread(owner: Owner) -> None:
+    owner.set(7)
+    owner.store.close()
+    assert owner.written == [7]
+    assert not owner.thread_alive(), "close joins the thread"
+    assert owner.store.flush() is None, "a flush after close returns"
+
+
+def test_close_gives_up_after_one_failed_write(owner: Owner) -> None:
+    owner.fail_with = OSError("storage down")
+    owner.set(1)
+    owner.store.close(timeout=WAIT)
+    assert owner.reported == [owner.fail_with]
+    assert not owner.thread_alive()
+
+
+def test_close_waits_at_most_its_timeout_for_a_write_that_hangs(owner: Owner) -> None:
+    owner.release.clear()
+    owner.set(1)
+    owner.store.request()
+    assert owner.writing.wait(WAIT)
+    started = time.monotonic()
+    owner.store.close(timeout=0.2)
+    assert time.monotonic() - started < 2.0
+
+
+def test_an_unchanged_state_is_written_again_only_while_a_heartbeat_is_due() -> None:
+    beating = True
+    owner = Owner(heartbeat_seconds=lambda: 0.05 if beating else None)
+    try:
+        eventually(lambda: len(owner.written) >= 3)
+        with owner.store.lock:
+            beating = False
+        settled = len(owner.written)
+        time.sleep(0.3)
+        assert len(owner.written) <= settled + 1  # a write that had begun
+    finally:
+        owner.store.close(timeout=WAIT)
