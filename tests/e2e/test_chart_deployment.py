@@ -47,6 +47,8 @@ Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
     ("", "events", "list"): "an autoscaler's events about a Ray pod that waits for a node (none waits here)",
+    # Used under the chart's RBAC by test_real_pods' slowed-link test, whose fabric check finds a slow node.
+    ("", "nodes", "patch"): "the fabric check's label on a node it found slow (none is slow here)",
 }
 # Granted, and used by a demo run only when a race happens, so a run may or may not use them.
 USED_BY_A_DEMO_RUN_ONLY_IN_A_RACE: dict[Grant, str] = {
