@@ -17,7 +17,6 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlparse
 
 from botocore.exceptions import BotoCoreError, ClientError
 
@@ -31,6 +30,7 @@ from fsdp_trainer.contract import (
     forensics_dir,
     rank_log_name,
     run_prefix,
+    split_s3_uri,
 )
 from kubectl_trainingrun import plot, rundiff
 
@@ -113,13 +113,6 @@ def storage_prefix(run: dict[str, Any]) -> str:
     return run_prefix(storage, run["metadata"]["namespace"], run["metadata"]["name"])
 
 
-def split_s3_uri(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise PluginError(f"not an s3:// URI: {uri!r}")
-    return parsed.netloc, parsed.path.lstrip("/")
-
-
 def s3_client() -> Any:
     import boto3
     from botocore.config import Config
@@ -133,7 +126,10 @@ class RunObjects:
 
     def __init__(self, s3: Any, prefix: str) -> None:
         self.s3 = s3
-        self.bucket, key_prefix = split_s3_uri(prefix)
+        try:
+            self.bucket, key_prefix = split_s3_uri(prefix)
+        except ValueError as error:
+            raise PluginError(str(error)) from error
         self.prefix = key_prefix.rstrip("/") + "/"
 
     def text(self, name: str) -> str | None:

@@ -14,7 +14,6 @@ import json
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
 from pydantic import ValidationError
 
@@ -31,6 +30,7 @@ from fsdp_trainer.contract import (
     RunRecord,
     checkpoint_is_complete,
     forensics_dir,
+    split_s3_uri,
 )
 
 CHECKPOINT_DIR_PREFIX = "checkpoint_"
@@ -62,13 +62,6 @@ class RecordTooLarge(Exception):
 class StoredCheckpoint:
     ref: CheckpointRef
     fingerprint: str | None  # the resume fingerprint of the run that wrote it
-
-
-def split_s3_uri(uri: str) -> tuple[str, str]:
-    parsed = urlparse(uri)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"not an s3:// URI: {uri!r}")
-    return parsed.netloc, parsed.path.lstrip("/")
 
 
 class RunStorage:

@@ -26,6 +26,7 @@ import json
 import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
+from urllib.parse import urlparse
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic.alias_generators import to_camel
@@ -741,6 +742,14 @@ class RankStacks(ContractModel):
 
 # ----------------------------------------------------------------------------------------------------------
 # Pure helpers both sides use
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """(bucket, key prefix) of an s3:// URI; ValueError for anything else."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "s3" or not parsed.netloc:
+        raise ValueError(f"not an s3:// URI: {uri!r}")
+    return parsed.netloc, parsed.path.lstrip("/")
 
 
 def run_prefix(storage_path: str, namespace: str, run_name: str) -> str:
