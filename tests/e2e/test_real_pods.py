@@ -608,6 +608,54 @@ def test_a_slow_pod_link_fails_the_fabric_check_naming_the_pod_and_node_which_th
     )
 
 
+@pytest.mark.timeout(1200)
+def test_a_rank_that_hangs_in_a_worker_pod_is_named_with_its_pod_and_node_and_every_ranks_stacks_kept(
+    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, s3: Any, reliability: Recorder
+) -> None:
+    """Rank 0 stops making progress at step 12 in its worker pod, its process alive (rank 1 waits for it in a
+    collective): after the hang timeout, before the job is stopped, both ranks' stacks go to S3 and the status
+    names rank 0 with the worker pod it ran in and the real node."""
+    manifest = real_pods_run(
+        namespace,
+        **{
+            "training.maxSteps": 200,
+            "recovery.hangTimeoutSeconds": 60,
+            "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": "rank=0,step=12,action=hang"}},
+        },
+    )
+    run = manifest["metadata"]["name"]
+    hung = wait_until(
+        "the hang declared and the ranks' stacks collected",
+        lambda: (
+            (r := run_of(namespace, run))
+            and (r.get("status", {}).get("forensics") or {}).get("concludedAt")
+            and r
+        ),
+        timeout=RUN_TIMEOUT,
+    )
+    forensics = hung["status"]["forensics"]
+    workers = {p["metadata"]["name"] for p in pods_of(namespace, run) if node_type(p) == "worker"}
+    suspect = forensics["suspect"]
+    assert (forensics["ranksAnswered"], forensics["worldSize"]) == (2, 2), forensics
+    assert suspect["rank"] == 0 and suspect["pod"] in workers and suspect["node"] == real_node.name, suspect
+    assert "while ranks 1 wait in a collective" in suspect["why"], suspect
+    stored = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{namespace}/{run}/forensics/attempt-1/")
+    assert {o["Key"].rpartition("/")[2] for o in stored.get("Contents", [])} == {
+        "request.json",
+        "rank-0.json",
+        "rank-1.json",
+    }
+    kubectl("delete", "fsdptrainingrun", run, "-n", namespace, "--wait=false")
+    collected = seconds_between(forensics["requestedAt"], forensics["concludedAt"])
+    reliability.record(
+        "Rank 0 of two stops making progress at step 12 in its worker pod on the real node, every process "
+        "alive",
+        "both ranks' stacks in S3 and rank 0 named with its pod and node before the job is stopped",
+        f"stacks of 2 ranks {collected:.0f} s after the hang was declared; suspect rank 0 in pod "
+        f"{suspect['pod']} on {suspect['node']}",
+    )
+
+
 def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
