@@ -457,7 +457,9 @@ class _Pass:
         self.new.transport = bounded_transport(progress.transport)
         fell_back = uses_efa(self.spec) and progress.transport.observed == Transport.SOCKET
         if fell_back:
-            message = "NCCL used TCP sockets although the workers have EFA: " + "; ".join(
+            fallen = self.new.transport.fallback_pods
+            pods = f" (on {', '.join(fallen)})" if fallen else ""
+            message = f"NCCL used TCP sockets{pods} although the workers have EFA: " + "; ".join(
                 self.new.transport.evidence[:2]
             )
             if not self.condition_is(conditions.TRANSPORT_DEGRADED, "True"):
@@ -1365,6 +1367,7 @@ def bounded_transport(report: TransportReport) -> TransportReport:
         observed=report.observed,
         evidence=lines,
         bus_bandwidth_gbps=bandwidth if bandwidth is None or math.isfinite(bandwidth) else None,
+        fallback_pods=[bounded_text(pod, 253) for pod in report.fallback_pods[:MAX_EVIDENCE_LINES]],
     )
 
 

@@ -199,3 +199,34 @@ def test_the_label_says_when_and_its_annotation_why() -> None:
     patch = fabric.label_patch("x" * 5000, dt.datetime(2026, 12, 4, 18, 30, 5, tzinfo=dt.UTC))
     assert patch["metadata"]["labels"] == {fabric.DEGRADED_LABEL: "20261204T183005Z"}
     assert len(patch["metadata"]["annotations"][fabric.DEGRADED_LABEL]) == fabric.MAX_WHY
+
+
+def test_the_pods_that_fell_back_to_sockets_are_named_in_the_status_bounded() -> None:
+    from fsdp_trainer.contract import TransportReport
+
+    transport = TransportReport(
+        observed="socket", evidence=["via NET/Socket/0"], fallback_pods=["w1", "x" * 900] * 20
+    )
+    record = ProgressRecord(
+        run_name="run",
+        phase="training",
+        max_steps=100,
+        submission_id=SUBMISSION,
+        transport=transport,
+        updated_at=NOW,
+    )
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING, attempt=1, job_submission_id=SUBMISSION)
+    obs = Observation(
+        now=NOW,
+        generation=1,
+        cluster=ClusterObservation(ready=True, message=""),
+        job=JobObservation(SUBMISSION, "RUNNING", "", "", NOW),
+        progress=record,
+    )
+    new = reconcile(spec(), status, obs).status
+    assert new.transport is not None and new.transport.fallback_pods[0] == "w1"
+    assert len(new.transport.fallback_pods) <= 8 and all(
+        len(pod) <= 253 for pod in new.transport.fallback_pods
+    )
+    degraded = conditions.condition(new.conditions, conditions.TRANSPORT_DEGRADED)
+    assert degraded is not None and degraded.status == "True" and "(on w1, " in degraded.message

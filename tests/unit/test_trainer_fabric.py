@@ -146,3 +146,57 @@ def test_an_unreachable_threshold_fails_every_rank_alike(tmp_path: Path) -> None
     assert all(not report["passed"] for report in reports)
     assert all(report["message"] == reports[0]["message"] for report in reports)
     assert "1e+06 GB/s required" in reports[0]["message"]
+
+
+def test_efa_required_and_one_pod_on_sockets_blames_that_pod_for_the_policy_to_avoid() -> None:
+    from fsdp_trainer.contract import EfaPolicy, TransportReport
+
+    passed = judged(20.0, links())
+    used = TransportReport(observed="socket", fallback_pods=["w1"])
+    report = fabric.judge_transport(passed, EfaPolicy.REQUIRED, used)
+    assert not report.passed and (report.suspect_pod, report.suspect_node) == ("w1", "node-1")
+    assert "NCCL used TCP sockets on w1 (node node-1) while the other pods used EFA" in report.message
+    two = fabric.judge_transport(
+        judged(20.0, links()), EfaPolicy.REQUIRED, used.model_copy(update={"fallback_pods": ["w1", "w2"]})
+    )
+    assert not two.passed and two.suspect_pod is None and "no single one to blame" in two.message
+    preferred = fabric.judge_transport(judged(20.0, links()), EfaPolicy.PREFERRED, used)
+    assert preferred.passed, "preferred reports a fallback (TransportDegraded), it does not fail"
+
+
+def test_efa_required_and_every_pod_on_sockets_is_the_configurations_and_fails_the_run() -> None:
+    from fsdp_trainer.contract import EfaPolicy, TransportReport
+    from fsdp_trainer.errors import TransportError
+
+    everyone = TransportReport(observed="socket", fallback_pods=["w0", "w1", "w2"])
+    with pytest.raises(TransportError):
+        fabric.judge_transport(judged(20.0, links()), EfaPolicy.REQUIRED, everyone)
+    on_efa = fabric.judge_transport(
+        judged(20.0, links()), EfaPolicy.REQUIRED, TransportReport(observed="efa")
+    )
+    assert on_efa.passed
+
+
+def test_the_transport_report_names_the_pods_that_fell_back_to_sockets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fsdp_trainer import transport
+    from fsdp_trainer.contract import EfaPolicy
+
+    efa = transport.parse_nccl_log(
+        [
+            "h:1:1 [0] NCCL INFO NET/OFI Selected provider is efa",
+            "h:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 8[0] [send] via NET/Libfabric/0/GDRDMA",
+        ]
+    )
+    sockets = transport.parse_nccl_log(
+        ["h:1:1 [0] NCCL INFO Channel 00/0 : 8[0] -> 0[0] [send] via NET/Socket/0"]
+    )
+    monkeypatch.setattr(transport, "own_nccl_log_lines", lambda run_name: [])
+    monkeypatch.setattr(
+        transport.distributed, "all_gather", lambda value: [("pod-a", efa), ("pod-b", sockets)]
+    )
+    monkeypatch.setattr(distributed.Runtime, "backend", property(lambda self: "nccl"))
+    runtime = distributed.Runtime("single", 0, 2, 0, 1, torch.device("cpu"))
+    report = transport.measure(NetworkSpec(efa=EfaPolicy.REQUIRED), "run", runtime, Versions())
+    assert report.observed == "socket" and report.fallback_pods == ["pod-b"]

@@ -485,6 +485,11 @@ class TransportReport(ContractModel):
     bus_bandwidth_gbps: float | None = Field(
         default=None, description="All-reduce bus bandwidth from the probe, in GB/s."
     )
+    fallback_pods: list[str] = Field(
+        default_factory=list,
+        description="Pods whose NCCL sent to other nodes over TCP sockets (the rest used what `observed` "
+        "does not say): a node's EFA problem where only some pods are named.",
+    )
 
 
 class FabricLink(ContractModel):

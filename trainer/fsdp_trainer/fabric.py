@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from fsdp_trainer import distributed, transport
 from fsdp_trainer.contract import (
+    EfaPolicy,
     FabricLink,
     FabricPod,
     FabricReport,
@@ -57,8 +58,9 @@ def check(
     node: str | None = None,
 ) -> tuple[FabricReport, TransportReport]:
     """Measures and judges, with this rank's pod (default: the host name) and node; returns the fabric
-    report and the transport's. Raises TransportError when the EFA policy is violated; a failed verdict is
-    the caller's to record, then raise (raise_if_failed)."""
+    report and the transport's. Raises TransportError when every pod fell back to sockets against the EFA
+    policy; a failed verdict (pods below the threshold, or some pods on sockets against it) is the caller's
+    to record, then raise (raise_if_failed)."""
     started = time.perf_counter()
     pods = pod_layout(distributed.all_gather((pod or socket.gethostname(), node, runtime.rank)))
     probing = runtime.world_size > 1 and network.bandwidth_probe_mb > 0
@@ -81,6 +83,7 @@ def check(
         transport_used=transport_report.observed,
         libraries=loaded_network_libraries() if runtime.device.type == "cuda" else [],
     )
+    report = judge_transport(report, network.efa, transport_report)
     report.seconds = round(time.perf_counter() - started, 3)
     log.info("fabric check (%.1f s): %s", report.seconds, report.message)
     return report, transport_report
@@ -139,6 +142,27 @@ def judge(
         else "no single pod to blame (the slow links share none, or there are only two pods)"
     )
     report.message = f"{measured}, {_gbps(threshold)} GB/s required; slow links: {below}; {blame}"
+    return report
+
+
+def judge_transport(report: FabricReport, policy: EfaPolicy, used: TransportReport) -> FabricReport:
+    """The EFA policy: with EFA required, pods of one run that fell back to TCP sockets while others used EFA
+    are a node's problem (its EFA device or plugin): the check fails naming them, and the run's slowFabric
+    policy decides. Every pod on sockets is the configuration's: TransportError, the run fails."""
+    fallen = used.fallback_pods
+    if policy != EfaPolicy.REQUIRED or not fallen or len(fallen) >= len(report.pods):
+        transport.enforce(policy, used)
+        return report
+    nodes = {pod.pod: pod.node for pod in report.pods}
+    report.passed = False
+    if len(fallen) == 1:
+        report.suspect_pod, report.suspect_node = fallen[0], nodes.get(fallen[0])
+    named = ", ".join(f"{pod}" + (f" (node {nodes[pod]})" if nodes.get(pod) else "") for pod in fallen[:4])
+    alone = "" if len(fallen) == 1 else "; more than one pod: no single one to blame"
+    report.message = (
+        f"network.efa is required but NCCL used TCP sockets on {named} while the other pods used EFA{alone}"
+        + (f"; {report.message}" if report.message else "")
+    )
     return report
 
 

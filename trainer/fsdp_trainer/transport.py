@@ -217,8 +217,9 @@ def measure(
     bus_bandwidth_gbps: float | None = None,
 ) -> TransportReport:
     """The network every rank's NCCL log shows (NCCL has initialised: the fabric check's collectives came
-    first), enforced against the EFA policy, with the fabric check's bus bandwidth. Records the NCCL version
-    in `versions`, and `socket_interface` (choose_socket_interface's line) in the evidence."""
+    first), with the pods that fell back to sockets and the fabric check's bus bandwidth; the EFA policy is
+    the fabric check's to enforce. Records the NCCL version in `versions`, and `socket_interface`
+    (choose_socket_interface's line) in the evidence."""
     if runtime.backend != "nccl":
         return TransportReport(
             observed=Transport.GLOO,
@@ -232,8 +233,15 @@ def measure(
     nodes = len({host for host, _ in gathered})
     report = combine([rank_report for _, rank_report in gathered], nodes)
     report.bus_bandwidth_gbps = bus_bandwidth_gbps
+    if nodes > 1:
+        report.fallback_pods = sorted({host for host, rank in gathered if _used_sockets(rank)})
     if mine.nccl_version:
         versions.nccl = mine.nccl_version
     log.info("transport: %s over %d node(s)", report.observed, nodes)
-    enforce(network.efa, report)
     return report
+
+
+def _used_sockets(rank: RankTransport) -> bool:
+    if rank.network_channels:
+        return Transport.SOCKET in rank.network_channels
+    return rank.announced == Transport.SOCKET
