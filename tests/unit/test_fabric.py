@@ -86,6 +86,22 @@ def failed_attempt(report: FabricReport, run_spec: api.FSDPTrainingRunSpec, pods
     return reconcile(run_spec, status, obs)
 
 
+def training_pass(**reported: Any) -> api.FSDPTrainingRunStatus:
+    """The status after a pass that reads the running attempt's progress record with what it `reported`."""
+    record = ProgressRecord(
+        run_name="run", phase="training", max_steps=100, submission_id=SUBMISSION, updated_at=NOW, **reported
+    )
+    status = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING, attempt=1, job_submission_id=SUBMISSION)
+    obs = Observation(
+        now=NOW,
+        generation=1,
+        cluster=ClusterObservation(ready=True, message=""),
+        job=JobObservation(SUBMISSION, "RUNNING", "", "", NOW),
+        progress=record,
+    )
+    return reconcile(spec(), status, obs).status
+
+
 def test_the_threshold_is_the_runs_else_the_platforms_else_the_table() -> None:
     assert fabric.threshold(42.0, "p5.48xlarge", {"p5.48xlarge": 300.0}) == 42.0
     assert fabric.threshold(None, "p5.48xlarge", {"p5.48xlarge": 300.0}) == 300.0
@@ -134,23 +150,7 @@ def test_a_forged_report_cannot_mark_a_node_the_runs_pods_were_not_on() -> None:
 
 def test_a_passing_check_sets_fabric_verified_with_its_figures() -> None:
     report = slow_into_w1(passed=True, suspect=None).model_copy(update={"message": "bus bandwidth 300 GB/s"})
-    record = ProgressRecord(
-        run_name="run",
-        phase="training",
-        max_steps=100,
-        submission_id=SUBMISSION,
-        fabric=report,
-        updated_at=NOW,
-    )
-    status = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING, attempt=1, job_submission_id=SUBMISSION)
-    obs = Observation(
-        now=NOW,
-        generation=1,
-        cluster=ClusterObservation(ready=True, message=""),
-        job=JobObservation(SUBMISSION, "RUNNING", "", "", NOW),
-        progress=record,
-    )
-    new = reconcile(spec(), status, obs).status
+    new = training_pass(fabric=report)
     verified = conditions.condition(new.conditions, conditions.FABRIC_VERIFIED)
     assert verified is not None and verified.status == "True" and verified.reason == "Measured"
     assert "bus bandwidth 300 GB/s" in verified.message and "checked in 2.5 s" in verified.message
@@ -207,23 +207,7 @@ def test_the_pods_that_fell_back_to_sockets_are_named_in_the_status_bounded() ->
     transport = TransportReport(
         observed="socket", evidence=["via NET/Socket/0"], fallback_pods=["w1", "x" * 900] * 20
     )
-    record = ProgressRecord(
-        run_name="run",
-        phase="training",
-        max_steps=100,
-        submission_id=SUBMISSION,
-        transport=transport,
-        updated_at=NOW,
-    )
-    status = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING, attempt=1, job_submission_id=SUBMISSION)
-    obs = Observation(
-        now=NOW,
-        generation=1,
-        cluster=ClusterObservation(ready=True, message=""),
-        job=JobObservation(SUBMISSION, "RUNNING", "", "", NOW),
-        progress=record,
-    )
-    new = reconcile(spec(), status, obs).status
+    new = training_pass(transport=transport)
     assert new.transport is not None and new.transport.fallback_pods[0] == "w1"
     assert len(new.transport.fallback_pods) <= 8 and all(
         len(pod) <= 253 for pod in new.transport.fallback_pods
