@@ -7,8 +7,7 @@ PY := $(VENV)/bin/python
 # trainer runs in production, the rest in the operator's.
 DLC_VENV ?= $(or $(FSDP_DLC_VENV),$(CACHE)/dlc-venv)
 DLC_PY := $(DLC_VENV)/bin/python
-TRAINER_TESTS := $(sort $(wildcard tests/unit/test_trainer_*.py)) tests/e2e/test_trainer_fsdp.py \
-  tests/e2e/test_checkpoint_s3_outage.py
+TRAINER_TESTS := tests/trainer
 PYTEST_ARGS ?=
 # pytest workers of `make test`, each with a local cluster of its own (hack/lib.sh FSDP_CLUSTER_INSTANCE).
 TEST_WORKERS ?= 2
@@ -71,18 +70,22 @@ lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator and the kubectl
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
 	export FSDP_RELIABILITY_TABLE=$(if $(PYTEST_ARGS),,docs/reliability.md) && \
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
-	  $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS) && \
+	  --ignore=$(TRAINER_TESTS) $(PYTEST_ARGS) && \
 	$(DLC_PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=5 \
 	  $(TRAINER_TESTS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
-test-unit: venv-operator venv-dlc ## the fast tests only (no servers)
-	$(PY) -m pytest -m unit $(addprefix --ignore=,$(TRAINER_TESTS)) $(PYTEST_ARGS)
-	$(DLC_PY) -m pytest -m unit $(filter tests/unit/%,$(TRAINER_TESTS)) $(PYTEST_ARGS)
+test-unit: venv-operator venv-dlc ## the fast tests only (no servers, no processes)
+	$(PY) -m pytest -m unit --ignore=$(TRAINER_TESTS) $(PYTEST_ARGS)
+	$(DLC_PY) -m pytest -m unit $(TRAINER_TESTS) $(PYTEST_ARGS)
 
 .PHONY: demo
 demo: $(DEMO_PREREQUISITES) ## the main job end to end (local cluster, or the cluster in KUBECONFIG)
 	@hack/demo.sh
+
+# Benchmarks import the packages and tests/support as the tests do (pyproject's pytest pythonpath).
+BENCH_PYTHONPATH := $(CURDIR):$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/kubectl_trainingrun
+bench bench-load: export PYTHONPATH := $(BENCH_PYTHONPATH)
 
 .PHONY: bench
 bench: venv tools ## benchmarks (never in CI): control plane on the local cluster, trainer on CPU (in the DLC's environment), load; GPU script in bench/

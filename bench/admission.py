@@ -1,13 +1,15 @@
-"""Admission CPU, side by side in one process: the operator's admission passes of a wave of runs replayed
-through this checkout's admission (`Admission.admit`) and through an earlier commit's handlers (by default
-c4ae191, before the queue was placed once per view), on the same runs, nodes and pass order.
+"""Admission CPU, side by side: the operator's admission passes of a wave of runs replayed through
+`Admission.admit`, admission's one entry point, of this checkout and of an earlier commit (by default 5646f42,
+where admission became an object of its own), on the same runs, nodes and pass order. Each side runs in a
+process of its own with its revision's packages (`git archive`), so neither reaches into the other's
+internals.
 
 The wave is bench/load.py's: N runs of one 1-GPU worker created at once on 100 g6.12xlarge nodes (400
 slots) in two zones. Passes come in creation order, shuffled within windows of 20 (kopf works on several
 events at once), and an admitted run's status (Provisioning, its zone) reaches the index 30 passes later
 (admission remembers what it admitted, as in the operator); then every run still waiting gets one timer pass.
 
-    python bench/admission.py [--runs 200] [--base c4ae191]
+    python bench/admission.py [--runs 200] [--base 5646f42]
 
 Prints JSON: CPU seconds of each side, the ratio, and the admitted runs (which must be the same).
 """
@@ -15,27 +17,19 @@ Prints JSON: CPU seconds of each side, the ratio, and the admitted runs (which m
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
+import io
 import json
+import os
 import random
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
-from typing import Any, cast
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
-
-from fsdp_operator import api, builder, preflight  # noqa: E402
-from fsdp_operator.admission import Admission  # noqa: E402
-from fsdp_operator.kube import Indexes  # noqa: E402
-from fsdp_operator.settings import Settings  # noqa: E402
-
 TYPE = "g6.12xlarge"
 SPEC: dict[str, Any] = {
     "model": {"source": "Qwen/Qwen2.5-1.5B"},
@@ -46,22 +40,9 @@ SPEC: dict[str, Any] = {
 WINDOW, LAG = 20, 30
 
 
-def handlers_of(revision: str) -> ModuleType:
-    source = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{revision}:operator/fsdp_operator/handlers.py"],
-        check=True, capture_output=True, text=True,
-    ).stdout  # fmt: skip
-    path = Path(tempfile.mkdtemp()) / "handlers_base.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("handlers_base", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
 def node(i: int) -> dict[str, Any]:
+    from fsdp_operator import builder, preflight
+
     return preflight.node_facts(
         {
             "metadata": {
@@ -80,24 +61,14 @@ def node(i: int) -> dict[str, Any]:
     )
 
 
-Admit = Callable[[builder.RunRef, api.FSDPTrainingRunSpec, str, Any], preflight.PreflightResult]
+def replay(runs: int, seed: int) -> tuple[float, list[str]]:
+    """CPU seconds of every admission pass of the wave through this process's admission (the revision on its
+    PYTHONPATH), and the admitted runs."""
+    from fsdp_operator import api, builder
+    from fsdp_operator.admission import Admission
+    from fsdp_operator.kube import Indexes
 
-
-def base_admission(module: ModuleType) -> tuple[Admit, Callable[..., Any]]:
-    """The earlier commit's admission: its handlers' private preflight pass on a context of its own."""
-    ctx = module.Context(
-        settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x"
-    )
-    return functools.partial(module._run_preflight, ctx), module.Indexes
-
-
-def our_admission() -> tuple[Admit, Callable[..., Any]]:
-    return Admission(watch_namespaces=[], kube=None, ec2=lambda: None).admit, Indexes
-
-
-def replay(side: tuple[Admit, Callable[..., Any]], runs: int, seed: int) -> tuple[float, list[str]]:
-    """CPU seconds of every admission pass of the wave through one side's admission, and the admitted runs."""
-    admit, make_indexes = side
+    admit = Admission(watch_namespaces=[], kube=None, ec2=lambda: None).admit
     bodies = {
         ("team", f"load-{i:03d}"): {
             "metadata": {
@@ -113,7 +84,7 @@ def replay(side: tuple[Admit, Callable[..., Any]], runs: int, seed: int) -> tupl
         for i in range(runs)
     }
     index = {key: [body] for key, body in bodies.items()}
-    indexes = make_indexes(
+    indexes = Indexes(
         runs=index,
         rayclusters={},
         ray_pods={},
@@ -158,22 +129,51 @@ def replay(side: tuple[Admit, Callable[..., Any]], runs: int, seed: int) -> tupl
     return cpu, sorted(admitted)
 
 
+def packages_of(revision: str, into: Path) -> Path:
+    """The revision's operator and trainer packages, unpacked under `into`."""
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", revision, "operator", "trainer"], check=True, capture_output=True
+    ).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def replay_in(tree: Path, runs: int, seed: int) -> tuple[float, list[str]]:
+    """`replay` in a process whose fsdp_operator is the one in `tree`."""
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'operator'}:{tree / 'trainer'}"}
+    done = subprocess.run(
+        [sys.executable, __file__, "--replay", "--runs", str(runs), "--seed", str(seed)],
+        env=env, check=True, capture_output=True, text=True,
+    )  # fmt: skip
+    found = json.loads(done.stdout)
+    return found["cpu"], found["admitted"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--runs", type=int, default=200)
-    parser.add_argument("--base", default="c4ae191", help="the earlier commit to compare with")
+    parser.add_argument("--base", default="5646f42", help="the earlier commit to compare with")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--replay", action="store_true", help=argparse.SUPPRESS)  # one side, in a child
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    base = handlers_of(args.base)
-    rounds = []
-    for seed in range(args.rounds):  # alternating, so that neither side always runs on a warmer machine
-        base_cpu, base_admitted = replay(base_admission(base), args.runs, seed)
-        ours_cpu, ours_admitted = replay(our_admission(), args.runs, seed)
-        assert ours_admitted == base_admitted, "both sides must admit the same runs"
-        rounds.append({"base_cpu_s": round(base_cpu, 3), "ours_cpu_s": round(ours_cpu, 3),
-                       "ratio": round(ours_cpu / base_cpu, 4), "admitted": len(ours_admitted)})  # fmt: skip
+    if args.replay:
+        cpu, admitted = replay(args.runs, args.seed)
+        print(json.dumps({"cpu": cpu, "admitted": admitted}))
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        base = packages_of(args.base, Path(scratch))
+        rounds = []
+        for seed in range(args.rounds):  # alternating, so that neither side always runs on a warmer machine
+            base_cpu, base_admitted = replay_in(base, args.runs, seed)
+            ours_cpu, ours_admitted = replay_in(REPO, args.runs, seed)
+            assert ours_admitted == base_admitted, "both sides must admit the same runs"
+            ratio = round(ours_cpu / base_cpu, 4)
+            rounds.append({"base_cpu_s": round(base_cpu, 3), "ours_cpu_s": round(ours_cpu, 3),
+                           "ratio": ratio, "admitted": len(ours_admitted)})  # fmt: skip
     print(json.dumps({"runs": args.runs, "base": args.base, "rounds": rounds}, indent=2))
 
 

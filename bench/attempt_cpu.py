@@ -33,14 +33,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import boto3
+import yaml
+from tests.support.net import answers, free_port
+from tests.support.processes import stop_process_group
+from tests.support.waiting import wait_until
+
+from doc_section import publish
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO)]
-
-import boto3  # noqa: E402
-import yaml  # noqa: E402
-from tests.harness import answers, free_port, stop_process_group, wait_until  # noqa: E402
-
-from doc_section import publish  # noqa: E402
 
 BIN = Path(sys.executable).parent
 HZ = os.sysconf("SC_CLK_TCK")

@@ -24,24 +24,17 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tests.support.kube import apply, apply_crd, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import run_of
+from tests.support.waiting import wait_until
+
+from doc_section import publish
+from fsdp_operator import api, builder
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
-
-from tests.harness import (  # noqa: E402
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    apply_crd,
-    example,
-    kubectl,
-    kubectl_json,
-    run_of,
-    wait_until,
-)
-
-from doc_section import publish  # noqa: E402
-from fsdp_operator import api, builder  # noqa: E402
 
 
 def seconds(command: list[str]) -> float:

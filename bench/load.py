@@ -41,29 +41,23 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import boto3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes import watch as k8s_watch
+from tests.support.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
+from tests.support.kube import apply_crd, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import example
+from tests.support.net import free_port
+from tests.support.operator_process import OperatorProcess
+from tests.support.processes import stop_process
+from tests.support.waiting import wait_until
+
+from doc_section import publish
+from fsdp_operator import api, builder
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
-
-import boto3  # noqa: E402
-from kubernetes import client as k8s  # noqa: E402
-from kubernetes import config as k8s_config  # noqa: E402
-from kubernetes import watch as k8s_watch  # noqa: E402
-from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog  # noqa: E402
-from tests.harness import (  # noqa: E402
-    LocalCluster,
-    OperatorProcess,
-    apply_crd,
-    example,
-    free_port,
-    kubectl,
-    kubectl_json,
-    stop_process,
-    wait_until,
-)
-
-from doc_section import publish  # noqa: E402
-from fsdp_operator import api, builder  # noqa: E402
 
 BUCKET = "fsdp-load"
 CORPUS = "data/stdlib-docstrings.jsonl"

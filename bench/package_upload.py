@@ -23,22 +23,20 @@ import io
 import json
 import os
 import statistics
-import sys
 import time
 import uuid
 import zipfile
 from pathlib import Path
 from typing import Any
 
+import boto3
+from tests.support.local_cluster import LocalCluster
+from tests.support.waiting import wait_until
+
+from fsdp_operator import jobclient, submission
+from fsdp_operator.jobs import DashboardAuth, Jobs
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer")]
-
-import boto3  # noqa: E402
-from tests.harness import LocalCluster, wait_until  # noqa: E402
-
-from fsdp_operator import jobclient, submission  # noqa: E402
-from fsdp_operator.jobs import DashboardAuth, Jobs  # noqa: E402
 
 BUCKET = "fsdp-package-bench"
 

@@ -25,15 +25,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import boto3
+
+from fsdp_trainer import runlog
+from fsdp_trainer.contract import rank_log_name
+from fsdp_trainer.storage import Location
+from kubectl_trainingrun import cli
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "kubectl_trainingrun"), str(REPO / "trainer")]
-
-import boto3  # noqa: E402
-
-from fsdp_trainer import runlog  # noqa: E402
-from fsdp_trainer.contract import rank_log_name  # noqa: E402
-from fsdp_trainer.storage import Location  # noqa: E402
-from kubectl_trainingrun import cli  # noqa: E402
 
 LINE = "step %d/%d | loss %.4f | lr %.3g | %s tok/s | MFU %s"
 

@@ -14,14 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 STARTED = time.time()
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "trainer"))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -29,6 +26,8 @@ import torch.distributed as dist  # noqa: E402
 from fsdp_trainer import data, distributed, model, optim  # noqa: E402
 from fsdp_trainer.contract import TrainerConfig  # noqa: E402
 from fsdp_trainer.sharded_model import build_sharded_model  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def run_baseline(

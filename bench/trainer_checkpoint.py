@@ -32,15 +32,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
+from fsdp_trainer import checkpoint, distributed, model, optim, parallelize
+from fsdp_trainer.contract import FsdpSpec, ModelSpec, TrainingSpec, Versions
+from fsdp_trainer.storage import Location
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "bench"), str(REPO / "trainer")]
-
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from fsdp_trainer import checkpoint, distributed, model, optim, parallelize  # noqa: E402
-from fsdp_trainer.contract import FsdpSpec, ModelSpec, TrainingSpec, Versions  # noqa: E402
-from fsdp_trainer.storage import Location  # noqa: E402
 
 # About 30M parameters: a 360 MB checkpoint with the AdamW moments, big enough that writing it dominates.
 MODEL: dict[str, Any] = {

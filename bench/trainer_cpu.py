@@ -32,15 +32,15 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import boto3
+from tests.support.net import free_port
+from tests.support.waiting import wait_until
+
+from doc_section import DOC, publish
+from fsdp_trainer.contract import METRICS_DIR, ProgressRecord, TrainerConfig
+from fsdp_trainer.storage import Location
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO), str(REPO / "trainer")]
-
-import boto3  # noqa: E402
-from tests.harness import free_port, wait_until  # noqa: E402
-
-from doc_section import DOC, publish  # noqa: E402
-from fsdp_trainer.contract import METRICS_DIR, ProgressRecord, TrainerConfig  # noqa: E402
-from fsdp_trainer.storage import Location  # noqa: E402
 
 BIN = Path(sys.executable).parent
 SINGLE_MACHINE_RAY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}

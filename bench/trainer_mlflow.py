@@ -28,15 +28,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from tests.support.mlflow import mlflow_server
+
+from doc_section import publish
+from fsdp_trainer.contract import AttemptInfo, TrainerConfig
+from fsdp_trainer.storage import Location
+from fsdp_trainer.tracking import MlflowTracker
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(REPO / "bench"), str(REPO), str(REPO / "trainer")]
-
-from tests.harness import mlflow_server  # noqa: E402
-
-from doc_section import publish  # noqa: E402
-from fsdp_trainer.contract import AttemptInfo, TrainerConfig  # noqa: E402
-from fsdp_trainer.storage import Location  # noqa: E402
-from fsdp_trainer.tracking import MlflowTracker  # noqa: E402
 
 MODEL = {
     "model_type": "qwen2",

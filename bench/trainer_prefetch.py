@@ -20,16 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from fsdp_trainer.data import BatchLayout, BatchLoader, ShardPacker, StreamedSamples
+from fsdp_trainer.model import byte_level_tokenizer
+from fsdp_trainer.shards import Shard, list_shards
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "trainer"))
-
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
-
-from fsdp_trainer.data import BatchLayout, BatchLoader, ShardPacker, StreamedSamples  # noqa: E402
-from fsdp_trainer.model import byte_level_tokenizer  # noqa: E402
-from fsdp_trainer.shards import Shard, list_shards  # noqa: E402
 
 CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
 SEQUENCE_LENGTH = 128

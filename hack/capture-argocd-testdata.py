@@ -32,7 +32,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "operator"), str(REPO / "trainer"), str(REPO)]
 
-from tests.harness import LocalCluster, apply_crd  # noqa: E402
+from tests.support.kube import apply_crd  # noqa: E402
+from tests.support.local_cluster import LocalCluster  # noqa: E402
 
 from fsdp_operator import api  # noqa: E402
 from fsdp_operator.jobs import JobObservation  # noqa: E402

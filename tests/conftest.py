@@ -16,28 +16,21 @@ import boto3
 import pytest
 
 from fsdp_operator import tenancy
-from tests import reliability as reliability_table
-from tests.harness import (
-    INSTANCE,
-    REAL_NODE_TOLERATION,
-    REPO,
-    LocalCluster,
-    MlflowServer,
-    OperatorProcess,
-    answers,
-    apply_crd,
-    delete_namespace,
-    free_port,
-    grant,
-    kubectl,
-    mlflow_server,
-    wait_until,
-)
+from tests.support import reliability as reliability_table
+from tests.support.kube import REAL_NODE_TOLERATION, apply_crd, delete_namespace, grant, kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.mlflow import MlflowServer, mlflow_server
+from tests.support.net import answers, free_port
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import INSTANCE, REPO, dlc_python
+from tests.support.waiting import wait_until
 
-TIERS = ("unit", "cluster", "e2e")
+TIERS = ("unit", "local", "cluster", "e2e")
 # The longest file (about half an hour of one worker's time under load) goes first, so the other worker's
 # files, not it, fill the end of the run.
 LONGEST_FILE = "tests/e2e/test_real_pods.py"
+# Tests of the trainer run in the DLC's environment (Python 3.13, torch), all others in the operator's.
+TRAINER_TESTS = REPO / "tests" / "trainer"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -46,20 +39,27 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Marks each test with its tier, and runs the longest file, then the slow tiers first: pytest-xdist
-    hands whole files to its workers in this order, so the long end-to-end files start early and the many
-    short ones even out the end."""
+    """Marks each test with its tier (the folder it is in), refuses a test run in the other environment than
+    its own (the folder tests/trainer says which), and runs the longest file, then the slow tiers first:
+    pytest-xdist hands whole files to its workers in this order, so the long end-to-end files start early and
+    the many short ones even out the end."""
+    in_dlc_environment = Path(sys.prefix).resolve() == dlc_python().parents[1].resolve()
     tiers: dict[str, str] = {}
     for item in items:
-        tier = next((t for t in TIERS if f"/tests/{t}/" in str(item.path)), None)
-        if tier is None:
-            raise pytest.UsageError(f"{item.nodeid}: tests live under tests/unit, tests/cluster or tests/e2e")
+        tier = item.path.parent.name
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: a test lives in a folder named for its tier: {TIERS}")
+        if item.path.is_relative_to(TRAINER_TESTS) != in_dlc_environment:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests under tests/trainer run in the DLC's venv ({dlc_python()}), the "
+                f"rest in the operator's; this is {sys.executable}"
+            )
         item.add_marker(getattr(pytest.mark, tier))
         tiers[item.nodeid] = tier
     items.sort(
         key=lambda item: (
             item.nodeid.split("::")[0] != LONGEST_FILE,
-            ("e2e", "cluster", "unit").index(tiers[item.nodeid]),
+            ("e2e", "cluster", "local", "unit").index(tiers[item.nodeid]),
         )
     )
 

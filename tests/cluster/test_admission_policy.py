@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.test_helm import CHART, helm
-from tests.harness import DELETE, apply, example, kubectl, wait_until, with_changes
+from tests.support.chart import CHART, helm
+from tests.support.kube import apply, kubectl
+from tests.support.manifests import DELETE, example, with_changes
+from tests.support.waiting import wait_until
 
 ALLOWED = {
     "serviceAccounts": ["trainer"],

@@ -9,8 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import DELETE, REPO, kubectl, kubectl_json
-from tests.harness import with_changes as harness_with_changes
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.manifests import DELETE
+from tests.support.manifests import with_changes as harness_with_changes
+from tests.support.paths import REPO
 
 BASE: dict[str, Any] = {
     "apiVersion": "fsdp.training.dev/v1alpha1",

@@ -11,16 +11,12 @@ from typing import Any
 
 import pytest
 
-from tests.harness import (
-    REPO,
-    OperatorProcess,
-    assert_in_sync,
-    example,
-    gitops_sync,
-    rayclusters,
-    wait_for_phase,
-    wait_until,
-)
+from tests.support.gitops import assert_in_sync, gitops_sync
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.runs import rayclusters, wait_for_phase
+from tests.support.waiting import wait_until
 
 # The real-pod example's pods run for real, three starts of a RayCluster here: tests/e2e/test_real_pods.py
 # syncs it as a GitOps tool does and checks it for drift at the end of its runs.

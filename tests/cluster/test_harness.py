@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from tests.harness import STATE, LocalCluster, kubectl, kubectl_json, wait_until
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.paths import state_dir
+from tests.support.waiting import wait_until
 
 IMAGE = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py312-cu130-ubuntu22.04-ec2"
 
@@ -63,9 +66,9 @@ def test_server_is_a_real_kubernetes_with_rbac(local_cluster: LocalCluster) -> N
 
 def _ours(pid: int) -> bool:
     """Started by cluster-up: in the session of one of its daemons, or a kwokctl component run from $STATE."""
-    daemons = {int(f.read_text()) for f in (STATE / "pids").glob("*.pid")}
+    daemons = {int(f.read_text()) for f in (state_dir() / "pids").glob("*.pid")}
     try:
-        return os.getsid(pid) in daemons or str(STATE) in Path(f"/proc/{pid}/cmdline").read_text()
+        return os.getsid(pid) in daemons or str(state_dir()) in Path(f"/proc/{pid}/cmdline").read_text()
     except OSError:  # gone meanwhile
         return False
 

@@ -14,8 +14,8 @@ import aiohttp
 
 from fsdp_operator import health
 from fsdp_operator.health import Health
-from tests.harness import free_port
-from tests.unit.test_health import SCHEDULED, Clock
+from tests.support.clock import SCHEDULED, Clock
+from tests.support.net import free_port
 
 
 async def get(url: str) -> tuple[int, str]:

@@ -11,13 +11,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO, LocalCluster, kubectl, kubectl_json, wait_until
-
-CHART = REPO / "charts" / "fsdp-operator"
-
-
-def helm(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(REPO / "bin" / "helm"), *args], text=True, capture_output=True, check=check)
+from tests.support.chart import CHART, helm
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.waiting import wait_until
 
 
 def can_i(verb: str, resource: str, namespace: str, service_account: str, subresource: str = "") -> bool:

@@ -15,7 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.harness import OperatorProcess, example, kubectl, kubectl_json, rayclusters, run_of, wait_until
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import rayclusters, run_of
+from tests.support.waiting import wait_until
 
 RTL_OVERRIDE = "\u202e"
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import delete_namespace, kubectl, kubectl_json, wait_until
-from tests.kueue import (
+from tests.support.kube import delete_namespace, kubectl, kubectl_json
+from tests.support.kueue import (
     GPU_INSTANCE_TYPE,
     LABEL_INSTANCE_TYPE,
     LABEL_ZONE,
@@ -23,6 +23,7 @@ from tests.kueue import (
     unique,
     workload_of,
 )
+from tests.support.waiting import wait_until
 
 ZONE = "us-west-2a"
 LOCAL_QUEUES = "localqueues.v1beta2.kueue.x-k8s.io"

@@ -17,7 +17,7 @@ from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 
-from tests.apiserver_audit import (
+from tests.support.apiserver_audit import (
     KOPF_USER_AGENT,
     PYTHON_CLIENT_USER_AGENT,
     AuditLog,
@@ -26,7 +26,9 @@ from tests.apiserver_audit import (
     requests_of,
     select,
 )
-from tests.harness import LocalCluster, kubectl, wait_until
+from tests.support.kube import kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.waiting import wait_until
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ import re
 import urllib.request
 
 from fsdp_operator import metrics
-from tests.harness import free_port
-from tests.unit.test_metrics import RUNNING, Store, index  # noqa: F401 (the fixture, used by name)
+from tests.support.metrics_index import RUNNING, Store, index_fixture  # noqa: F401 (a fixture)
+from tests.support.net import free_port
 
 
-def test_metrics_are_served_over_http(index: dict[tuple[str, str], Store]) -> None:  # noqa: F811
+def test_metrics_are_served_over_http(index: dict[tuple[str, str], Store]) -> None:
     index[("ml", "tiny")] = Store([RUNNING])
     port = free_port()
 

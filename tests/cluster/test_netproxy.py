@@ -13,8 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from tests.harness import wait_until
-from tests.netproxy import BlackHoleProxy
+from tests.support.netproxy import BlackHoleProxy
+from tests.support.waiting import wait_until
 
 REQUEST = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
 

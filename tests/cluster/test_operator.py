@@ -10,19 +10,11 @@ from typing import Any
 import pytest
 
 from fsdp_operator import tenancy
-from tests.harness import (
-    OperatorProcess,
-    apply,
-    conditions_of,
-    example,
-    grant,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
+from tests.support.kube import apply, grant, kubectl, kubectl_json
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 
 def false_condition(namespace: str, run: str, type_: str) -> dict[str, Any] | None:

@@ -10,8 +10,10 @@ from typing import Any
 
 import pytest
 
-from tests.harness import LocalCluster, cluster_settings, kubectl_json
-from tests.probe_pod import run_probe
+from tests.support.kube import kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.paths import cluster_settings
+from tests.support.probe_pod import run_probe
 
 # The kubelet would set these host-wide; it runs where they read as it wants them, so the host keeps its own.
 KUBELET_SYSCTLS = ("vm/overcommit_memory", "kernel/panic", "kernel/panic_on_oops")

@@ -20,7 +20,11 @@ from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
 from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
 from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
-from tests.harness import OperatorProcess, example, kubectl, rayclusters, wait_until
+from tests.support.kube import kubectl
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import rayclusters
+from tests.support.waiting import wait_until
 
 MIB = 1 << 20
 

@@ -30,7 +30,11 @@ import pytest
 from fsdp_operator import api, submission
 from fsdp_operator.builder import RunRef
 from fsdp_trainer.contract import MLFLOW_RUN_FILE, AttemptInfo, MlflowRunRef, ProgressRecord
-from tests.harness import DLC_PYTHON, REPO, MlflowServer, free_port, tiny_qwen2, wait_until
+from tests.support.manifests import tiny_qwen2
+from tests.support.mlflow import MlflowServer
+from tests.support.net import free_port
+from tests.support.paths import REPO, dlc_python
+from tests.support.waiting import wait_until
 
 TINY_QWEN2 = tiny_qwen2()
 MAX_STEPS = 16
@@ -81,7 +85,7 @@ def start_attempt(
     assert command[:3] == ["python", "-m", "fsdp_trainer"]
     with log.open("w") as out:
         return subprocess.Popen(
-            [str(DLC_PYTHON), *command[1:], "--launcher", "direct"],
+            [str(dlc_python()), *command[1:], "--launcher", "direct"],
             env={**os.environ, "PYTHONPATH": str(REPO / "trainer"), "HF_HUB_OFFLINE": "1", **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,

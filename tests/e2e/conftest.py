@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,12 @@ from typing import Any
 import boto3
 import pytest
 
-from tests.e2e.demo import BUCKET, CORPUS, lifecycle_env
-from tests.harness import REPO, LocalCluster, OperatorProcess, delete_namespace, kubectl
+from tests.support.demo import BUCKET, CORPUS, lifecycle_env
+from tests.support.kube import delete_namespace, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO, cluster_settings
+from tests.support.real_node import OPERATOR_NAMESPACE, RealNode, chart_identity
 
 
 @pytest.fixture(scope="session")
@@ -47,3 +52,56 @@ def second_namespace(namespace: str) -> Iterator[str]:
         yield name
     finally:
         delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def real_node(local_cluster: LocalCluster) -> RealNode:
+    name = local_cluster.env["FSDP_REAL_NODE"]
+    node = kubectl_json("get", "node", name)
+    ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}.get("Ready")
+    assert ready == "True", f"the real node {name} is not Ready: {node['status']['conditions']}"
+    [node_dir] = cluster_settings("NODE_DIR")
+    return RealNode(
+        name=name,
+        containerd_socket=f"{node_dir}/containerd.sock",
+        host_address=local_cluster.env["FSDP_HOST_POD_ADDRESS"],
+        pod_s3_endpoint=local_cluster.env["FSDP_POD_S3_ENDPOINT"],
+        image=local_cluster.env["FSDP_DLC_IMAGE"],
+    )
+
+
+@pytest.fixture
+def proxied_operator(
+    namespace: str,
+    crd_installed: None,
+    s3: Any,
+    local_cluster: LocalCluster,
+    real_node: RealNode,
+    tmp_path: Path,
+) -> Iterator[OperatorProcess]:
+    """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
+    identity = chart_identity(namespace, tmp_path / "chart", local_cluster)
+    env = {
+        **identity.env,
+        "KUBECONFIG": str(identity.kubeconfig),
+        "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "service-proxy",
+        # The apiserver's proxied connections come from the host's end of the pod segment.
+        "FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": f"{real_node.host_address}/32",
+        "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
+        "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
+        "FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY": "IfNotPresent",  # the node has the image; no registry here
+        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
+        "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
+        "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
+        "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
+    }
+    proc = OperatorProcess(namespace=namespace, env=env, log=tmp_path / "operator.log").start()
+    try:
+        yield proc
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=120s", check=False)
+        proc.stop()
+        cluster_scoped = [o for o in identity.objects if o["kind"].startswith("Cluster")]
+        for obj in cluster_scoped:
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
+        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-8000:]}")

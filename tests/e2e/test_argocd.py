@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.argocd import (
+from tests.support.argocd import (
     NAMESPACE,
     ArgoCD,
     application_of,
@@ -27,17 +27,13 @@ from tests.argocd import (
     resource_health,
     sync_and_health,
 )
-from tests.e2e.demo import BUCKET, RUN_TIMEOUT, demo_manifest
-from tests.e2e.demo import SMALL as SMALL_SHAPE
-from tests.harness import (
-    LocalCluster,
-    OperatorProcess,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_until,
-)
+from tests.support.demo import BUCKET, RUN_TIMEOUT, demo_manifest
+from tests.support.demo import SMALL as SMALL_SHAPE
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import rayclusters, run_of
+from tests.support.waiting import wait_until
 
 SMALL = {**SMALL_SHAPE, "training.maxSteps": 20}  # the three runs fit the fake nodes together
 KIND = "FSDPTrainingRun"

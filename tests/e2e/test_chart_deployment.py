@@ -19,27 +19,22 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.apiserver_audit import AuditLog
-from tests.chart import CHART, Rendered, render
-from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, checkpoint_steps_in_s3, demo_run, wait_for_step
-from tests.harness import (
-    TEST_S3_PREFIXES,
-    LocalCluster,
-    free_port,
-    kubectl,
-    rayclusters,
-    run_of,
-    set_suspend,
-    wait_for_phase,
-    wait_until,
-)
-from tests.image import (
+from tests.support.apiserver_audit import AuditLog
+from tests.support.chart import CHART, Rendered, render
+from tests.support.demo import BUCKET, RUN_TIMEOUT, SMALL, checkpoint_steps_in_s3, demo_run, wait_for_step
+from tests.support.image import (
     apiserver_address,
     operator_image,
     pod_container_command,
     podman,
     service_account_files,
 )
+from tests.support.kube import kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.net import free_port
+from tests.support.operator_process import TEST_S3_PREFIXES
+from tests.support.runs import rayclusters, run_of, set_suspend, wait_for_phase
+from tests.support.waiting import wait_until
 
 Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 

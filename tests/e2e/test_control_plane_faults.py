@@ -29,22 +29,16 @@ import pytest
 import yaml
 
 from fsdp_operator.builder import LABEL_RUN
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
-from tests.harness import (
-    ControlPlaneComponent,
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    example,
-    kubectl,
-    rayclusters,
-    restart_exited_control_plane,
-    set_suspend,
-    wait_for_phase,
-    wait_until,
-)
-from tests.netproxy import BlackHoleProxy
-from tests.reliability import Recorder
+from tests.support.control_plane import ControlPlaneComponent, restart_exited_control_plane
+from tests.support.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
+from tests.support.kube import apply, kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import example
+from tests.support.netproxy import BlackHoleProxy
+from tests.support.operator_process import OperatorProcess
+from tests.support.reliability import Recorder
+from tests.support.runs import rayclusters, set_suspend, wait_for_phase
+from tests.support.waiting import wait_until
 
 WATCH_SECONDS = 10  # the operator's watch_timeout_seconds here (60 by default)
 OUTAGE_SECONDS = 15  # longer than a watch lasts: the renewals made during the outage are swallowed too

@@ -16,7 +16,8 @@ import pytest
 
 from fsdp_operator import jobclient
 from fsdp_operator.jobs import DashboardAuth, Jobs
-from tests.harness import LocalCluster, wait_until
+from tests.support.local_cluster import LocalCluster
+from tests.support.waiting import wait_until
 
 TIMEOUT = 240
 PROBE = """import os

@@ -11,17 +11,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from fsdp_operator.builder import LABEL_RUN
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run
-from tests.harness import (
-    REPO,
-    OperatorProcess,
-    conditions_of,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
-from tests.reliability import Recorder, seconds_between
+from tests.support.demo import RUN_TIMEOUT, SMALL, demo_run
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.reliability import Recorder, seconds_between
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 # Longer than kopf's 60 s re-check, so every run is examined again with KubeRay gone.
 OUTAGE_SECONDS = 90

@@ -16,19 +16,13 @@ from typing import Any
 import pytest
 
 from fsdp_operator import tenancy
-from tests.e2e.demo import BUCKET, RUN_TIMEOUT, demo_run, run_record, wait_for_step
-from tests.harness import (
-    OperatorProcess,
-    conditions_of,
-    grant,
-    kubectl,
-    kubectl_json,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
-from tests.kueue import KueueProcess, kueue_fixture, unique  # noqa: F401 (the fixture)
-from tests.reliability import Recorder
+from tests.support.demo import BUCKET, RUN_TIMEOUT, demo_run, run_record, wait_for_step
+from tests.support.kube import grant, kubectl, kubectl_json
+from tests.support.kueue import KueueProcess, kueue_fixture, unique  # noqa: F401 (the fixture)
+from tests.support.operator_process import OperatorProcess
+from tests.support.reliability import Recorder
+from tests.support.runs import conditions_of, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 ZONE = "us-west-2a"
 

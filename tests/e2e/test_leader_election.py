@@ -15,20 +15,15 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
-from tests.harness import (
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    free_port,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    wait_for_phase,
-    wait_until,
-)
-from tests.netproxy import BlackHoleProxy
-from tests.reliability import Recorder
+from tests.support.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
+from tests.support.kube import apply, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.net import free_port
+from tests.support.netproxy import BlackHoleProxy
+from tests.support.operator_process import OperatorProcess
+from tests.support.reliability import Recorder
+from tests.support.runs import rayclusters, wait_for_phase
+from tests.support.waiting import wait_until
 
 LEASE = "fsdp-operator"
 TAKEOVER_LIMIT = 30  # issue 8: the standby acts within 30 s of the leader's death

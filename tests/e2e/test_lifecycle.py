@@ -17,7 +17,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.e2e.demo import (
+from tests.support.demo import (
     BUCKET,
     RUN_TIMEOUT,
     SMALL,
@@ -28,22 +28,16 @@ from tests.e2e.demo import (
     run_record,
     wait_for_step,
 )
-from tests.harness import (
-    REPO,
-    LocalCluster,
-    MlflowServer,
-    OperatorProcess,
-    conditions_of,
-    drift,
-    example,
-    fields_others_own,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    wait_for_phase,
-    wait_until,
-)
-from tests.reliability import Recorder, seconds_between
+from tests.support.gitops import drift, fields_others_own
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import example
+from tests.support.mlflow import MlflowServer
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.reliability import Recorder, seconds_between
+from tests.support.runs import conditions_of, rayclusters, wait_for_phase
+from tests.support.waiting import wait_until
 
 EVERY_STEPS = example("cpu-demo")["spec"]["checkpoint"]["everySteps"]
 # How far above the corpus's byte entropy a run that has learned the byte frequencies may end: a step's loss

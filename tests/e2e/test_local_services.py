@@ -13,7 +13,10 @@ import boto3
 import pytest
 from ray.job_submission import JobStatus
 
-from tests.harness import STATE, LocalCluster, answers, cluster_settings, wait_until
+from tests.support.local_cluster import LocalCluster
+from tests.support.net import answers
+from tests.support.paths import cluster_settings, state_dir
+from tests.support.waiting import wait_until
 
 
 def test_s3_bucket_put_and_get(local_cluster: LocalCluster) -> None:
@@ -96,7 +99,7 @@ def test_the_ray_head_listens_only_on_the_ports_its_instance_was_given(local_clu
         "RAY_HEAD_PORTS", "RAY_MIN_WORKER_PORT", "RAY_MAX_WORKER_PORT"
     )
     given = {int(port) for port in head_ports.split()}
-    head_pid = int((STATE / "pids" / "ray.pid").read_text())
+    head_pid = int((state_dir() / "pids" / "ray.pid").read_text())
 
     listening: dict[int, str] = {}
 

@@ -12,17 +12,15 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
-from tests.harness import (
-    REPO,
-    LocalCluster,
-    OperatorProcess,
-    free_port,
-    kubectl,
-    wait_for_phase,
-    wait_until,
-)
-from tests.prometheus import RULES, Prometheus
+from tests.support.demo import RUN_TIMEOUT, SMALL, demo_run, lifecycle_env
+from tests.support.kube import kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.net import free_port
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.prometheus import RULES, Prometheus
+from tests.support.runs import wait_for_phase
+from tests.support.waiting import wait_until
 
 DASHBOARD = REPO / "charts" / "fsdp-operator" / "files" / "grafana-dashboard.json"
 # Grafana's variables as a query sees them with every namespace selected.

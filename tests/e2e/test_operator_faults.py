@@ -13,18 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_operator.actions import FAULT_POINT_ENV
-from tests.e2e.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
-from tests.harness import (
-    REPO,
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    kubectl,
-    rayclusters,
-    wait_for_phase,
-    wait_until,
-)
-from tests.reliability import Recorder
+from tests.support.demo import RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
+from tests.support.kube import apply, kubectl
+from tests.support.local_cluster import LocalCluster
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.reliability import Recorder
+from tests.support.runs import rayclusters, wait_for_phase
+from tests.support.waiting import wait_until
 
 
 @contextlib.contextmanager

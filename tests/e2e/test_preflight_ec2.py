@@ -10,20 +10,12 @@ from typing import Any
 import boto3
 
 from fsdp_operator import api, preflight
-from tests.harness import (
-    DELETE,
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    conditions_of,
-    example,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
+from tests.support.kube import apply, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import DELETE, example
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 
 def spec(**cluster: Any) -> api.FSDPTrainingRunSpec:

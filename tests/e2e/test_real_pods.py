@@ -14,178 +14,25 @@ import datetime as dt
 import json
 import os
 import subprocess
-import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from fsdp_trainer.contract import PROGRESS_FILE, ProgressRecord
-from tests.chart import CHART, render
-from tests.e2e.demo import BUCKET, CORPUS
-from tests.harness import (
-    REPO,
-    TEST_S3_PREFIXES,
-    LocalCluster,
-    OperatorProcess,
-    assert_in_sync,
-    cluster_settings,
-    conditions_of,
-    example,
-    gitops_sync,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
-from tests.image import operator_image, service_account_files
-from tests.probe_pod import TOLERATE_REAL_NODE, run_probe
-from tests.reliability import Recorder, seconds_between
-
-# A real node is slower than KWOK: the image's Ray start, three pods' probes, then training on its 2 CPUs.
-RUN_TIMEOUT = 900
-OPERATOR_NAMESPACE = "fsdp-real-pods-operator"
-CONTAINERS_CONF = str(REPO / "hack" / "containers.conf")
-
-
-@dataclass(frozen=True)
-class RealNode:
-    name: str
-    containerd_socket: str
-    host_address: str  # the host's end of the pod segment: where pods reach S3, and apiserver proxying starts
-    pod_s3_endpoint: str
-    image: str  # the DLC stand-in, as the node's containerd has it
-
-    @property
-    def pod_env(self) -> dict[str, str]:
-        """What every Ray container gets (operator setting ray-pod-env): the local S3, no model hub."""
-        return {
-            "AWS_ENDPOINT_URL": self.pod_s3_endpoint,
-            "AWS_ACCESS_KEY_ID": "testing",
-            "AWS_SECRET_ACCESS_KEY": "testing",
-            "AWS_DEFAULT_REGION": "us-west-2",
-            "HF_HUB_OFFLINE": "1",
-            # The node is shared by the whole suite: give the dashboard's modules time to start.
-            "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300",
-        }
-
-
-@pytest.fixture(scope="module")
-def real_node(local_cluster: LocalCluster) -> RealNode:
-    name = local_cluster.env["FSDP_REAL_NODE"]
-    node = kubectl_json("get", "node", name)
-    ready = {c["type"]: c["status"] for c in node["status"]["conditions"]}.get("Ready")
-    assert ready == "True", f"the real node {name} is not Ready: {node['status']['conditions']}"
-    [node_dir] = cluster_settings("NODE_DIR")
-    return RealNode(
-        name=name,
-        containerd_socket=f"{node_dir}/containerd.sock",
-        host_address=local_cluster.env["FSDP_HOST_POD_ADDRESS"],
-        pod_s3_endpoint=local_cluster.env["FSDP_POD_S3_ENDPOINT"],
-        image=local_cluster.env["FSDP_DLC_IMAGE"],
-    )
-
-
-@dataclass(frozen=True)
-class ChartIdentity:
-    kubeconfig: Path  # the chart's ServiceAccount's token, as an operator outside the cluster would hold it
-    env: dict[str, str]  # the chart's settings that name its objects (the Ray token key's Secret)
-    objects: list[dict[str, Any]]  # the RBAC objects applied, cluster-scoped ones included
-
-
-def chart_identity(namespace: str, into: Path, local_cluster: LocalCluster) -> ChartIdentity:
-    """Nothing but the chart's RBAC for a release watching `namespace`, applied as the chart renders it."""
-    kubectl("create", "namespace", OPERATOR_NAMESPACE, check=False)
-    values = {
-        "watchNamespaces": [namespace],
-        "leaderElection": {"enabled": False},
-        "replicaCount": 1,
-        "dashboardAddressMode": "service-proxy",  # the proxied operator's: the services/proxy grant
-    }
-    rendered = render(f"r{namespace[-6:]}", OPERATOR_NAMESPACE, values)
-    wanted = ("ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")
-    objects = [o for o in rendered.objects if o["kind"] in wanted]
-    kubectl("apply", "--server-side", "-f", "-", input="\n---\n".join(yaml.safe_dump(o) for o in objects))
-    pod = rendered.deployment["spec"]["template"]["spec"]
-    files = service_account_files(
-        local_cluster.kubeconfig, OPERATOR_NAMESPACE, pod["serviceAccountName"], into
-    )
-    server = yaml.safe_load(Path(local_cluster.kubeconfig).read_text())["clusters"][0]["cluster"]["server"]
-    kubeconfig = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [
-            {"name": "local", "cluster": {"server": server, "certificate-authority": str(files / "ca.crt")}}
-        ],
-        "users": [{"name": "chart", "user": {"token": (files / "token").read_text()}}],
-        "contexts": [{"name": "chart", "context": {"cluster": "local", "user": "chart"}}],
-        "current-context": "chart",
-    }
-    path = into / "kubeconfig"
-    path.write_text(yaml.safe_dump(kubeconfig))
-    env = {e["name"]: e["value"] for e in pod["containers"][0]["env"] if "value" in e}
-    return ChartIdentity(
-        path, {"FSDP_OPERATOR_RAY_AUTH_KEY_SECRET": env["FSDP_OPERATOR_RAY_AUTH_KEY_SECRET"]}, objects
-    )
-
-
-@pytest.fixture
-def proxied_operator(
-    namespace: str,
-    crd_installed: None,
-    s3: Any,
-    local_cluster: LocalCluster,
-    real_node: RealNode,
-    tmp_path: Path,
-) -> Iterator[OperatorProcess]:
-    """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
-    identity = chart_identity(namespace, tmp_path / "chart", local_cluster)
-    env = {
-        **identity.env,
-        "KUBECONFIG": str(identity.kubeconfig),
-        "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "service-proxy",
-        # The apiserver's proxied connections come from the host's end of the pod segment.
-        "FSDP_OPERATOR_DASHBOARD_INGRESS_CIDRS": f"{real_node.host_address}/32",
-        "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
-        "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
-        "FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY": "IfNotPresent",  # the node has the image; no registry here
-        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
-        "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
-        "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
-        "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
-    }
-    proc = OperatorProcess(namespace=namespace, env=env, log=tmp_path / "operator.log").start()
-    try:
-        yield proc
-    finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=120s", check=False)
-        proc.stop()
-        cluster_scoped = [o for o in identity.objects if o["kind"].startswith("Cluster")]
-        for obj in cluster_scoped:
-            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
-        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-8000:]}")
-
-
-def real_pods_run(namespace: str, **changes: Any) -> dict[str, Any]:
-    """examples/cpu-demo-real-pods.yaml with the test's data, applied as a GitOps tool applies it."""
-    name = f"real-{uuid.uuid4().hex[:6]}"
-    manifest = example(
-        "cpu-demo-real-pods",
-        **{
-            "data.source": f"s3://{BUCKET}/{CORPUS}",
-            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
-            "recovery.backoffSeconds": 2,
-            **changes,
-        },
-    )
-    manifest["metadata"]["name"] = name
-    gitops_sync(namespace, manifest)
-    return manifest
+from tests.support.chart import CHART
+from tests.support.demo import BUCKET
+from tests.support.gitops import assert_in_sync
+from tests.support.image import operator_image
+from tests.support.kube import kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.operator_process import TEST_S3_PREFIXES, OperatorProcess
+from tests.support.paths import REPO, cluster_settings
+from tests.support.probe_pod import TOLERATE_REAL_NODE, run_probe
+from tests.support.real_node import CONTAINERS_CONF, OPERATOR_NAMESPACE, RUN_TIMEOUT, RealNode, real_pods_run
+from tests.support.reliability import Recorder, seconds_between
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 
 def pods_of(namespace: str, run: str) -> list[dict[str, Any]]:

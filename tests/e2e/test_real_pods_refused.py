@@ -9,26 +9,15 @@ import time
 from typing import Any
 
 from fsdp_operator import quantity, tenancy
-from tests.e2e import test_real_pods
-from tests.harness import (
-    OperatorProcess,
-    conditions_of,
-    grant,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
-
-# The operator with nothing but the chart's RBAC, and the real node, as test_real_pods.py starts them.
-proxied_operator = test_real_pods.proxied_operator
-real_node = test_real_pods.real_node
-real_pods_run = test_real_pods.real_pods_run
+from tests.support.kube import grant, kubectl_json
+from tests.support.operator_process import OperatorProcess
+from tests.support.real_node import RealNode, real_pods_run
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 
 def test_the_real_node_offers_what_an_eks_node_on_a_20_gib_root_volume_offers(
-    real_node: test_real_pods.RealNode,
+    real_node: RealNode,
 ) -> None:
     allocatable = kubectl_json("get", "node", real_node.name)["status"]["allocatable"]["ephemeral-storage"]
     # The kubelet takes its 5% eviction threshold of the disk with a rounding of its own: bytes apart.

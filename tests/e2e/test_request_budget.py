@@ -15,10 +15,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditEvent, AuditLog
-from tests.e2e.demo import RUN_TIMEOUT, demo_manifest
-from tests.e2e.demo import SMALL as SMALL_SHAPE
-from tests.harness import OperatorProcess, apply, run_of, wait_for_phase, wait_until
+from tests.support.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditEvent, AuditLog
+from tests.support.demo import RUN_TIMEOUT, demo_manifest
+from tests.support.demo import SMALL as SMALL_SHAPE
+from tests.support.kube import apply
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 RUNS = 2
 WINDOW_SECONDS = 30  # 0 requests expected; the budget allows 2 in this window

@@ -10,9 +10,11 @@ from typing import Any
 
 from fsdp_operator import tenancy
 from fsdp_operator.settings import Settings
-from tests.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
-from tests.e2e.demo import BUCKET, RUN_TIMEOUT, SMALL, demo_run
-from tests.harness import OperatorProcess, grant, kubectl, rayclusters, run_of, wait_for_phase
+from tests.support.apiserver_audit import KOPF_USER_AGENT, OPERATOR_USER_AGENT, AuditLog
+from tests.support.demo import BUCKET, RUN_TIMEOUT, SMALL, demo_run
+from tests.support.kube import grant, kubectl
+from tests.support.operator_process import OperatorProcess
+from tests.support.runs import rayclusters, run_of, wait_for_phase
 
 
 def test_a_secret_for_the_pods_env_is_passed_by_reference_and_its_value_is_recorded_nowhere(

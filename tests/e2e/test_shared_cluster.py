@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from fsdp_operator import jobs
-from tests.e2e.demo import (
+from tests.support.demo import (
     BUCKET,
     RUN_TIMEOUT,
     SMALL,
@@ -23,20 +23,13 @@ from tests.e2e.demo import (
     lifecycle_env,
     run_record,
 )
-from tests.harness import (
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    conditions_of,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    run_of,
-    wait_for_phase,
-    wait_until,
-)
-from tests.netproxy import BlackHoleProxy
-from tests.reliability import Recorder, seconds_between
+from tests.support.kube import apply, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.netproxy import BlackHoleProxy
+from tests.support.operator_process import OperatorProcess
+from tests.support.reliability import Recorder, seconds_between
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
+from tests.support.waiting import wait_until
 
 HANG_BOUND = 60  # the held run's recovery.hangTimeoutSeconds, the least allowed
 

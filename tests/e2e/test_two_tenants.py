@@ -14,19 +14,13 @@ from typing import Any
 
 from bench.doc_section import write_section
 
-from tests.e2e.demo import BUCKET, CORPUS, RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
-from tests.harness import (
-    REPO,
-    LocalCluster,
-    OperatorProcess,
-    apply,
-    conditions_of,
-    kubectl,
-    kubectl_json,
-    rayclusters,
-    wait_for_phase,
-)
-from tests.reliability import Recorder
+from tests.support.demo import BUCKET, CORPUS, RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
+from tests.support.kube import apply, kubectl, kubectl_json
+from tests.support.local_cluster import LocalCluster
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.reliability import Recorder
+from tests.support.runs import conditions_of, rayclusters, wait_for_phase
 
 
 def own_prefix(namespace: str) -> str:

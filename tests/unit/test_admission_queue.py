@@ -10,7 +10,7 @@ from fsdp_operator import api, builder, preflight
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.settings import Settings
-from tests.unit.test_state_machine import spec
+from tests.support.decision_inputs import spec
 
 TYPE = "g6.12xlarge"
 

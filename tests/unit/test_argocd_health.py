@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from fsdp_operator import api
-from tests.harness import REPO
+from tests.support.paths import REPO
 
 CUSTOMIZATIONS = REPO / "argocd" / "resource_customizations"
 CHECK = CUSTOMIZATIONS / api.GROUP / api.KIND

@@ -14,7 +14,7 @@ import yaml
 from fsdp_operator import api, builder, submission
 from fsdp_trainer import cli
 from fsdp_trainer.contract import AttemptInfo
-from tests.harness import example
+from tests.support.manifests import example
 
 GOLDEN = Path(__file__).parent / "golden"
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")

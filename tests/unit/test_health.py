@@ -12,7 +12,8 @@ import pytest
 
 from fsdp_operator import health
 from fsdp_operator.health import Health, liveness, readiness
-from tests.harness import wait_until
+from tests.support.clock import SCHEDULED, Clock
+from tests.support.waiting import wait_until
 
 
 @pytest.mark.parametrize(
@@ -32,21 +33,6 @@ def test_readiness(leading: bool, started: bool, silent_for: float | None, ready
 
 def test_liveness_fails_once_a_no_op_waited_longer_than_the_limit() -> None:
     assert liveness(9.9, pool_timeout=10)[0] and not liveness(10.1, pool_timeout=10)[0]
-
-
-class Clock:
-    """The probes' clock: moves only when the test moves it."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-# How long a thread or the event loop gets to do what takes it milliseconds: a bound on being scheduled at
-# all, never a measure of the probes' timing (that is the test clock's).
-SCHEDULED = 30.0
 
 
 def test_a_frozen_event_loop_is_seen_from_another_thread(monkeypatch: pytest.MonkeyPatch) -> None:

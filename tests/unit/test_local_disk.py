@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from fsdp_operator import api, builder, localdisk
-from tests.harness import tiny_qwen2
+from tests.support.manifests import tiny_qwen2
 
 GIB = 2**30
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")

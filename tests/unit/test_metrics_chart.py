@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.harness import REPO
+from tests.support.paths import REPO
 
 CHART = REPO / "charts" / "fsdp-operator"
 FILES = CHART / "files"

@@ -16,8 +16,8 @@ from fsdp_operator import api, builder, conditions, settings
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
 from fsdp_operator.watched import pod_summary
-from tests.chart import render
-from tests.unit.test_state_machine import NOW, job, observe, record, spec, status
+from tests.support.chart import render
+from tests.support.decision_inputs import NOW, job, observe, record, spec, status
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.reliability import Row, write_table
+from tests.support.reliability import Row, write_table
 
 
 def test_rows_are_written_in_test_order_with_the_date_machine_and_versions(tmp_path: Path) -> None:

@@ -1,0 +1,103 @@
+"""The CPU demo run as the e2e tests use it: the test bucket, the operator's settings, S3 helpers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from fsdp_trainer.contract import RunRecord
+from tests.support.kube import apply
+from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import example
+from tests.support.runs import run_of
+from tests.support.waiting import wait_until
+
+BUCKET = "fsdp-e2e"
+CORPUS = "data/stdlib-docstrings.jsonl"
+# A bound on a 40-80-step run, not a target: at the start of a CI run, beside the other worker's real pods and
+# both clusters' first start, one was not done after 300 s (the operator had seen its Ray job PENDING).
+RUN_TIMEOUT = 600
+# One GPU worker, no EFA and a one-CPU head: several such runs fit the fake nodes at once (the system node
+# takes only two default heads), and each trains on one Ray Train worker, not two. The tests about what the
+# operator does use it: a worker process is about a quarter of an attempt's CPU (41-50 vs 59 CPU-s here).
+SMALL = {
+    "cluster.workers": 1,
+    "cluster.gpusPerWorker": 1,
+    "cluster.efaPerWorker": 0,
+    "cluster.head.cpu": "1",
+    "cluster.head.memory": "4Gi",
+    "network.efa": "disabled",
+}
+
+
+# The price of the demo's instance type (us-west-2 on demand, 2026), so that runs show a cost.
+DEMO_PRICES = {"g6.12xlarge": 4.6016}
+
+
+def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:
+    """The operator as the demo runs it: jobs to the local Ray head, on CPU, S3 on loopback."""
+    return {
+        "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
+        "FSDP_OPERATOR_DASHBOARD_URL": local_cluster.ray_dashboard_url,
+        "FSDP_OPERATOR_DASHBOARD_TOKEN": local_cluster.env["FSDP_LOCAL_RAY_TOKEN"],
+        "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
+        "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
+        "FSDP_OPERATOR_INSTANCE_HOUR_PRICES": json.dumps(DEMO_PRICES),
+    }
+
+
+def demo_manifest(name: str, **changes: Any) -> dict[str, Any]:
+    """The CPU demo reading the corpus from, and checkpointing to, the test bucket."""
+    manifest = example(
+        "cpu-demo",
+        **{
+            "data.source": f"s3://{BUCKET}/{CORPUS}",
+            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
+            "recovery.backoffSeconds": 1,
+            **changes,
+        },
+    )
+    manifest["metadata"]["name"] = name
+    return manifest
+
+
+def demo_run(namespace: str, **changes: Any) -> str:
+    name = f"e2e-{uuid.uuid4().hex[:6]}"
+    apply(namespace, demo_manifest(name, **changes))
+    return name
+
+
+def keys_under(s3: Any, prefix: str) -> set[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
+
+
+def checkpoint_steps_in_s3(s3: Any, namespace: str, name: str) -> set[int]:
+    manifests = [k for k in keys_under(s3, f"runs/{namespace}/{name}/") if k.endswith("/fsdp_manifest.json")]
+    return {json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read())["step"] for k in manifests}
+
+
+def run_record(s3: Any, namespace: str, name: str) -> RunRecord:
+    body = s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/run.json")["Body"].read()
+    return RunRecord.model_validate_json(body)
+
+
+def final_run_record(s3: Any, namespace: str, name: str, phase: str) -> RunRecord:
+    """run.json once it records the run's final phase: the operator writes it right after the status that
+    says so (the status first, as every intent), so a reader who saw the phase may find the one before."""
+
+    def recorded() -> RunRecord | None:
+        record = run_record(s3, namespace, name)
+        return record if record.phase == phase else None
+
+    return wait_until(f"run.json of {name} to record phase {phase}", recorded, timeout=60)
+
+
+def wait_for_step(namespace: str, name: str, at_least: int) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        run = run_of(namespace, name)
+        latest = run.get("status", {}).get("checkpoints", {}).get("latest") or {}
+        return run if latest.get("step", 0) >= at_least else None
+
+    return wait_until(f"run {name} to have a checkpoint at step >= {at_least}", reached, timeout=RUN_TIMEOUT)
