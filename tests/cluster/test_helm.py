@@ -70,10 +70,17 @@ def test_chart_lints_and_rejects_bad_values() -> None:
     assert no_replicas.returncode != 0 and "replicaCount" in no_replicas.stderr
 
 
-@pytest.mark.parametrize("scoped", [True, False], ids=["watch-one-namespace", "cluster-wide"])
-def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed: None, scoped: bool) -> None:
+@pytest.mark.parametrize("mode", ["bare-install", "watch-one-namespace", "cluster-wide"])
+def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed: None, mode: str) -> None:
+    """A bare install (no values) handles its own namespace only; the platform opts namespaces in, or the
+    whole cluster."""
     release = f"r{namespace[-6:]}"
-    extra = ["--set", f"watchNamespaces={{{namespace}}}"] if scoped else []
+    extra = {
+        "bare-install": [],
+        "watch-one-namespace": ["--set", f"watchNamespaces={{{namespace}}}"],
+        "cluster-wide": ["--set", "clusterWide=true"],
+    }[mode]
+    scoped = mode != "cluster-wide"
     helm("install", release, str(CHART), "-n", namespace, "--wait=false", *extra)
     try:
         deployment = kubectl_json("get", "deployment", f"{release}-fsdp-operator", "-n", namespace)
@@ -152,13 +159,36 @@ def test_rendered_manifests_follow_the_values() -> None:
             check=False,
         )
         assert refused.returncode != 0 and "maxUnavailable" in refused.stderr
-    # Namespaces: a RoleBinding per watched namespace instead of the ClusterRoleBinding for runs.
-    scoped = template("--set", "watchNamespaces={team-a,team-b}")
-    bindings = {(o["metadata"]["namespace"], o["roleRef"]["name"]) for o in of_kind(scoped, "RoleBinding")}
-    assert {("team-a", "rel-fsdp-operator-runs"), ("team-b", "rel-fsdp-operator-runs")} <= bindings
-    assert "rel-fsdp-operator-runs" not in {
-        o["metadata"]["name"] for o in of_kind(scoped, "ClusterRoleBinding")
-    }
+
+    # Namespaces: a RoleBinding per watched namespace; by default the release's own; cluster-wide when asked.
+    def runs_bindings(objects: list[dict[str, Any]]) -> tuple[set[str], bool]:
+        namespaced = {
+            o["metadata"]["namespace"]
+            for o in of_kind(objects, "RoleBinding")
+            if o["roleRef"]["name"] == "rel-fsdp-operator-runs"
+        }
+        cluster = "rel-fsdp-operator-runs" in {
+            o["metadata"]["name"] for o in of_kind(objects, "ClusterRoleBinding")
+        }
+        return namespaced, cluster
+
+    assert runs_bindings(template("--set", "watchNamespaces={team-a,team-b}")) == (
+        {"team-a", "team-b"},
+        False,
+    )
+    assert runs_bindings(objects) == ({"ops"}, False)
+    assert runs_bindings(template("--set", "clusterWide=true")) == (set(), True)
+    both = helm(
+        "template",
+        "x",
+        str(CHART),
+        "--kube-version",
+        "1.35.0",
+        "--set",
+        "clusterWide=true,watchNamespaces={a}",
+        check=False,
+    )
+    assert both.returncode != 0 and "watchNamespaces or clusterWide" in both.stderr
     # IRSA annotation, default image, extra environment.
     irsa = "arn:aws:iam::123456789012:role/fsdp-operator"
     custom = template(

@@ -134,6 +134,7 @@ def chart_operator(
     values = {
         "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
         "watchNamespaces": [namespace] if scoped else [],
+        "clusterWide": not scoped,
         "dashboardAddressMode": "override",
         "dashboardUrl": local_cluster.ray_dashboard_url,
         "aws": {"region": "us-west-2", "endpointUrl": local_cluster.s3_endpoint},

@@ -14,3 +14,10 @@ helm.sh/chart: {{ .Chart.Name }}-{{ .Chart.Version }}
 app.kubernetes.io/name: {{ include "fsdp-operator.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
+{{- /* The namespaces whose runs the operator handles, comma-separated; empty: every namespace (clusterWide). A
+bare install handles its own namespace only: the platform opts namespaces in (watchNamespaces) or the whole cluster
+(clusterWide), never the reverse. */}}
+{{- define "fsdp-operator.watchNamespaces" -}}
+{{- if and .Values.watchNamespaces .Values.clusterWide }}{{ fail "set watchNamespaces or clusterWide, not both" }}{{ end }}
+{{- if .Values.watchNamespaces }}{{ join "," .Values.watchNamespaces }}{{ else if not .Values.clusterWide }}{{ .Release.Namespace }}{{ end }}
+{{- end }}

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from fsdp_operator import metrics
+from tests.support.paths import REPO
 
-FILES = Path(__file__).resolve().parents[2] / "charts" / "fsdp-operator" / "files"
+FILES = REPO / "charts" / "fsdp-operator" / "files"
 RULES = FILES / "prometheus-rules.yaml"
 RULE_TESTS = FILES / "prometheus-rules.test.yaml"
 DASHBOARD = FILES / "grafana-dashboard.json"

@@ -18,8 +18,8 @@ from fsdp_operator.reconcile import OomKill, observe_cluster, reconcile
 from fsdp_operator.watched import pod_summary
 from tests.support.chart import render
 from tests.support.decision_inputs import NOW, job, observe, record, spec, status
+from tests.support.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
 
 
