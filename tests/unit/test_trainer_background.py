@@ -118,11 +118,11 @@ class Clock:
             self.read.notify_all()
             return self.now
 
-    def read_again(self, times: int) -> bool:
-        """Whether the store read the clock `times` more times within WAIT (each read decides whether a
-        write is due)."""
+    def read_again(self, times: int, since: int | None = None) -> bool:
+        """Whether the store read the clock `times` more times (than now, or than `since` reads) within WAIT
+        (each read decides whether a write is due)."""
         with self.read:
-            until = self.reads + times
+            until = (self.reads if since is None else since) + times
             return self.read.wait_for(lambda: self.reads >= until, WAIT)
 
 
@@ -149,22 +149,29 @@ def test_routine_writes_wait_for_the_interval_without_another_change() -> None:
         owner.store.close(timeout=WAIT)
 
 
-def test_a_failed_write_is_reported_counted_and_answered_to_the_flush(owner: Owner) -> None:
-    owner.fail_with = OSError("storage down")
-    owner.set(1)
-    assert owner.store.flush() is owner.fail_with
-    assert owner.store.flush() is owner.fail_with, "a flush asks again at once"
-    assert owner.reported == [owner.fail_with] * 2
-    assert owner.store.failures_in_a_row == 2
-    time.sleep(0.2)
-    assert len(owner.reported) == 2, "no retry before the interval: a failure is not retried in a busy loop"
-    owner.fail_with = None
-    assert owner.store.flush() is None and owner.written == [1]
-    assert owner.store.failures_in_a_row == 0
+def test_a_failed_write_is_reported_counted_and_answered_to_the_flush() -> None:
+    clock = Clock()
+    owner = Owner(interval_seconds=0.25, clock=clock)
+    try:
+        owner.fail_with = OSError("storage down")
+        owner.set(1)
+        assert owner.store.flush() is owner.fail_with
+        assert owner.store.flush() is owner.fail_with, "a flush asks again at once"
+        assert owner.reported == [owner.fail_with] * 2
+        assert owner.store.failures_in_a_row == 2
+        looked = clock.read_again(3)  # on the clock the test has not moved: the interval never passes
+        assert len(owner.reported) == 2, "retried before the interval: a failure retried in a busy loop"
+        assert looked, "the store stopped looking at its clock while a change waited"
+        owner.fail_with = None
+        assert owner.store.flush() is None and owner.written == [1]
+        assert owner.store.failures_in_a_row == 0
+    finally:
+        owner.store.close(timeout=WAIT)
 
 
 def test_no_write_begins_within_the_retry_time_after_a_failure_even_when_asked() -> None:
-    owner = Owner(interval_seconds=0.01, retry_seconds=3600.0)
+    clock = Clock()
+    owner = Owner(interval_seconds=0.0, retry_seconds=0.25, clock=clock)
     try:
         owner.fail_with = OSError("server down")
         owner.set(1)
@@ -172,8 +179,11 @@ def test_no_write_begins_within_the_retry_time_after_a_failure_even_when_asked()
         owner.fail_with = None
         owner.store.request()
         owner.set(2)
-        time.sleep(0.2)
-        assert owner.written == [] and len(owner.reported) == 1
+        for move in (0.0, 0.25 - 2**-10):  # unmoved, then just before the retry time has passed (exact sums)
+            clock.now += move
+            looked = clock.read_again(3)
+            assert owner.written == [] and len(owner.reported) == 1, f"written again {move} s after a failure"
+            assert looked, "the store stopped looking at its clock while a change waited"
     finally:
         owner.store.close(timeout=WAIT)
     assert owner.written == [2], "closing writes at once, retry time or not"
@@ -208,14 +218,30 @@ def test_close_waits_at_most_its_timeout_for_a_write_that_hangs(owner: Owner) ->
 
 
 def test_an_unchanged_state_is_written_again_only_while_a_heartbeat_is_due() -> None:
+    """On the store's clock, which only the test moves: an unchanged state is written once the heartbeat
+    is due, and no more once there is none, however long it stays unchanged."""
     beating = True
-    owner = Owner(heartbeat_seconds=lambda: 0.05 if beating else None)
+    clock = Clock()
+    owner = Owner(heartbeat_seconds=lambda: 0.25 if beating else None, clock=clock)
     try:
-        eventually(lambda: len(owner.written) >= 3)
+        eventually(lambda: len(owner.written) == 1)  # never written: due at once
+        for move in (0.0, 0.25 - 2**-10):  # unmoved, then just before the heartbeat is due (exact sums)
+            clock.now += move
+            looked = clock.read_again(3)
+            assert len(owner.written) == 1, f"written again {move} s after, before the heartbeat was due"
+            assert looked, "the store stopped looking at its clock while a heartbeat was due"
+        clock.now += 2**-10
+        eventually(lambda: len(owner.written) == 2)
         with owner.store.lock:
             beating = False
-        settled = len(owner.written)
-        time.sleep(0.3)
-        assert len(owner.written) <= settled + 1  # a write that had begun
+            clock.now += 10**6  # past any interval
+        for _ in range(
+            3
+        ):  # three looks: with nothing due the thread waits for a change, so the test wakes it
+            with owner.store.lock:
+                reads = clock.reads
+                owner.store.lock.notify_all()
+            assert clock.read_again(1, since=reads), "the store never looked at its clock again"
+        assert owner.written == [0, 0], "an unchanged state written without a heartbeat due"
     finally:
         owner.store.close(timeout=WAIT)
