@@ -88,7 +88,7 @@ def test_the_budget_counts_from_the_process_start_imports_included(tmp_path: Pat
     )
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(tmp_path / "stub"), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "stub"), os.environ.get("PYTHONPATH")])),
     }
     before = time.monotonic()
     run = subprocess.run(
