@@ -107,15 +107,22 @@ def parse_args() -> argparse.Namespace:
 class Watchdog:
     """Ends the process at `deadline` (time.monotonic()), whatever it is doing then: an import, a CUDA
     synchronisation, a checkpoint's wait. The summary, once there is one, is written as it stands first; the
-    part then running keeps "not reached". `exit` is os._exit but in tests."""
+    part then running keeps "not reached". `exit` is os._exit, `clock` time.monotonic and `sleep` time.sleep
+    but in tests."""
 
-    def __init__(self, deadline: float, exit: Callable[[int], object] = os._exit) -> None:
-        self.deadline, self.exit = deadline, exit
+    def __init__(
+        self,
+        deadline: float,
+        exit: Callable[[int], object] = os._exit,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], object] = time.sleep,
+    ) -> None:
+        self.deadline, self.exit, self.clock, self.sleep = deadline, exit, clock, sleep
         self.summary: Summary | None = None
         threading.Thread(target=self._run, name="deadline", daemon=True).start()
 
     def _run(self) -> None:
-        time.sleep(max(self.deadline - time.monotonic(), 0.0))
+        self.sleep(max(self.deadline - self.clock(), 0.0))
         if self.summary is not None:
             self.summary.fields["ended"] = "the time budget: the watchdog ended the process"
             # RuntimeError: the main thread changed the summary while it was dumped. Its last write stands,
@@ -530,7 +537,7 @@ def main(args: argparse.Namespace, watchdog: Watchdog) -> None:
     signal.signal(signal.SIGALRM, on_alarm)
     margin = min(STOP_MARGIN_SECONDS, args.time_budget / 10)
     # At least a moment: imports that took the whole budget leave the alarm to fire at once (0 would disarm).
-    signal.setitimer(signal.ITIMER_REAL, max(watchdog.deadline - margin - time.monotonic(), 1e-3))
+    signal.setitimer(signal.ITIMER_REAL, max(watchdog.deadline - margin - watchdog.clock(), 1e-3))
     try:
         run_all(args, summary, device, shape, modes)
     except BudgetSpent:

@@ -10,8 +10,6 @@ import logging
 import os
 import stat
 import struct
-import threading
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -277,22 +275,39 @@ def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(
 
     put(1, "one\n")
     printed: list[str] = []
+    polls = 0
 
-    def restart() -> None:
-        time.sleep(1)
-        put(1, "one\nlast words\n")
-        run["status"]["attempt"] = 2
-        time.sleep(3)
-        put(2, "resumed\n")
-        time.sleep(3)
-        run["status"]["phase"] = "Succeeded"
+    def restart_meanwhile(seconds: float) -> None:
+        """Counted in the plugin's polls, not in seconds: between the first two reads attempt 1 stores its
+        last words and the run restarts; attempt 2's log is stored only after the next read, and the run
+        ends after the one after."""
+        nonlocal polls
+        polls += 1
+        assert polls <= 10, "still following long after the run ended"
+        if polls == 1:
+            put(1, "one\nlast words\n")
+            run["status"]["attempt"] = 2
+        elif polls == 3:
+            put(2, "resumed\n")
+        elif polls == 4:
+            run["status"]["phase"] = "Succeeded"
 
-    thread = threading.Thread(target=restart)
-    thread.start()
     objects = cli.RunObjects(s3, cli.storage_prefix(run))
-    cli.logs(options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run)
-    thread.join()
-    assert "".join(printed) == "one\nlast words\n\n[--- logs/attempt-2/rank-0.log ---]\nresumed\n"
+    cli.logs(
+        options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run, sleep=restart_meanwhile
+    )
+    # What each read printed: attempt 1's first line; at the restart its last words and the new log's name
+    # (attempt 2's log not stored yet: nothing of it, then or at the next read); attempt 2's first line;
+    # nothing new, and once more after the run ended, for the last lines, and no more.
+    assert printed == [
+        "one\n",
+        "last words\n",
+        "\n[--- logs/attempt-2/rank-0.log ---]\n",
+        "resumed\n",
+        "",
+        "",
+    ], printed
+    assert polls == 5
 
 
 def put_record(storage: str, name: str, namespace: str, **config: Any) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from kubernetes.client.exceptions import ApiException
 
 from fsdp_operator import leader
 from fsdp_operator.leader import Elector, Leadership, Lease, Move, claimed_spec, next_move, released_spec
+from tests.support.clock import Clock
 
 NOW = dt.datetime(2026, 11, 30, 5, 0, 0, 250000, tzinfo=dt.UTC)
 
@@ -94,14 +95,6 @@ class FakeLeases:
         if self.current is None or self.current.resource_version != resource_version:
             raise ApiException(status=409, reason="Conflict")
         self._write(spec)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def candidates(store: FakeLeases, clock: Clock, *names: str) -> list[Elector]:

@@ -38,15 +38,17 @@ class BackgroundStore(Generic[Snapshot]):
         interval_seconds: float,
         retry_seconds: float = 0.0,
         heartbeat_seconds: Callable[[], float | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.lock = threading.Condition()  # reentrant: the owner may hold it while calling `changed`
+        self._clock = clock  # seconds, for the interval, the retry time and the heartbeat
         self._snapshot, self._write, self._report_failure = snapshot, write, report_failure
         self._interval_seconds, self._retry_seconds = interval_seconds, retry_seconds
         self._heartbeat_seconds = heartbeat_seconds
         self._version = 0  # of the newest state
         self._stored_version = 0
         self._urgent_version = 0  # the newest version `request` or `flush` asked for
-        self._last_attempt = -math.inf  # monotonic time the last write began
+        self._last_attempt = -math.inf  # the clock's time the last write began
         self._last_failed = False
         self._failures = 0  # every failed write, for the flushes that wait
         self._last_error: Exception | None = None
@@ -110,7 +112,7 @@ class BackgroundStore(Generic[Snapshot]):
                     break
                 closing_attempted = self._closed
                 version = self._version
-                self._last_attempt = time.monotonic()
+                self._last_attempt = self._clock()
                 snapshot = self._snapshot()
             try:
                 self._write(snapshot)
@@ -137,7 +139,7 @@ class BackgroundStore(Generic[Snapshot]):
     def _seconds_until_due(self) -> float | None:
         """Seconds until a write is due, 0 when it is, None while none will be until something changes
         (called with the lock held)."""
-        since = time.monotonic() - self._last_attempt
+        since = self._clock() - self._last_attempt
         if self.pending:
             urgent = self._urgent_version > self._stored_version
             wait = 0.0 if urgent else self._interval_seconds

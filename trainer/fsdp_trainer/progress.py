@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -67,6 +68,7 @@ class ProgressWriter:
         attempt_id: str,
         heartbeat_seconds: float = HEARTBEAT_SECONDS,
         store_interval_seconds: float = STORE_INTERVAL_SECONDS,
+        clock: Callable[[], float] = time.monotonic,  # the store's, for the interval and heartbeat
         **fields: Any,
     ) -> None:
         self._progress = run.child(PROGRESS_FILE)
@@ -81,6 +83,7 @@ class ProgressWriter:
             _report_store_failure,
             interval_seconds=store_interval_seconds,
             heartbeat_seconds=self._heartbeat_interval,
+            clock=clock,
         )
         self._store.start()
 

@@ -19,7 +19,8 @@ import datetime as dt
 import logging
 import os
 import sys
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from typing import TextIO
 
 from fsdp_trainer.background import BackgroundStore
@@ -146,7 +147,13 @@ class CappedText:
 class RankLog(logging.Handler):
     """A logging handler that keeps the process's log lines and stores them at `target` in the background."""
 
-    def __init__(self, target: Location, redact: Redactor, upload_seconds: float = UPLOAD_SECONDS) -> None:
+    def __init__(
+        self,
+        target: Location,
+        redact: Redactor,
+        upload_seconds: float = UPLOAD_SECONDS,
+        clock: Callable[[], float] = time.monotonic,  # the store's, for the upload interval
+    ) -> None:
         super().__init__(level=logging.DEBUG)
         self.target = target
         self.setFormatter(_UtcFormatter(LINE_FORMAT))
@@ -159,7 +166,12 @@ class RankLog(logging.Handler):
         for line in earlier.splitlines(keepends=True):
             self._text.add(line)
         self._store = BackgroundStore(
-            "rank-log", self._text.text, target.write_text, self._report_upload_failure, upload_seconds
+            "rank-log",
+            self._text.text,
+            target.write_text,
+            self._report_upload_failure,
+            upload_seconds,
+            clock=clock,
         )
         self._store.start()
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,40 +47,65 @@ def arguments(tmp_path: Path, **overrides: Any) -> argparse.Namespace:
 
 
 class ExitRecorder:
-    """The watchdog's os._exit in a test: records when and with what it was called, and what the summary
-    file held then (what a real run leaves)."""
+    """The watchdog's os._exit in a test: records when (on `clock`) and with what it was called, and what the
+    summary file held then (what a real run leaves)."""
 
-    def __init__(self, output: Path | None = None) -> None:
-        self.output = output
+    def __init__(self, output: Path | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.output, self.clock = output, clock
         self.called = threading.Event()
         self.status: int | None = None
         self.at = 0.0
         self.left: dict[str, Any] = {}
 
     def __call__(self, status: int) -> None:
-        self.status, self.at = status, time.monotonic()
+        self.status, self.at = status, self.clock()
         if self.output is not None:
             self.left = json.loads(self.output.read_text())
         self.called.set()
 
 
+# Stands in for torch in the script's process: reports what the script set up before importing it, then
+# never returns, as an import on a busy host may take longer than the whole budget.
+HUNG_TORCH = """
+import json, os, sys, time
+script = sys.modules["__main__"]
+seen = {"deadline": script.WATCHDOG.deadline, "started": script.PROCESS_STARTED}
+print(json.dumps({**seen, "first_line": float(os.environ["FIRST_LINE"])}), flush=True)
+time.sleep(3600)
+"""
+
+
 def test_the_budget_counts_from_the_process_start_imports_included(tmp_path: Path) -> None:
-    """The process sleeps 3 s before the script starts, and the budget is 3.5 s: a budget counted from the
-    end of the imports (torch, transformers, the trainer: seconds on any host) would let it run far longer."""
+    """Told by the order of events, not by seconds: the deadline is the budget after a process start that
+    precedes the interpreter's first line (monotonic time is one clock for every process), and the
+    watchdog, armed before torch is imported, ends the process during an import that never returns."""
+    (tmp_path / "stub" / "torch").mkdir(parents=True)
+    (tmp_path / "stub" / "torch" / "__init__.py").write_text(HUNG_TORCH)
     script = str(BENCH / "gpu_fsdp.py")
     argv = [script, "--tiny", "--time-budget", "3.5", "--output", str(tmp_path / "gpu_fsdp.json")]
     code = (
-        "import runpy, sys, time; time.sleep(3); "
+        "import os, runpy, sys, time; os.environ['FIRST_LINE'] = repr(time.monotonic()); "
         f"sys.argv = {argv!r}; runpy.run_path({script!r}, run_name='__main__')"
     )
-    started = time.monotonic()
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    took = time.monotonic() - started
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path / "stub"), os.environ.get("PYTHONPATH")])),
+    }
+    before = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert run.returncode == gpu_fsdp.HARD_STOP_EXIT, run.stderr[-2000:]
     assert "the time budget is spent" in run.stderr
-    # Up to 2 s over for this process's own wait on a busy host: a budget counted after the imports overruns
-    # by the imports' time (tens of seconds here).
-    assert 3.4 < took < 3.5 + 2.0, f"{took:.1f} s for a budget of 3.5 s"
+    assert not (tmp_path / "gpu_fsdp.json").exists(), "ended in the imports, before any part"
+    seen = json.loads(run.stdout.splitlines()[0])
+    assert seen["deadline"] == seen["started"] + 3.5
+    tick = 1 / os.sysconf("SC_CLK_TCK")  # the kernel records a process's start in whole clock ticks
+    assert before - tick <= seen["started"] <= seen["first_line"], seen
 
 
 def test_a_part_running_at_the_alarm_is_stopped_and_recorded_before_the_deadline(
@@ -95,9 +122,9 @@ def test_a_part_running_at_the_alarm_is_stopped_and_recorded_before_the_deadline
 
     monkeypatch.setattr(gpu_fsdp, "run_all", slow_parts)
     exits = ExitRecorder()
-    deadline = time.monotonic() + 12.0
-    gpu_fsdp.main(args, gpu_fsdp.Watchdog(deadline, exit=exits))
-    assert time.monotonic() < deadline, "the alarm comes before the deadline, with a margin to clean up"
+    gpu_fsdp.main(args, gpu_fsdp.Watchdog(time.monotonic() + 12.0, exit=exits))
+    # By the order of events: the watchdog, which calls `exits` at the deadline, had not when main returned.
+    assert not exits.called.is_set(), "the alarm comes before the deadline, with a margin to clean up"
     summary = json.loads(args.output.read_text())
     assert summary["checkpoint_saves"]["not_run"] == "stopped: the time budget was spent while it ran"
     assert summary["ended"] == "the time budget: the part then running was stopped"
@@ -105,23 +132,43 @@ def test_a_part_running_at_the_alarm_is_stopped_and_recorded_before_the_deadline
     assert exits.called.wait(20)  # the process would have ended by now; the watchdog stays armed to the end
 
 
+class Clock:
+    """The watchdog's clock: moves only when its sleep is called, and then at once by the whole sleep."""
+
+    def __init__(self, before_sleeping: threading.Event) -> None:
+        self.now, self.before_sleeping = 1000.0, before_sleeping
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        assert self.before_sleeping.wait(60), "the part under test never started"
+        self.now += seconds
+
+
 def test_a_part_that_ignores_the_alarm_is_ended_at_the_deadline_with_the_summary_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """On the watchdog's clock, which the test moves: the watchdog sleeps until the deadline and ends the
+    process there, whatever the part does."""
     args = arguments(tmp_path, time_budget=20.0, compile="off")
-    exits = ExitRecorder(args.output)
+    in_part = threading.Event()
+    clock = Clock(in_part)
+    exits = ExitRecorder(args.output, clock)
 
     def stuck(args: argparse.Namespace, summary: gpu_fsdp.Summary, *rest: Any) -> None:
         summary.fields["checkpoint_saves"] = {"finished": False, "not_run": "in progress"}
-        while not exits.called.is_set():  # a wait the alarm cannot end, until the process is ended
+        in_part.set()
+        give_up = time.monotonic() + 60  # bounded: a watchdog that never ends it fails the asserts below
+        while not exits.called.is_set() and time.monotonic() < give_up:  # a wait the alarm cannot end
             with contextlib.suppress(gpu_fsdp.BudgetSpent):
                 exits.called.wait(0.05)
 
     monkeypatch.setattr(gpu_fsdp, "run_all", stuck)
-    deadline = time.monotonic() + 6.0
-    gpu_fsdp.main(args, gpu_fsdp.Watchdog(deadline, exit=exits))
+    deadline = clock.now + 60.0
+    gpu_fsdp.main(args, gpu_fsdp.Watchdog(deadline, exit=exits, clock=clock, sleep=clock.sleep))
     assert exits.status == gpu_fsdp.HARD_STOP_EXIT
-    assert deadline <= exits.at < deadline + 1.0
+    assert exits.at == deadline
     assert exits.left["ended"] == "the time budget: the watchdog ended the process"
     assert exits.left["checkpoint_saves"]["not_run"] == "in progress"
 

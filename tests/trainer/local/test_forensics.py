@@ -5,6 +5,7 @@ threads' stacks, where each training thread is, the last completed step and the 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -94,27 +95,49 @@ def test_under_ray_only_rank_0_reads_storage_and_the_others_follow_its_flag(tmp_
     from fsdp_trainer import forensics
     from fsdp_trainer.storage import Location
 
+    class CountingRelay(forensics.RayRelay):
+        """Counts the watcher's looks at the flag."""
+
+        def __init__(self, run: Location) -> None:
+            super().__init__(run, 1)
+            self.looks, self.looked = 0, threading.Condition()
+
+        def flagged(self) -> bool:
+            flagged = super().flagged()
+            with self.looked:
+                self.looks += 1
+                self.looked.notify_all()
+            return flagged
+
+        def looked_again(self, times: int) -> bool:
+            with self.looked:
+                until = self.looks + times
+                return self.looked.wait_for(lambda: self.looks >= until, 30)
+
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     run = Location.parse(str(tmp_path / "team-a" / "tiny"))
     watches: list[forensics.ForensicsWatch] = []
     try:
 
-        def watch(rank: int) -> forensics.ForensicsWatch:
+        def watch(rank: int, relay: forensics.RayRelay) -> forensics.ForensicsWatch:
             started = forensics.ForensicsWatch(
-                run, 1, rank, 2, lambda: 7, lambda: "", poll_seconds=0.1, relay=forensics.RayRelay(run, 1)
+                run, 1, rank, 2, lambda: 7, lambda: "", poll_seconds=0.1, relay=relay
             )
             watches.append(started)
             return started
 
-        watch(1)
+        rank_1 = CountingRelay(run)
+        watch(1, rank_1)
         request = tmp_path / "team-a" / "tiny" / forensics_request_name(1)
         request.parent.mkdir(parents=True, exist_ok=True)
         asked = ForensicsRequest(attempt=1, reason="Hang", requested_at="2026-12-04T12:00:00Z")
         request.write_text(asked.model_dump_json(by_alias=True))
         answers = [tmp_path / "team-a" / "tiny" / rank_stacks_name(1, rank) for rank in (0, 1)]
-        time.sleep(2)
+        # Counted in rank 1's polls, not in seconds: three looks at the flag after the request was stored.
+        looked = rank_1.looked_again(3)
         assert not answers[1].exists(), "rank 1 must not read the request from storage"
-        watch(0)
+        assert looked, "rank 1 stopped looking at the flag"
+        watch(0, forensics.RayRelay(run, 1))
         wait_for("both ranks' stacks once rank 0 has raised the flag", answers, timeout=30)
     finally:
         for started in watches:

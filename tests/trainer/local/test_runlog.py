@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import re
 import sys
-import time
 import uuid
 import warnings
 
@@ -18,7 +17,9 @@ from fsdp_trainer.errors import DataError
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.loop import train_loop
 from fsdp_trainer.storage import Location
+from tests.support.clock import Clock
 from tests.support.trainer_runs import TINY_QWEN2, config
+from tests.support.waiting import wait_until
 
 TIMESTAMPED = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00 [A-Z]+ ")
 
@@ -56,22 +57,39 @@ def test_a_failed_rank_leaves_its_whole_log_in_s3_without_the_secret(
 
 
 def test_lines_and_warnings_reach_storage_within_the_interval_and_all_at_the_end(s3_storage: str) -> None:
+    """On the store's clock, which only the test moves: the first line goes out at once, the next ones once
+    the interval has passed since, and whatever is left when the log is closed."""
     run = Location.parse(f"{s3_storage}/team-a/stream")
-    handler = runlog.RankLog(run.child(rank_log_name(1, 2)), runlog.Redactor([]), upload_seconds=0.5)
+    clock = Clock()
+    handler = runlog.RankLog(
+        run.child(rank_log_name(1, 2)), runlog.Redactor([]), upload_seconds=0.5, clock=clock
+    )
     logging.captureWarnings(True)
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    target = run.child("logs/attempt-1/rank-2.log")
+
+    def stored() -> str:
+        return target.read_text() if target.is_file() else ""
+
     try:
         logging.getLogger("fsdp_trainer.test").info("step 1/2 | loss 4.2")
-        target = run.child("logs/attempt-1/rank-2.log")
-        deadline = time.monotonic() + 10
-        while not (target.is_file() and "step 1/2" in target.read_text()) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert "step 1/2" in target.read_text(), "not streamed before the end"
+        wait_until("the first line in storage", lambda: "step 1/2" in stored(), 10, interval=0.05)
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.warn("lr scheduler stepped early", UserWarning, stacklevel=1)
+        clock.now += 0.5 - 2**-10  # just before the interval has passed (binary fractions: exact sums)
+        looked = clock.read_again(3)
+        assert "lr scheduler" not in stored(), "stored again within the interval"
+        assert looked, "the store stopped looking at its clock while a line waited"
+        clock.now += 2**-10
+        wait_until(
+            "the warning in storage once the interval passed",
+            lambda: "lr scheduler" in stored(),
+            10,
+            interval=0.05,
+        )
         logging.getLogger("fsdp_trainer.test").info("step 2/2 | loss 3.9")
     finally:
         root.removeHandler(handler)

@@ -1,5 +1,5 @@
 """What the trainer logs to MLflow and when an attempt continues the MLflow run of an earlier one (pure: the
-real server's tests are tests/unit/test_tracking_mlflow.py, in the operator's environment)."""
+real server's tests are tests/cluster/test_tracking_mlflow.py, in the operator's environment)."""
 
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 from fsdp_trainer.contract import ErrorKind, ProgressRecord, SetupStage, TrainerConfig
 from fsdp_trainer.driver import record_failure
 from fsdp_trainer.progress import ProgressWriter, read_progress
 from fsdp_trainer.storage import Location
+from tests.support.clock import Clock
 from tests.support.waiting import wait_until
 
 
@@ -36,15 +36,18 @@ def stored(run: Path) -> ProgressRecord:
 
 
 def test_setup_heartbeats_name_the_stage_until_training_starts(tmp_path: Path) -> None:
+    """On the store's clock, which only the test moves."""
+    clock = Clock()
     writer = ProgressWriter(
-        Location.parse(str(tmp_path)), "a", heartbeat_seconds=0.05, run_name="run", phase="starting",
-        max_steps=10, submission_id="job-1",
+        Location.parse(str(tmp_path)), "a", heartbeat_seconds=0.25, clock=clock, run_name="run",
+        phase="starting", max_steps=10, submission_id="job-1",
     )  # fmt: skip
     try:
         writer.stage(SetupStage.LOADING_CHECKPOINT)
         first = stored(tmp_path)
         assert (first.phase, first.stage, first.submission_id) == ("starting", "loading-checkpoint", "job-1")
         # A long stage: no update from the trainer, yet the record is re-stored with a fresh time.
+        clock.now += 0.25
         beat = wait_until(
             "a heartbeat", lambda: (r := stored(tmp_path)).updated_at > first.updated_at and r, 10
         )
@@ -53,7 +56,16 @@ def test_setup_heartbeats_name_the_stage_until_training_starts(tmp_path: Path) -
         writer.write(phase="training", stage=None, step=0)
         training = stored(tmp_path)
         assert training.stage is None
-        time.sleep(0.3)
+        store = writer._store
+        with store.lock:
+            clock.now += 10**6  # past any heartbeat
+        for _ in range(
+            3
+        ):  # three looks: with nothing due the thread waits for a change, so the test wakes it
+            with store.lock:
+                reads = clock.reads
+                store.lock.notify_all()
+            assert clock.read_again(1, since=reads), "the store never looked at its clock again"
         assert stored(tmp_path).updated_at == training.updated_at, "no heartbeat once training: a hang shows"
     finally:
         writer.close()

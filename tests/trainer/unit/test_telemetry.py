@@ -15,14 +15,7 @@ from fsdp_trainer.progress import ProgressWriter
 from fsdp_trainer.storage import Location
 from fsdp_trainer.telemetry import MetricsProcessor, Throughput
 from fsdp_trainer.validate import EvalResult
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.support.clock import Clock
 
 
 @pytest.fixture
@@ -56,7 +49,7 @@ def step(metrics: MetricsProcessor, clock: Clock, number: int, seconds: float = 
 
 
 def test_only_logging_steps_sync_and_reduce(tmp_path: Path, collectives: list[str]) -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     metrics, writer = processor(tmp_path, clock)
     records = [step(metrics, clock, n) for n in range(1, 21)]
     writer.close()
@@ -67,7 +60,7 @@ def test_only_logging_steps_sync_and_reduce(tmp_path: Path, collectives: list[st
 def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
     tmp_path: Path, collectives: list[str]
 ) -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     metrics, writer = processor(tmp_path, clock, log_every=4)
     for n in range(1, 4):
         step(metrics, clock, n)
@@ -86,7 +79,7 @@ def test_evaluation_and_checkpoint_time_do_not_lower_tokens_per_second(
 def test_a_checkpoint_adds_no_record_of_its_own_so_no_step_is_counted_twice(
     tmp_path: Path, collectives: list[str]
 ) -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     metrics, writer = processor(tmp_path, clock, log_every=1)
     step(metrics, clock, 1)
     metrics.checkpoint_staged(blocked_seconds=0.25)  # the save at step 1, staged during step 2
