@@ -22,9 +22,11 @@ from tests.support.demo import (
     RUN_TIMEOUT,
     SMALL,
     checkpoint_steps_in_s3,
+    checkpoints_at_first_restart,
     demo_manifest,
     demo_run,
     final_run_record,
+    progress_record,
     run_record,
     wait_for_step,
 )
@@ -36,7 +38,7 @@ from tests.support.mlflow import MlflowServer
 from tests.support.operator_process import OperatorProcess
 from tests.support.paths import REPO
 from tests.support.reliability import Recorder, seconds_between
-from tests.support.runs import conditions_of, rayclusters, wait_for_phase
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
 from tests.support.waiting import wait_until
 
 EVERY_STEPS = example("cpu-demo")["spec"]["checkpoint"]["everySteps"]
@@ -141,6 +143,12 @@ def s3_log(s3: Any, namespace: str, name: str, log: str) -> str:
     return str(s3.get_object(Bucket=BUCKET, Key=key)["Body"].read().decode())
 
 
+def first_submission(namespace: str, name: str) -> str | None:
+    """The first attempt's Ray job submission id, once the status records it (before the submission)."""
+    status = run_of(namespace, name).get("status", {})
+    return status.get("jobSubmissionId") if status.get("attempt") == 1 else None
+
+
 def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     namespace: str,
     lifecycle_operator: OperatorProcess,
@@ -163,6 +171,10 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
             "tracking": {"mlflow": {"trackingUri": mlflow.url, "experimentName": experiment}},
         },
     )
+    first = wait_until(
+        f"run {name}'s first submission", lambda: first_submission(namespace, name), RUN_TIMEOUT
+    )
+    completed = checkpoints_at_first_restart(s3, namespace, name, first)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = run["status"]
     assert (tmp_path / "killed").exists(), "the fault was never injected"
@@ -170,10 +182,10 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
     [restart] = status["restarts"]["history"]
     assert restart["reason"] in ("JobFailed", "TrainerFailed") and restart.get("resumedFromStep") in (10, 20)
     assert status["progress"]["step"] == 40
-    # The trainer resumed from the latest complete checkpoint (the operator's record, or one completed after).
-    progress = json.loads(
-        s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/progress.json")["Body"].read()
-    )
+    # The trainer resumed from the latest checkpoint the dead attempt completed (the operator's record may lag
+    # behind it), which is the latest complete one: nothing of the dead job saves after its only rank died.
+    progress = progress_record(s3, namespace, name)
+    assert completed and progress["resumedFromStep"] == max(completed), (progress, sorted(completed))
     assert progress["resumedFromStep"] >= restart["resumedFromStep"]
     # Nothing was lost: the checkpoint resumed from is still there with the later ones (keep: 3).
     assert {30, 40} <= checkpoint_steps_in_s3(s3, namespace, name)
@@ -216,7 +228,7 @@ def test_killed_job_is_resubmitted_and_resumes_from_the_latest_checkpoint(
         "A rank dies at step 25 (its process exits); no retries inside the job",
         "the job fails; resubmitted once, resumed from the latest complete checkpoint; none deleted",
         f"restart {seconds_between(tmp_path / 'killed', restart['time']):.0f} s after the death, "
-        f"resumed from step {restart['resumedFromStep']}",
+        f"resumed from step {progress['resumedFromStep']}",
     )
 
 
@@ -243,6 +255,7 @@ def test_hung_job_is_stopped_after_the_hang_timeout_with_every_ranks_stacks_and_
     assert (tmp_path / "hung").exists(), "the hang was never injected"
     hang = status["restarts"]["history"][0]
     assert hang["reason"] == "Hang" and hang["resumedFromStep"] == 10, hang
+    assert progress_record(s3, namespace, name)["resumedFromStep"] == 10  # the trainer's own resume point
     assert status["progress"]["step"] == 40
     # The hung job was stopped, not left holding the workers.
     client = local_cluster.ray_jobs()
@@ -286,11 +299,17 @@ def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
     step_at_loss = run["status"]["progress"]["step"]
     deleted = dt.datetime.now(dt.UTC)
     kubectl("delete", "raycluster", lost["metadata"]["name"], "-n", namespace, "--wait=false")
+    first = run["status"]["jobSubmissionId"]
+    completed = checkpoints_at_first_restart(s3, namespace, name, first)
     run = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = run["status"]
     [restart] = status["restarts"]["history"]
     assert restart["reason"] == "ClusterLost" and restart["resumedFromStep"] >= 10
     assert status["attempt"] == 2 and status["progress"]["step"] == 80
+    # The trainer resumed from the latest checkpoint of the lost attempt, or a later one it completed before
+    # it was stopped (its job ran on, on the local Ray head, until the restart stopped it).
+    resumed = progress_record(s3, namespace, name)["resumedFromStep"]
+    assert resumed >= max(completed), f"resumed from {resumed}; complete at the restart: {sorted(completed)}"
     [recreated] = rayclusters(namespace)
     assert recreated["metadata"]["uid"] != lost["metadata"]["uid"]
     assert recreated["metadata"]["name"] == lost["metadata"]["name"]
@@ -301,7 +320,7 @@ def test_cluster_lost_mid_run_is_recreated_and_training_resumes(
         "The run's RayCluster deleted by hand while it trains",
         "recreated under the same name with the pinned image digest, resumed from the latest checkpoint",
         f"restart {seconds_between(deleted, restart['time']):.0f} s after the delete, resumed from step "
-        f"{restart['resumedFromStep']} (at least step {step_at_loss} reached before)",
+        f"{resumed} (at least step {step_at_loss} reached before)",
     )
 
 
@@ -386,12 +405,14 @@ def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_rest
     fault = f"rank=0,step=30,marker={tmp_path / 'killed'}"
     changes = {**SMALL, "recovery.maxRestarts": 0, "recovery.inJobMaxFailures": 0}
     name = demo_run(namespace, **changes, runtimeEnv={"env": {"FSDP_TRAINER_FAULT": fault}})
-    cluster = wait_for_step(namespace, name, 10)["status"]["rayClusterName"]
+    status = wait_for_step(namespace, name, 10)["status"]
+    cluster, first = status["rayClusterName"], status["jobSubmissionId"]
     selector = f"ray.io/cluster={cluster},ray.io/node-type=worker"
     worker = kubectl_json("get", "pods", "-n", namespace, "-l", selector)["items"][0]["metadata"]["name"]
     eviction = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": worker}}
     path = f"/api/v1/namespaces/{namespace}/pods/{worker}/eviction"
     kubectl("create", "--raw", path, "-f", "-", input=json.dumps(eviction))
+    completed = checkpoints_at_first_restart(s3, namespace, name, first)
 
     done = wait_for_phase(namespace, name, "Succeeded", timeout=2 * RUN_TIMEOUT)
     status = done["status"]
@@ -400,9 +421,12 @@ def test_an_attempt_lost_with_an_evicted_worker_restarts_without_spending_a_rest
     assert status["attempt"] == 2 and status["progress"]["step"] == 40
     [entry] = status["restarts"]["history"]
     assert entry["reason"] == "Preempted" and "EvictionByEvictionAPI" in entry["message"], entry
+    # Resumed, not started over: from the latest checkpoint the lost attempt had completed at the restart.
+    resumed = progress_record(s3, namespace, name)["resumedFromStep"]
+    assert completed and resumed >= max(completed), f"resumed from {resumed}; complete: {sorted(completed)}"
     reliability.record(
         "A worker pod evicted (Eviction API, as a drain does) and its rank lost; maxRestarts 0",
-        "a preemption: the run resumes without spending a restart",
+        "a preemption: the run resumes from its latest checkpoint without spending a restart",
         f"{status['restarts']['count']} restarts, {status['restarts']['preemptions']} preemption, "
-        f"resumed from step {entry['resumedFromStep']}",
+        f"resumed from step {resumed}",
     )

@@ -176,15 +176,20 @@ def test_the_demo_run_trains_on_real_pods_through_the_service_proxy_and_survives
     [entry] = restarts["history"]
     assert entry["reason"] == "JobLost" and "Ray no longer knows job" in entry["message"], entry
     assert entry["resumedFromStep"] % every == 0 and entry["resumedFromStep"] >= 2 * every, entry
-    # At most one checkpoint interval lost, plus the one a save in flight at the kill did not finish.
-    redone = step_at_head_kill - entry["resumedFromStep"]
-    assert redone <= 2 * every, f"killed at step {step_at_head_kill} or later, resumed from {entry}"
+    # Where the second attempt's trainer resumed (its own record), which is what sets the steps redone: at
+    # most one checkpoint interval lost, plus the one a save in flight at the kill did not finish.
+    resumed = ProgressRecord.model_validate_json(
+        s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{run}/{PROGRESS_FILE}")["Body"].read()
+    ).resumed_from_step
+    assert resumed is not None and resumed >= entry["resumedFromStep"], (resumed, entry)
+    redone = step_at_head_kill - resumed
+    assert redone <= 2 * every, f"killed at step {step_at_head_kill} or later, resumed from {resumed}"
     reliability.record(
         "The head pod's Ray container killed through containerd while a run trains on real pods (a worker's "
         "killed before); the kubelet starts it again",
         f"JobLost (the new head never heard of the job), resumed; at most {2 * every} steps redone",
         f"JobLost {seconds_between(head_killed, entry['time']):.0f} s after the kill; killed at step "
-        f"{step_at_head_kill} or later, resumed from step {entry['resumedFromStep']}",
+        f"{step_at_head_kill} or later, resumed from step {resumed}",
     )
     # Where it ran (checked at the end: `ray list` in a loaded head can take a minute, which the kills must
     # not wait for): the three pods on the real node, Ray Train's workers in the worker pods, one in each.
@@ -279,6 +284,7 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
             timeout=RUN_TIMEOUT,
         )
         set_node_gpus(real_node, 4)  # one worker's: the one still running holds them
+        latest = (run_of(namespace, run)["status"].get("checkpoints", {}).get("latest") or {}).get("step", 0)
         lost = next(p for p in pods_of(namespace, run) if node_type(p) == "worker")
         lost_at = dt.datetime.now(dt.UTC)
         kubectl("delete", "pod", "-n", namespace, lost["metadata"]["name"], "--wait=false")
@@ -311,6 +317,9 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
     assert [e["worldSize"] for e in resizes] == [2, 1], resizes
     for entry in resizes:
         assert entry["resumedFromStep"] % every == 0, entry
+    # The trainer's own resume points: the one worker left goes on from the latest checkpoint at the loss (or
+    # one completed after it), not from an older one.
+    assert resizes[0]["resumedFromStep"] >= latest, (latest, resizes)
     # The loss curve goes on across both resizes: the same samples a step at either size, resumed from the
     # checkpoint (the trainer's own test shows a resume on one process equal to two within 1e-4); here only
     # that no resize jumps: the first loss after each within 25 % of the last before it.

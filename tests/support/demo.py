@@ -73,9 +73,33 @@ def keys_under(s3: Any, prefix: str) -> set[str]:
     return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
 
 
-def checkpoint_steps_in_s3(s3: Any, namespace: str, name: str) -> set[int]:
+def checkpoint_steps_in_s3(s3: Any, namespace: str, name: str, written_by: str | None = None) -> set[int]:
+    """The steps of the run's complete checkpoints (those with a manifest); with written_by, only those the
+    Ray job of that submission id wrote."""
     manifests = [k for k in keys_under(s3, f"runs/{namespace}/{name}/") if k.endswith("/fsdp_manifest.json")]
-    return {json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read())["step"] for k in manifests}
+    found = [json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()) for k in manifests]
+    return {m["step"] for m in found if written_by is None or m.get("submissionId") == written_by}
+
+
+def progress_record(s3: Any, namespace: str, name: str) -> dict[str, Any]:
+    """progress.json: the latest attempt's trainer's own record (where it resumed from, its step)."""
+    found: dict[str, Any] = json.loads(
+        s3.get_object(Bucket=BUCKET, Key=f"runs/{namespace}/{name}/progress.json")["Body"].read()
+    )
+    return found
+
+
+def checkpoints_at_first_restart(s3: Any, namespace: str, name: str, submission: str) -> set[int]:
+    """Waits for the run's first restart; then the steps of the complete checkpoints the job of `submission`
+    (the attempt it ended) had written. The next attempt, which starts after this, must resume from the
+    newest of them or from one completed later."""
+    wait_until(
+        f"run {name} to restart",
+        lambda: run_of(namespace, name).get("status", {}).get("restarts", {}).get("history"),
+        timeout=RUN_TIMEOUT,
+        interval=0.5,
+    )
+    return checkpoint_steps_in_s3(s3, namespace, name, written_by=submission)
 
 
 def run_record(s3: Any, namespace: str, name: str) -> RunRecord:
