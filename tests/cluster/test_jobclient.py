@@ -21,6 +21,7 @@ import urllib3
 
 from fsdp_operator import jobclient
 from fsdp_operator.jobs import Jobs
+from tests.support.paths import REPO
 
 
 class Dashboard(ThreadingHTTPServer):
@@ -208,8 +209,7 @@ def test_a_refused_connection_raises_at_once() -> None:
 
 def test_the_operator_never_imports_ray() -> None:
     code = "import sys, fsdp_operator.__main__, fsdp_operator.handlers; print('ray' in sys.modules)"
-    repo = Path(__file__).resolve().parents[2]
-    path = os.pathsep.join(str(repo / d) for d in ("operator", "trainer"))
+    path = os.pathsep.join(str(REPO / d) for d in ("operator", "trainer"))
     found = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -11,8 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from fsdp_trainer.model import byte_level_tokenizer
+from tests.support.paths import REPO
 
-CORPUS = Path(__file__).resolve().parents[2] / "examples" / "data" / "stdlib-docstrings.jsonl"
+CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
 
 
 def write_jsonl(path: Path, texts: list[str], field: str = "text") -> Path:

@@ -19,10 +19,11 @@ from typing import Any
 import yaml
 
 from tests.support.net import free_port
+from tests.support.paths import REPO
 from tests.support.processes import stop_process
 from tests.support.waiting import wait_until
 
-RULES = Path(__file__).resolve().parents[1] / "charts" / "fsdp-operator" / "files" / "prometheus-rules.yaml"
+RULES = REPO / "charts" / "fsdp-operator" / "files" / "prometheus-rules.yaml"
 
 
 def binary(name: str) -> str:

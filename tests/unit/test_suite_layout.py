@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.support.paths import REPO
@@ -48,3 +49,15 @@ def test_no_test_or_bench_imports_a_private_name_of_the_product() -> None:
         if name.startswith("_")
     ]
     assert offenders == [], f"tests go through public names: {offenders}"
+
+
+def test_tests_find_the_repository_through_one_name() -> None:
+    """A file that moves between folders keeps working: the repository is tests.support.paths.REPO, never a
+    count of parent folders (prometheus.py's rules path broke that way when it moved into tests/support)."""
+    counted = [
+        str(path.relative_to(REPO))
+        for path in sorted((REPO / "tests").rglob("*.py"))
+        if path != REPO / "tests" / "support" / "paths.py"
+        and re.search(r"__file__\)\S*\.parents\[", path.read_text())
+    ]
+    assert counted == [], f"use tests.support.paths.REPO: {counted}"
