@@ -47,10 +47,10 @@ def lifecycle_env(local_cluster: LocalCluster) -> dict[str, str]:
     }
 
 
-def demo_manifest(name: str, **changes: Any) -> dict[str, Any]:
-    """The CPU demo reading the corpus from, and checkpointing to, the test bucket."""
+def demo_manifest(name: str, example_name: str = "cpu-demo", **changes: Any) -> dict[str, Any]:
+    """A CPU demo of examples/ reading the corpus from, and checkpointing to, the test bucket."""
     manifest = example(
-        "cpu-demo",
+        example_name,
         **{
             "data.source": f"s3://{BUCKET}/{CORPUS}",
             "checkpoint.storagePath": f"s3://{BUCKET}/runs",

@@ -10,12 +10,11 @@ from typing import Any
 import yaml
 
 from tests.support.chart import render
-from tests.support.demo import BUCKET, CORPUS
+from tests.support.demo import demo_manifest
 from tests.support.gitops import gitops_sync
 from tests.support.image import service_account_files
 from tests.support.kube import kubectl
 from tests.support.local_cluster import LocalCluster
-from tests.support.manifests import example
 from tests.support.paths import REPO
 
 # A real node is slower than KWOK: the image's Ray start, three pods' probes, then training on its 2 CPUs.
@@ -92,15 +91,6 @@ def chart_identity(namespace: str, into: Path, local_cluster: LocalCluster) -> C
 def real_pods_run(namespace: str, **changes: Any) -> dict[str, Any]:
     """examples/cpu-demo-real-pods.yaml with the test's data, applied as a GitOps tool applies it."""
     name = f"real-{uuid.uuid4().hex[:6]}"
-    manifest = example(
-        "cpu-demo-real-pods",
-        **{
-            "data.source": f"s3://{BUCKET}/{CORPUS}",
-            "checkpoint.storagePath": f"s3://{BUCKET}/runs",
-            "recovery.backoffSeconds": 2,
-            **changes,
-        },
-    )
-    manifest["metadata"]["name"] = name
+    manifest = demo_manifest(name, "cpu-demo-real-pods", **{"recovery.backoffSeconds": 2, **changes})
     gitops_sync(namespace, manifest)
     return manifest
