@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from tests.support.tiny_model import tiny_lm
 
 from fsdp_trainer.data import BatchLayout, BatchLoader, ShardPacker, StreamedSamples
 from fsdp_trainer.model import byte_level_tokenizer
@@ -71,13 +71,8 @@ def percentile(values: list[float], share: float) -> float:
 
 
 def measure(steps: int, shard_latency: float, prefetch: bool) -> dict[str, Any]:
-    torch.manual_seed(0)
     torch.set_num_threads(1)  # as on a GPU worker, the training thread leaves the host's other cores free
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=320, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    lm = AutoModelForCausalLM.from_config(config)
+    lm = tiny_lm(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     shards = list_shards(str(CORPUS), "text", SEQUENCE_LENGTH)
     packer = SlowShardPacker(byte_level_tokenizer(), "text", SEQUENCE_LENGTH, shard_latency)

@@ -19,25 +19,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import checkpoint, optim, parallelize
 from fsdp_trainer.contract import MANIFEST_FILE, CheckpointManifest, FsdpSpec, TrainingSpec, Versions
 from fsdp_trainer.storage import Location
 from tests.support.net import free_port
 from tests.support.netproxy import BlackHoleProxy
+from tests.support.tiny_model import tiny_lm
 
 WORLD = 2
 
 
 def sharded_app(seed: int) -> checkpoint.AppState:
     """Every parameter has at least 2 rows, so that each rank holds a non-empty shard of each."""
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_lm(seed, vocab_size=512, hidden_size=128, intermediate_size=256)
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=WORLD), "cpu")
     parallelize.parallelize(model, FsdpSpec(), mesh, torch.float32)
     spec = TrainingSpec()

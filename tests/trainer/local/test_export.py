@@ -13,17 +13,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from fsdp_trainer import export, parallelize
 from fsdp_trainer.contract import FsdpSpec
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.storage import Location
-from tests.support.manifests import tiny_qwen2
 from tests.support.net import free_port
+from tests.support.tiny_model import tiny_lm
 
 WORLD = 2
-CONFIG = tiny_qwen2(hidden_size=64, intermediate_size=128)
 
 
 def export_on_rank(rank: int, port: int, out: str) -> None:
@@ -33,9 +32,7 @@ def export_on_rank(rank: int, port: int, out: str) -> None:
     )  # fmt: skip
     dist.init_process_group("gloo")
     try:
-        torch.manual_seed(0)
-        model_config = AutoConfig.for_model(**CONFIG)
-        model = AutoModelForCausalLM.from_config(model_config)
+        model = tiny_lm(hidden_size=64, intermediate_size=128)
         mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=WORLD), "cpu")
         parallelize.parallelize(model, FsdpSpec(), mesh, torch.float32)
         with torch.no_grad():  # weights no initialisation gives: the export must carry these
@@ -54,7 +51,7 @@ def export_on_rank(rank: int, port: int, out: str) -> None:
         real, export.get_model_state_dict = export.get_model_state_dict, sharded_only  # type: ignore[assignment]
         export.SHARD_BYTES = 60_000  # several files: each rank writes some
         exported = export.export_model(
-            model, model_config, byte_level_tokenizer(), torch.bfloat16,
+            model, model.config, byte_level_tokenizer(), torch.bfloat16,
             Location.parse(os.path.join(out, "model")), rank, WORLD,
         )  # fmt: skip
         Path(out, f"rank{rank}.json").write_text(

@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import checkpoint, data, optim, parallelize
 from fsdp_trainer.contract import DataSpec, FsdpSpec, TrainingSpec, Versions
 from fsdp_trainer.storage import Location
 from tests.support.corpus import CountingTokenizer, mixed_corpus
+from tests.support.tiny_model import tiny_lm
 
 FINGERPRINT = "0123456789abcdef"
 
@@ -30,12 +30,7 @@ def one_rank_group() -> Iterator[None]:
 
 
 def sharded_app(spec: TrainingSpec, batches: data.BatchLoader | None = None) -> checkpoint.AppState:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_lm(vocab_size=64)
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=1), "cpu")
     parallelize.parallelize(model, FsdpSpec(), mesh, torch.float32)
     optimizer = optim.build_optimizer(model, spec)

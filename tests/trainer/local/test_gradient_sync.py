@@ -14,11 +14,11 @@ import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import optim, parallelize
 from fsdp_trainer.contract import FsdpSpec, TrainingSpec
 from tests.support.net import free_port
+from tests.support.tiny_model import tiny_lm
 
 MICRO_STEPS = 3
 VOCAB = 64
@@ -48,12 +48,7 @@ def held_gradient_bytes(lm: torch.nn.Module) -> int:
 
 def one_step(rank: int, reduce_every_micro_step: bool) -> dict[str, object]:
     """One optimizer step from the same initial weights and this rank's own micro-batches."""
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-    )  # fmt: skip
-    lm = AutoModelForCausalLM.from_config(config)
+    lm = tiny_lm(vocab_size=VOCAB)
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=2), "cpu")
     root = parallelize.parallelize(lm, FsdpSpec(), mesh, torch.float32)
     optimizer = optim.build_optimizer(lm, TrainingSpec(learning_rate=1e-2))

@@ -18,7 +18,6 @@ import torch.multiprocessing as multiprocessing
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import optim, parallelize
 from fsdp_trainer.checkpoint import checkpoint_name, prune
@@ -34,6 +33,7 @@ from fsdp_trainer.contract import (
 from fsdp_trainer.errors import NonFiniteLossError, classify
 from fsdp_trainer.storage import Location
 from tests.support.net import free_port
+from tests.support.tiny_model import tiny_lm
 from tests.support.trainer_runs import config, manifests, train
 
 Poison = Callable[[torch.nn.Module], Callable[[], None]]
@@ -158,12 +158,7 @@ def test_max_non_finite_steps_in_a_row_fail_the_attempt_naming_the_step(
 def check_on_rank(rank: int, port: int, output: Path) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        torch.manual_seed(0)
-        model_config = AutoConfig.for_model(
-            "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        )  # fmt: skip
-        lm = AutoModelForCausalLM.from_config(model_config)
+        lm = tiny_lm(vocab_size=64)
         mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=2), "cpu")
         root = parallelize.parallelize(lm, FsdpSpec(), mesh, torch.float32)
         assert isinstance(root, FSDPModule)

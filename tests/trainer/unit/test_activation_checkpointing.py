@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import parallelize
 from fsdp_trainer.contract import ActivationCheckpointing, FsdpSpec
+from tests.support.tiny_model import tiny_lm
 
 LAYERS = 2
 MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
@@ -39,13 +39,8 @@ class MatmulCount(TorchDispatchMode):
 
 def train_step(mode: ActivationCheckpointing) -> tuple[int, torch.Tensor, dict[str, torch.Tensor]]:
     """Matmuls run by one forward and backward, the loss and the gradients."""
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-        use_cache=False,  # as model.empty_model builds it: a KV cache would grow again in recomputation
-    )  # fmt: skip
-    lm = AutoModelForCausalLM.from_config(config)
+    # use_cache off as model.empty_model builds it: a KV cache would grow again in recomputation
+    lm = tiny_lm(vocab_size=64, num_hidden_layers=LAYERS, use_cache=False)
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=1), "cpu")
     parallelize.parallelize(lm, FsdpSpec(activation_checkpointing=mode), mesh, torch.float32)
     batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -5,16 +5,15 @@ backward; models whose logits are transformed are refused."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer import chunked_loss, parallelize
 from fsdp_trainer.contract import FsdpSpec
 from fsdp_trainer.errors import ConfigError
+from tests.support.tiny_model import tiny_lm
 
 VOCAB = 96  # unlike every hidden width below, so logits are recognisable by their last dimension
 CHUNK = 7  # does not divide the 3 x 10 tokens: the last chunk is shorter
@@ -25,15 +24,6 @@ def one_rank_group() -> Iterator[None]:
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
     yield
     dist.destroy_process_group()
-
-
-def tiny_lm(**overrides: Any) -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, **overrides,
-    )  # fmt: skip
-    return AutoModelForCausalLM.from_config(config)
 
 
 def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,14 +55,14 @@ def assert_same(chunked: torch.nn.Module, whole: torch.nn.Module) -> None:
 
 
 def test_the_chunked_loss_and_gradients_match_the_unchunked_ones() -> None:
-    chunked = tiny_lm()
+    chunked = tiny_lm(vocab_size=VOCAB)
     chunked_loss.install(chunked, CHUNK)
-    assert_same(chunked, tiny_lm())
+    assert_same(chunked, tiny_lm(vocab_size=VOCAB))
 
 
 def test_the_chunked_loss_matches_under_fsdp(one_rank_group: None) -> None:
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=1), "cpu")
-    chunked, whole = tiny_lm(), tiny_lm()
+    chunked, whole = tiny_lm(vocab_size=VOCAB), tiny_lm(vocab_size=VOCAB)
     for lm in (chunked, whole):
         parallelize.parallelize(lm, FsdpSpec(), mesh, torch.float32)
     chunked_loss.install(chunked, CHUNK)
@@ -97,12 +87,12 @@ def largest_saved_logits(lm: torch.nn.Module) -> int:
 
 
 def test_no_more_than_one_chunks_logits_are_kept_for_backward() -> None:
-    chunked = tiny_lm()
+    chunked = tiny_lm(vocab_size=VOCAB)
     chunked_loss.install(chunked, CHUNK)
-    assert largest_saved_logits(tiny_lm()) == 30, "unchunked, every token's logits are kept"
+    assert largest_saved_logits(tiny_lm(vocab_size=VOCAB)) == 30, "unchunked, every token's logits are kept"
     assert largest_saved_logits(chunked) == 0, "each chunk's logits are recomputed in backward"
 
 
 def test_a_model_with_transformed_logits_is_refused() -> None:
     with pytest.raises(ConfigError, match="final_logit_softcapping"):
-        chunked_loss.install(tiny_lm(final_logit_softcapping=30.0), CHUNK)
+        chunked_loss.install(tiny_lm(vocab_size=VOCAB, final_logit_softcapping=30.0), CHUNK)

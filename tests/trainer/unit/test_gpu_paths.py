@@ -16,23 +16,17 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from fsdp_trainer import distributed, model, parallelize, transport
 from fsdp_trainer.contract import FsdpSpec, ModelSpec, NetworkSpec, Versions
 from fsdp_trainer.errors import DeviceError, ErrorKind, classify
 from fsdp_trainer.metrics import flops_per_token
+from tests.support.manifests import tiny_qwen2
 from tests.support.paths import REPO
+from tests.support.tiny_model import tiny_lm
 
-TINY_QWEN2: dict[str, Any] = {
-    "model_type": "qwen2",
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+TINY_QWEN2 = tiny_qwen2(vocab_size=64)
 
 
 @pytest.fixture
@@ -45,8 +39,7 @@ def one_rank() -> Iterator[None]:
 
 
 def sharded(tied: bool, spec: FsdpSpec | None = None) -> Any:
-    config = AutoConfig.for_model(**{**TINY_QWEN2, "tie_word_embeddings": tied})
-    lm = AutoModelForCausalLM.from_config(config)
+    lm = tiny_lm(vocab_size=64, tie_word_embeddings=tied)
     mesh = parallelize.build_mesh(parallelize.MeshShape(replicate=1, shard=1), "cpu")
     parallelize.parallelize(lm, spec or FsdpSpec(), mesh, torch.float32)
     return lm
@@ -90,8 +83,7 @@ class ActivationWithAGraphBreak(torch.nn.Module):
 
 
 def test_a_graph_break_under_compile_fails_the_first_forward(one_rank: None) -> None:
-    config = AutoConfig.for_model(**{**TINY_QWEN2, "tie_word_embeddings": True})
-    lm = AutoModelForCausalLM.from_config(config)
+    lm = tiny_lm(vocab_size=64)
 
     for layer in parallelize.decoder_layers(lm):
         layer.mlp.act_fn = ActivationWithAGraphBreak()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_trainer.contract import ActivationCheckpointing, Precision, ShardingStrategy
 from fsdp_trainer.errors import ConfigError
@@ -16,6 +15,7 @@ from fsdp_trainer.parallelize import (
     decoder_layers,
     mesh_shape,
 )
+from tests.support.tiny_model import tiny_lm
 
 
 @pytest.mark.parametrize(
@@ -51,11 +51,7 @@ def test_cpu_trains_in_fp32_and_gpus_in_the_requested_dtype() -> None:
 
 @pytest.mark.parametrize("tied", [True, False])
 def test_decoder_layers_and_the_flops_parameter_count(tied: bool) -> None:
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-    )  # fmt: skip
-    model = AutoModelForCausalLM.from_config(config)
+    model = tiny_lm(vocab_size=300, num_hidden_layers=3, tie_word_embeddings=tied)
     assert len(decoder_layers(model)) == 3
     shape = model_shape(model)
     total = sum(p.numel() for p in model.parameters())

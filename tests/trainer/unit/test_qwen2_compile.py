@@ -8,17 +8,10 @@ from __future__ import annotations
 
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
-from transformers import AutoConfig, AutoModelForCausalLM
 
-TINY_QWEN2 = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": True,
-}
+from tests.support.tiny_model import tiny_lm
+
+VOCAB = 128
 
 
 def loss_and_gradients(lm: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -29,12 +22,10 @@ def loss_and_gradients(lm: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.
 
 
 def test_a_stock_qwen2_decoder_block_compiles_with_fullgraph() -> None:
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen2", attn_implementation="sdpa", **TINY_QWEN2)
-    lm = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    lm = tiny_lm(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, attn_implementation="sdpa")
     blocks = lm.model.layers
     assert type(blocks[0]).__module__ == "transformers.models.qwen2.modeling_qwen2", "transformers' own"
-    batch = torch.randint(0, TINY_QWEN2["vocab_size"], (2, 32))
+    batch = torch.randint(0, VOCAB, (2, 32))
     eager_loss, eager_gradients = loss_and_gradients(lm, batch)
 
     torch._dynamo.reset()
