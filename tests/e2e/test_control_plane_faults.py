@@ -174,11 +174,15 @@ def compact_etcd() -> int:
 
 
 def clusters_by_run(namespace: str) -> dict[str, list[str]]:
-    """The UIDs of the namespace's RayClusters, by the run each belongs to (its label)."""
+    """The UIDs of the namespace's RayClusters, by the run each belongs to (its label); one being deleted is
+    marked so (its replacement comes under the same name once it is gone)."""
     found: dict[str, list[str]] = {}
     for cluster in rayclusters(namespace):
-        run = cluster["metadata"].get("labels", {}).get(LABEL_RUN, "")
-        found.setdefault(run, []).append(cluster["metadata"]["uid"])
+        meta = cluster["metadata"]
+        run = meta.get("labels", {}).get(LABEL_RUN, "")
+        found.setdefault(run, []).append(
+            meta["uid"] + (" (deleting)" if meta.get("deletionTimestamp") else "")
+        )
     return found
 
 
@@ -252,6 +256,11 @@ def test_the_operator_carries_on_when_the_apiserver_or_etcd_is_killed_for_30s(
         status = wait_for_phase(namespace, training, "Succeeded", timeout=RUN_TIMEOUT)["status"]
         assert status["attempt"] == 1 + restarts and status["restarts"]["count"] == restarts, status
         assert phase(namespace, provisioning) == "Provisioning"
+        # Still the same object at the end: a deletion begun after the check above would not show there.
+        at_end = clusters_by_run(namespace).get(provisioning)
+        assert at_end == clusters_at_kill[provisioning], (
+            f"{provisioning}'s RayClusters: {at_end}, at the kill: {clusters_at_kill[provisioning]}"
+        )
     finally:
         restart_exited_control_plane()  # whatever failed above: the next tests need a whole control plane
         wait_until("the apiserver to be ready", apiserver_ready, 120)
