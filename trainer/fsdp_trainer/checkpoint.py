@@ -322,7 +322,7 @@ def require_data_fingerprint(run: Location, found: Candidate, data_fingerprint: 
 def prune(run: Location, keep: int) -> None:
     """Keeps the newest `keep` complete checkpoints, and the newest complete one whose manifest records a
     finite loss however old, and deletes the rest, plus incomplete leftovers older than the newest complete
-    one; for launches without Ray, whose CheckpointConfig does this otherwise.
+    one. Rank 0 runs it after each save's manifest, under Ray too (checkpoints are not reported to Ray Train).
 
     A loss that was not finite is stored as null, like a loss not yet measured; either way the checkpoint
     does not count as known good, so a run whose newer checkpoints went bad keeps one to go back to."""
