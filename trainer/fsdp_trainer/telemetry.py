@@ -6,7 +6,6 @@ writer."""
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,14 +168,26 @@ class MetricsProcessor:
             self.progress.flush_history()
 
 
+def resident_bytes(peak: bool = False) -> int:
+    """This process's resident memory now (VmRSS), or its peak since it started (VmHWM). Not getrusage's
+    ru_maxrss: Linux carries that across exec, so a rank spawned by a larger process (a raylet, a pytest
+    worker) would report its spawner's peak."""
+    field = "VmHWM:" if peak else "VmRSS:"
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024  # kB
+    raise LookupError(f"{field} is not in /proc/self/status")
+
+
 def _peak_memory(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # Linux reports KiB
+    return float(resident_bytes(peak=True))
 
 
 def _reset_peak_memory(device: torch.device) -> None:
-    """CUDA's counter only: a process's peak RSS cannot be reset."""
+    """CUDA's counter only: off CUDA the peak is the process's since it started."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
