@@ -26,9 +26,11 @@ from tests.support.paths import INSTANCE, REPO, dlc_python
 from tests.support.waiting import wait_until
 
 TIERS = ("unit", "local", "cluster", "e2e")
-# The longest file (about half an hour of one worker's time under load) goes first, so the other worker's
-# files, not it, fill the end of the run.
-LONGEST_FILE = "tests/e2e/test_real_pods.py"
+# The longest files go first, each to a worker of its own, so that the many short ones fill the end of the
+# run: the real pods' (about 17 minutes of one worker under load) and the cluster tier's longest (5.5
+# minutes, two of them waiting out provisioning timeouts), which, last of its tier, had kept one worker busy
+# 4.5 minutes after the other finished (2026-12-05, 33 min 34 s for the tier).
+LONGEST_FILES = ("tests/e2e/test_real_pods.py", "tests/cluster/test_operator.py")
 # Tests of the trainer run in the DLC's environment (Python 3.13, torch), all others in the operator's.
 TRAINER_TESTS = REPO / "tests" / "trainer"
 
@@ -40,9 +42,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Marks each test with its tier (the folder it is in), refuses a test run in the other environment than
-    its own (the folder tests/trainer says which), and runs the longest file, then the slow tiers first:
-    pytest-xdist hands whole files to its workers in this order, so the long end-to-end files start early and
-    the many short ones even out the end."""
+    its own (the folder tests/trainer says which), and runs the longest files, then the slow tiers first:
+    pytest-xdist hands whole files to its workers in this order, so the long files start early and the many
+    short ones even out the end."""
     in_dlc_environment = Path(sys.prefix).resolve() == dlc_python().parents[1].resolve()
     tiers: dict[str, str] = {}
     for item in items:
@@ -56,11 +58,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             )
         item.add_marker(getattr(pytest.mark, tier))
         tiers[item.nodeid] = tier
+
+    def file_rank(item: pytest.Item) -> int:
+        file = item.nodeid.split("::")[0]
+        return LONGEST_FILES.index(file) if file in LONGEST_FILES else len(LONGEST_FILES)
+
     items.sort(
-        key=lambda item: (
-            item.nodeid.split("::")[0] != LONGEST_FILE,
-            ("e2e", "cluster", "local", "unit").index(tiers[item.nodeid]),
-        )
+        key=lambda item: (file_rank(item), ("e2e", "cluster", "local", "unit").index(tiers[item.nodeid]))
     )
 
 
