@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from fsdp_trainer.contract import PROGRESS_FILE, ProgressRecord
+from kubectl_trainingrun.cli import RunObjects, metric_histories
 from tests.support.chart import CHART
 from tests.support.demo import BUCKET
 from tests.support.gitops import assert_in_sync
@@ -244,15 +245,10 @@ def world_size_of(namespace: str, run: str) -> int | None:
 
 
 def training_records(s3: Any, namespace: str, run: str) -> list[ProgressRecord]:
-    """Every training record the trainer's metric histories hold, oldest first (a step redone after a resize
-    is there twice)."""
-    prefix = f"runs/{namespace}/{run}/metrics/"
-    found: list[ProgressRecord] = []
-    for item in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("Contents", []):
-        for line in s3.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read().decode().splitlines():
-            record = ProgressRecord.model_validate_json(line)
-            if record.phase == "training":
-                found.append(record)
+    """Every training record of the run's metric histories (read as `kubectl trainingrun plot` reads them),
+    oldest first (a step redone after a resize is there twice)."""
+    histories = metric_histories(RunObjects(s3, f"s3://{BUCKET}/runs/{namespace}/{run}"))
+    found = [record for history in histories for record in history if record.phase == "training"]
     return sorted(found, key=lambda record: record.updated_at)
 
 
