@@ -57,10 +57,13 @@ HOST_POD_ADDRESS=$POD_NET_PREFIX.1
 NODE_IP=$POD_NET_PREFIX.2
 SERVICE_CIDR=198.19.$INSTANCE.0/24
 NODE_DIR=$STATE/node
-# The node's containerd root (its images, unpacked) is kept between clusters and clones, one per instance:
-# importing the 2.4 GB DLC stand-in into a fresh root takes minutes of CPU. hack/real-node.sh removes every
-# container from it on stop, and starts from an empty root after a stop that did not.
+# The node's containerd root (its images, unpacked) is kept between clusters and clones, one per instance.
+# hack/real-node.sh removes every container from it on stop, and starts from an empty root after a stop that
+# did not. An empty root, or one holding other images, is hard-linked from NODE_IMAGE_ROOTS: the images every
+# node starts with (the DLC stand-in, 2.4 GB, minutes of CPU to import), unpacked once per machine into a
+# containerd root of their own, keyed by the images' content.
 NODE_CONTAINERD_ROOT=$CACHE/real-node$instance_suffix/containerd
+NODE_IMAGE_ROOTS=$CACHE/real-node-images
 HOST_LINK=fsdpnode$INSTANCE # the host's end of the veth pair into the node's network namespace
 NODE_CGROUP=fsdp-node-$INSTANCE # the kubelet's cgroupRoot, in every cgroup hierarchy
 # Its CPU weight: as much under contention as four busy host processes (each of which weighs 1024 beside it).

@@ -33,6 +33,7 @@ REGISTRIES=(docker.io registry-1.docker.io public.ecr.aws ghcr.io quay.io regist
 holder_pid() { cat "$PIDS/namespaces.pid" 2>/dev/null; }
 in_node() { nsenter --target "$(holder_pid)" --net --mount -- "$@"; }
 node_ctr() { ctr --address "$NODE_DIR/containerd.sock" --namespace k8s.io "$@"; }
+images_ctr() { ctr --address "$NODE_DIR/containerd-images.sock" --namespace k8s.io "$@"; }
 
 cgroup_v2() { [[ $(stat -fc %T /sys/fs/cgroup) == cgroup2fs ]]; }
 cgroup_dirs() { # the node's cgroup root in every hierarchy this host mounts
@@ -52,7 +53,8 @@ render() { # TEMPLATE DEST: the template with this instance's values
     -e "s|@POD_NET_PREFIX@|$POD_NET_PREFIX|g" -e "s|@NODE_CGROUP@|$NODE_CGROUP|g" \
     -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@CNI_BIN@|$CNI_BIN|g" \
     -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" -e "s|@CONTAINERD_ROOT@|$NODE_CONTAINERD_ROOT|g" \
-    -e "s|@DISK_RESERVED@|${NODE_DISK_RESERVED:-0}|g" "$root/hack/node/$1" >"$2"
+    -e "s|@DISK_RESERVED@|${NODE_DISK_RESERVED:-0}|g" -e "s|@IMAGES_ROOT@|${IMAGES_ROOT:-}|g" \
+    "$root/hack/node/$1" >"$2"
 }
 
 # A kubeconfig for the node's processes: they reach the apiserver through the forwarder on the host's end of
@@ -112,18 +114,70 @@ pause_image_archive() {
   echo "$archive"
 }
 
-# import_image ARCHIVE: an OCI archive into the node's containerd, unless an image of that name is there;
-# prints the name.
-import_image() {
-  local name
-  name=$(tar -xOf "$1" index.json | python3 -c 'import json, sys
-print(json.load(sys.stdin)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])')
-  # Not `| grep -q`: it exits at the first match, ctr then dies of SIGPIPE, and pipefail reads that as absent.
-  if ! grep -qxF "$name" <<<"$(node_ctr images ls -q)"; then
-    log "importing $name into the node's containerd"
-    node_ctr images import "$1" >/dev/null
-  fi
-  echo "$name"
+# images_of ARCHIVE...: a key of what the OCI archives hold (their index.json: each image's name and manifest
+# digest), then each image's name, a line each. tarfile seeks past the layers: no 2.4 GB read for a key.
+images_of() {
+  python3 - "$@" <<'PY'
+import hashlib, json, sys, tarfile
+indexes = []
+for path in sys.argv[1:]:
+    with tarfile.open(path) as archive:
+        indexes.append(archive.extractfile("index.json").read())
+print(hashlib.sha256(b"\n".join(indexes)).hexdigest()[:16])
+for index in indexes:
+    print(json.loads(index)["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"])
+PY
+}
+
+# unpack_images DIR ARCHIVE...: the archives imported into DIR/root by a containerd of their own (no CRI, no
+# container, in a mount namespace of its own for the layers' mounts), their names in DIR/images last.
+unpack_images() {
+  local dir=$1 images_root=$1.tmp/root pid archive
+  shift
+  log "unpacking the node's images into $dir (once per machine: the nodes' roots are hard-linked from it)"
+  rm -rf "$dir.tmp"
+  mkdir -p "$images_root" "$NODE_DIR/containerd-images"
+  IMAGES_ROOT=$images_root render containerd-images.toml "$NODE_DIR/containerd-images/config.toml"
+  unshare --mount --propagation private -- containerd --config "$NODE_DIR/containerd-images/config.toml" \
+    >"$STATE/logs/containerd-images.log" 2>&1 </dev/null &
+  pid=$!
+  trap 'stop_pid '"$pid" EXIT
+  wait_for "the images' containerd" 60 images_ctr version
+  for archive in "$@"; do
+    images_ctr images import "$archive" >/dev/null
+  done
+  stop_pid "$pid"
+  trap - EXIT
+  images_of "$@" | tail -n +2 >"$dir.tmp/images"
+  mv "$dir.tmp" "$dir"
+  # Sets of earlier builds go (as hack/dlc-image.sh's archives do); roots linked from them keep their files.
+  find "$NODE_IMAGE_ROOTS" -mindepth 1 -maxdepth 1 -type d ! -name "${dir##*/}" -exec rm -rf {} +
+}
+
+# link_node_images ARCHIVE...: the node's root from the machine's unpacked images (made first if the machine
+# lacks them), unless it was made from those already: the content blobs and unpacked layers hard-linked (each
+# written once, then only read: containers write into snapshots of their own), the rest copied (the bolt
+# databases containerd writes in place, its server's uuid).
+ROOT_IMAGES=$NODE_CONTAINERD_ROOT.images # the key of the images the root was linked from
+link_node_images() {
+  local key dir
+  key=$(images_of "$@") # not `| head -1`: python would die of SIGPIPE, and pipefail fail the start
+  key=${key%%$'\n'*}
+  dir=$NODE_IMAGE_ROOTS/$key
+  [[ -d $NODE_CONTAINERD_ROOT && $(cat "$ROOT_IMAGES" 2>/dev/null) == "$key" ]] && return 0
+  mkdir -p "$NODE_IMAGE_ROOTS" "$(dirname "$NODE_CONTAINERD_ROOT")"
+  (
+    flock 8 # one unpacking per machine: nodes starting at once wait for the same one
+    [[ -e $dir/images ]] || unpack_images "$dir" "$@"
+    rm -rf "$NODE_CONTAINERD_ROOT" "$ROOT_IMAGES"
+    cp -al "$dir/root" "$NODE_CONTAINERD_ROOT"
+    (cd "$dir/root" && find . -type f ! -path './io.containerd.content.v1.content/blobs/*' \
+      ! -path './io.containerd.snapshotter.v1.overlayfs/snapshots/*') | while read -r file; do
+      cp --remove-destination "$dir/root/$file" "$NODE_CONTAINERD_ROOT/$file"
+    done
+    echo "$key" >"$ROOT_IMAGES"
+    log "the node's containerd root linked from $dir"
+  ) 8>"$NODE_IMAGE_ROOTS/lock"
 }
 
 # The kept root (lib.sh NODE_CONTAINERD_ROOT) serves one node at a time (the lock, held by the node's
@@ -238,15 +292,15 @@ start() {
     cp "$root/hack/node/registry-hosts.toml" "$NODE_DIR/containerd/certs.d/$registry/hosts.toml"
   done
   prepare_containerd_root
+  local archives wanted
+  archives=("$(pause_image_archive)" ${FSDP_NODE_IMAGES:-}) # FSDP_NODE_IMAGES: archives' paths, space-separated
+  link_node_images "${archives[@]}"
+  wanted=$(images_of "${archives[@]}" | tail -n +2)
   start_daemon containerd nsenter --target "$(holder_pid)" --net --mount -- \
     flock --nonblock "$ROOT_LOCK" containerd --config "$NODE_DIR/containerd/config.toml"
   wait_for "containerd" 60 node_ctr version
-  local archive wanted
-  wanted=$(import_image "$(pause_image_archive)")
-  for archive in ${FSDP_NODE_IMAGES:-}; do
-    wanted+=$'\n'$(import_image "$archive")
-  done
-  # Our images of earlier builds (the kept root would grow with each); containerd collects their content.
+  # Images of earlier builds that tests imported (the kept root would grow with each); containerd collects
+  # their content.
   local image
   for image in $(node_ctr images ls -q | grep -E '^localhost/fsdp-operator[^@]*:[^@:]+$' | grep -vxF "$wanted"); do
     node_ctr images rm "$image" >/dev/null
