@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -10,8 +12,9 @@ from typing import Any
 import boto3
 import pytest
 
+from fsdp_operator import tenancy
 from tests.support.demo import BUCKET, CORPUS, lifecycle_env
-from tests.support.kube import delete_namespace, kubectl, kubectl_json
+from tests.support.kube import REAL_NODE_TOLERATION, delete_namespace, grant, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
 from tests.support.operator_process import OperatorProcess
 from tests.support.paths import REPO, cluster_settings
@@ -70,17 +73,12 @@ def real_node(local_cluster: LocalCluster) -> RealNode:
     )
 
 
-@pytest.fixture
-def proxied_operator(
-    namespace: str,
-    crd_installed: None,
-    s3: Any,
-    local_cluster: LocalCluster,
-    real_node: RealNode,
-    tmp_path: Path,
+@contextlib.contextmanager
+def proxied_operator_for(
+    namespace: str, local_cluster: LocalCluster, real_node: RealNode, into: Path
 ) -> Iterator[OperatorProcess]:
     """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
-    identity = chart_identity(namespace, tmp_path / "chart", local_cluster)
+    identity = chart_identity(namespace, into / "chart", local_cluster)
     env = {
         **identity.env,
         "KUBECONFIG": str(identity.kubeconfig),
@@ -95,7 +93,7 @@ def proxied_operator(
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
         "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
     }
-    proc = OperatorProcess(namespace=namespace, env=env, log=tmp_path / "operator.log").start()
+    proc = OperatorProcess(namespace=namespace, env=env, log=into / "operator.log").start()
     try:
         yield proc
     finally:
@@ -105,3 +103,43 @@ def proxied_operator(
         for obj in cluster_scoped:
             kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found", check=False)
         print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-8000:]}")
+
+
+@pytest.fixture
+def proxied_operator(
+    namespace: str,
+    crd_installed: None,
+    s3: Any,
+    local_cluster: LocalCluster,
+    real_node: RealNode,
+    tmp_path: Path,
+) -> Iterator[OperatorProcess]:
+    with proxied_operator_for(namespace, local_cluster, real_node, tmp_path) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def shared_namespace(local_cluster: LocalCluster) -> Iterator[str]:
+    """A namespace for the tests of a module that share one run (each RayCluster start on the real node costs
+    minutes of its 2 CPUs), made as each test's own is."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    grant(name, tenancy.TOLERATIONS, json.dumps([REAL_NODE_TOLERATION]))
+    try:
+        yield name
+    finally:
+        delete_namespace(name)
+
+
+@pytest.fixture(scope="module")
+def shared_proxied_operator(
+    shared_namespace: str,
+    crd_installed: None,
+    s3: Any,
+    local_cluster: LocalCluster,
+    real_node: RealNode,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[OperatorProcess]:
+    into = tmp_path_factory.mktemp("shared-operator")
+    with proxied_operator_for(shared_namespace, local_cluster, real_node, into) as proc:
+        yield proc

@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -346,187 +347,6 @@ def test_an_elastic_run_trains_on_the_worker_left_when_a_node_is_lost_and_grows_
     )
 
 
-DEGRADED_LABEL = "fsdp.training.dev/fabric-degraded"
-
-
-def slow_pod_link(namespace: str, pod: str, rate: str) -> None:
-    """Shapes what reaches `pod` to `rate` with tc on its veth in the real node's network namespace (the
-    node's bridge side), as a bad NIC or cable would; the veth and its shaping go away with the pod."""
-    iflink = kubectl(
-        "exec", "-n", namespace, pod, "-c", "ray-worker", "--", "cat", "/sys/class/net/eth0/iflink"
-    )
-    [node_dir] = cluster_settings("NODE_DIR")
-    holder = (Path(node_dir) / "pids" / "namespaces.pid").read_text().strip()
-    in_node = ["nsenter", "--target", holder, "--net", "--"]
-    links = subprocess.run([*in_node, "ip", "-o", "link", "show"], check=True, capture_output=True, text=True)
-    [veth] = [
-        line.split(":")[1].strip().split("@")[0]
-        for line in links.stdout.splitlines()
-        if line.split(":")[0] == iflink.stdout.strip()
-    ]
-    shape = [
-        "tc",
-        "qdisc",
-        "add",
-        "dev",
-        veth,
-        "root",
-        "tbf",
-        "rate",
-        rate,
-        "burst",
-        "32kbit",
-        "latency",
-        "2s",
-    ]
-    subprocess.run([*in_node, *shape], check=True, capture_output=True)
-
-
-def node_labels(node: RealNode) -> dict[str, str]:
-    return dict(kubectl_json("get", "node", node.name)["metadata"].get("labels") or {})
-
-
-@pytest.mark.timeout(1500)
-def test_a_slow_pod_link_fails_the_fabric_check_naming_the_pod_and_node_which_the_next_attempt_avoids(
-    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, reliability: Recorder
-) -> None:
-    """Three workers (three pods, so one pod's link can be told apart); one worker pod's link slowed to 20
-    Mbit/s with tc before the job starts. The attempt's fabric check finds the links into that pod below
-    network.minBusBandwidthGbps, names the pod and the node, and the operator labels the node and restarts on
-    a new cluster whose workers avoid it: on this one-node cluster they wait, Pending for the label, until the
-    platform takes it off; then the next check passes on fresh pods and the run trains."""
-    set_node_gpus(real_node, 12, efa=3)  # three workers x (4 GPUs, 1 EFA)
-    manifest = real_pods_run(
-        namespace,
-        **{
-            "cluster.workers": 3,
-            "cluster.cpu": "500m",  # three workers and the head on the node's 2 CPUs
-            "network.minBusBandwidthGbps": 0.05,  # 400 Mbit/s: far under a veth's, far over the slowed link
-            "training.maxSteps": 20,
-        },
-    )
-    run = manifest["metadata"]["name"]
-    try:
-
-        def first_worker_running() -> str | None:
-            workers = [p for p in pods_of(namespace, run) if node_type(p) == "worker"]
-            running = [p for p in workers if p["status"].get("phase") == "Running"]
-            return running[0]["metadata"]["name"] if running else None
-
-        slowed = wait_until("a worker pod running", first_worker_running, timeout=RUN_TIMEOUT, interval=0.5)
-        slow_pod_link(namespace, slowed, "20mbit")
-        slowed_at = dt.datetime.now(dt.UTC)
-        restarted = wait_until(
-            "a restart after the fabric check",
-            lambda: (r := run_of(namespace, run)) and r["status"]["restarts"]["history"] and r,
-            timeout=RUN_TIMEOUT,
-        )
-        entry = restarted["status"]["restarts"]["history"][0]
-        assert entry["reason"] == "FabricBelowThreshold", entry
-        assert f"every slow link touches pod {slowed} on node {real_node.name}" in entry["message"], entry
-        fabric = restarted["status"]["fabric"]
-        assert fabric["report"]["suspectPod"] == slowed and not fabric["report"]["passed"], fabric
-        assert [n["node"] for n in fabric["avoidedNodes"]] == [real_node.name], fabric
-        verified = conditions_of(restarted)["FabricVerified"]
-        assert verified["status"] == "False" and verified["reason"] == "BelowThreshold", verified
-        labels = node_labels(real_node)
-        assert DEGRADED_LABEL in labels, labels
-        annotation = kubectl_json("get", "node", real_node.name)["metadata"]["annotations"][DEGRADED_LABEL]
-        assert slowed in annotation, annotation
-        # The next attempt's workers avoid the node: on a one-node cluster they wait, and the run says why.
-        waiting = wait_until(
-            "the next attempt's workers Pending, kept off the labelled node",
-            lambda: (
-                (r := run_of(namespace, run))
-                and conditions_of(r).get("PodsScheduled", {}).get("status") == "False"
-                and r
-            ),
-            timeout=600,
-        )
-        assert "affinity" in conditions_of(waiting)["PodsScheduled"]["message"], conditions_of(waiting)
-        pods = pods_of(namespace, run)
-        assert all(p["metadata"]["name"] != slowed for p in pods), "the slowed pod should be gone"
-        assert all(p["status"].get("phase") == "Pending" for p in pods if node_type(p) == "worker"), [
-            (p["metadata"]["name"], p["status"].get("phase")) for p in pods
-        ]
-        kubectl(
-            "label", "node", real_node.name, f"{DEGRADED_LABEL}-"
-        )  # the platform's call, once it is fixed
-        passed = wait_until(
-            "the next attempt's fabric check passed and training going on",
-            lambda: (
-                (r := run_of(namespace, run))
-                and conditions_of(r).get("FabricVerified", {}).get("status") == "True"
-                and step_of(namespace, run) > 0
-                and r
-            ),
-            timeout=RUN_TIMEOUT,
-        )
-        report = passed["status"]["fabric"]["report"]
-        assert report["passed"] and len(report["links"]) >= 6 and report["busBandwidthGbps"] >= 0.05, report
-    finally:
-        kubectl("label", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
-        kubectl("annotate", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
-        set_node_gpus(real_node, 8)
-    reliability.record(
-        "One worker pod's link slowed to 20 Mbit/s (tc on its veth) before the job starts; three workers, "
-        "network.minBusBandwidthGbps 0.05",
-        "The fabric check fails naming the pod and node; the node is labelled and the next attempt's workers "
-        "avoid it",
-        f"FabricBelowThreshold {seconds_between(slowed_at, entry['time']):.0f} s after the slowing, naming "
-        f"pod {slowed} on {real_node.name}; the next check, label removed: "
-        f"{report['busBandwidthGbps']} GB/s in {report['seconds']} s",
-    )
-
-
-@pytest.mark.timeout(1200)
-def test_a_rank_that_hangs_in_a_worker_pod_is_named_with_its_pod_and_node_and_every_ranks_stacks_kept(
-    namespace: str, proxied_operator: OperatorProcess, real_node: RealNode, s3: Any, reliability: Recorder
-) -> None:
-    """Rank 0 stops making progress at step 12 in its worker pod, its process alive (rank 1 waits for it in a
-    collective): after the hang timeout, before the job is stopped, both ranks' stacks go to S3 and the status
-    names rank 0 with the worker pod it ran in and the real node."""
-    manifest = real_pods_run(
-        namespace,
-        **{
-            "training.maxSteps": 200,
-            "recovery.hangTimeoutSeconds": 60,
-            "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": "rank=0,step=12,action=hang"}},
-        },
-    )
-    run = manifest["metadata"]["name"]
-    hung = wait_until(
-        "the hang declared and the ranks' stacks collected",
-        lambda: (
-            (r := run_of(namespace, run))
-            and (r.get("status", {}).get("forensics") or {}).get("concludedAt")
-            and r
-        ),
-        timeout=RUN_TIMEOUT,
-    )
-    forensics = hung["status"]["forensics"]
-    workers = {p["metadata"]["name"] for p in pods_of(namespace, run) if node_type(p) == "worker"}
-    suspect = forensics["suspect"]
-    assert (forensics["ranksAnswered"], forensics["worldSize"]) == (2, 2), forensics
-    assert suspect["rank"] == 0 and suspect["pod"] in workers and suspect["node"] == real_node.name, suspect
-    assert "while ranks 1 wait in a collective" in suspect["why"], suspect
-    stored = s3.list_objects_v2(Bucket=BUCKET, Prefix=f"runs/{namespace}/{run}/forensics/attempt-1/")
-    assert {o["Key"].rpartition("/")[2] for o in stored.get("Contents", [])} == {
-        "request.json",
-        "rank-0.json",
-        "rank-1.json",
-    }
-    kubectl("delete", "fsdptrainingrun", run, "-n", namespace, "--wait=false")
-    collected = seconds_between(forensics["requestedAt"], forensics["concludedAt"])
-    reliability.record(
-        "Rank 0 of two stops making progress at step 12 in its worker pod on the real node, every process "
-        "alive",
-        "both ranks' stacks in S3 and rank 0 named with its pod and node before the job is stopped",
-        f"stacks of 2 ranks {collected:.0f} s after the hang was declared; suspect rank 0 in pod "
-        f"{suspect['pod']} on {suspect['node']}",
-    )
-
-
 def test_a_worker_over_its_memory_limit_fails_the_run_with_the_reason(
     namespace: str, proxied_operator: OperatorProcess, real_node: RealNode
 ) -> None:
@@ -749,3 +569,228 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         subprocess.run(
             [str(REPO / "bin" / "helm"), "uninstall", release, "-n", OPERATOR_NAMESPACE], check=False
         )
+
+
+DEGRADED_LABEL = "fsdp.training.dev/fabric-degraded"
+
+
+def slow_pod_link(namespace: str, pod: str, rate: str) -> None:
+    """Shapes what reaches `pod` to `rate` with tc on its veth in the real node's network namespace (the
+    node's bridge side), as a bad NIC or cable would; the veth and its shaping go away with the pod."""
+    iflink = kubectl(
+        "exec", "-n", namespace, pod, "-c", "ray-worker", "--", "cat", "/sys/class/net/eth0/iflink"
+    )
+    [node_dir] = cluster_settings("NODE_DIR")
+    holder = (Path(node_dir) / "pids" / "namespaces.pid").read_text().strip()
+    in_node = ["nsenter", "--target", holder, "--net", "--"]
+    links = subprocess.run([*in_node, "ip", "-o", "link", "show"], check=True, capture_output=True, text=True)
+    [veth] = [
+        line.split(":")[1].strip().split("@")[0]
+        for line in links.stdout.splitlines()
+        if line.split(":")[0] == iflink.stdout.strip()
+    ]
+    shape = [
+        "tc",
+        "qdisc",
+        "add",
+        "dev",
+        veth,
+        "root",
+        "tbf",
+        "rate",
+        rate,
+        "burst",
+        "32kbit",
+        "latency",
+        "2s",
+    ]
+    subprocess.run([*in_node, *shape], check=True, capture_output=True)
+
+
+def node_labels(node: RealNode) -> dict[str, str]:
+    return dict(kubectl_json("get", "node", node.name)["metadata"].get("labels") or {})
+
+
+@dataclass(frozen=True)
+class SlowLinkThenHang:
+    """What the fabric and hang rows' run showed, read when each thing happened."""
+
+    slowed: str  # the worker pod whose link was slowed
+    slowed_at: dt.datetime
+    restarted: dict[str, Any]  # the run at its restart after the failed fabric check
+    labels: dict[str, str]  # the node's labels then
+    annotation: str  # the node's degraded annotation then
+    waiting: dict[str, Any]  # the run while the next attempt's workers waited
+    pods_waiting: list[dict[str, Any]]
+    passed: dict[str, Any]  # the run once the next check passed and it trained
+    hung: dict[str, Any]  # the run once the hung rank's forensics concluded
+    workers_hung: set[str]  # the worker pods then
+    stored: set[str]  # the forensics objects of that attempt in S3
+
+
+HANG_STEP = 12
+
+
+@pytest.fixture(scope="module")
+def slow_link_then_hang(
+    shared_namespace: str, shared_proxied_operator: OperatorProcess, real_node: RealNode, s3: Any
+) -> SlowLinkThenHang:
+    """One run for the fabric and hang rows (each RayCluster start costs minutes of the node's 2 CPUs): three
+    workers (three pods, so one pod's link can be told apart); one worker pod's link slowed to 20 Mbit/s
+    with tc before the job starts. The attempt's fabric check finds the links into that pod below
+    network.minBusBandwidthGbps, names the pod and the node, and the operator labels the node and restarts on
+    a new cluster whose workers avoid it: on this one-node cluster they wait, Pending for the label, until the
+    platform takes it off; then the next check passes on fresh pods and the run trains, until rank 0 stops
+    making progress at step 12 in its worker pod, its process alive (the others wait for it in a collective):
+    after the hang timeout, before the job is stopped, every rank's stacks go to S3 and the status names
+    rank 0 with its pod and node. The first attempt trains no step, so the hang is the second's."""
+    namespace = shared_namespace
+    set_node_gpus(real_node, 12, efa=3)  # three workers x (4 GPUs, 1 EFA)
+    manifest = real_pods_run(
+        namespace,
+        **{
+            "cluster.workers": 3,
+            "cluster.cpu": "500m",  # three workers and the head on the node's 2 CPUs
+            "network.minBusBandwidthGbps": 0.05,  # 400 Mbit/s: far under a veth's, far over the slowed link
+            "training.maxSteps": 20,
+            "recovery.hangTimeoutSeconds": 60,
+            "runtimeEnv": {"env": {"FSDP_TRAINER_FAULT": f"rank=0,step={HANG_STEP},action=hang"}},
+        },
+    )
+    run = manifest["metadata"]["name"]
+    try:
+
+        def first_worker_running() -> str | None:
+            workers = [p for p in pods_of(namespace, run) if node_type(p) == "worker"]
+            running = [p for p in workers if p["status"].get("phase") == "Running"]
+            return running[0]["metadata"]["name"] if running else None
+
+        slowed = wait_until("a worker pod running", first_worker_running, timeout=RUN_TIMEOUT, interval=0.5)
+        slow_pod_link(namespace, slowed, "20mbit")
+        slowed_at = dt.datetime.now(dt.UTC)
+        restarted = wait_until(
+            "a restart after the fabric check",
+            lambda: (r := run_of(namespace, run)) and r["status"]["restarts"]["history"] and r,
+            timeout=RUN_TIMEOUT,
+        )
+        labels = node_labels(real_node)
+        annotation = kubectl_json("get", "node", real_node.name)["metadata"]["annotations"].get(
+            DEGRADED_LABEL, ""
+        )
+        # The next attempt's workers avoid the node: on a one-node cluster they wait, and the run says why.
+        waiting = wait_until(
+            "the next attempt's workers Pending, kept off the labelled node",
+            lambda: (
+                (r := run_of(namespace, run))
+                and conditions_of(r).get("PodsScheduled", {}).get("status") == "False"
+                and r
+            ),
+            timeout=600,
+        )
+        pods_waiting = pods_of(namespace, run)
+        kubectl(
+            "label", "node", real_node.name, f"{DEGRADED_LABEL}-"
+        )  # the platform's call, once it is fixed
+        passed = wait_until(
+            "the next attempt's fabric check passed and training going on",
+            lambda: (
+                (r := run_of(namespace, run))
+                and conditions_of(r).get("FabricVerified", {}).get("status") == "True"
+                and step_of(namespace, run) > 0
+                and r
+            ),
+            timeout=RUN_TIMEOUT,
+        )
+        hung = wait_until(
+            "the hang declared and the ranks' stacks collected",
+            lambda: (
+                (r := run_of(namespace, run))
+                and (r.get("status", {}).get("forensics") or {}).get("concludedAt")
+                and r
+            ),
+            timeout=RUN_TIMEOUT,
+        )
+        workers_hung = {p["metadata"]["name"] for p in pods_of(namespace, run) if node_type(p) == "worker"}
+        attempt = hung["status"]["forensics"]["attempt"]
+        listed = s3.list_objects_v2(
+            Bucket=BUCKET, Prefix=f"runs/{namespace}/{run}/forensics/attempt-{attempt}/"
+        )
+        stored = {o["Key"].rpartition("/")[2] for o in listed.get("Contents", [])}
+        kubectl("delete", "fsdptrainingrun", run, "-n", namespace, "--wait=false")
+    finally:
+        kubectl("label", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
+        kubectl("annotate", "node", real_node.name, f"{DEGRADED_LABEL}-", check=False)
+        set_node_gpus(real_node, 8)
+    return SlowLinkThenHang(
+        slowed,
+        slowed_at,
+        restarted,
+        labels,
+        annotation,
+        waiting,
+        pods_waiting,
+        passed,
+        hung,
+        workers_hung,
+        stored,
+    )
+
+
+# The shared run's setup (two RayClusters, the hang timeout) falls in the first of its tests to run.
+@pytest.mark.timeout(1800)
+def test_a_slow_pod_link_fails_the_fabric_check_naming_the_pod_and_node_which_the_next_attempt_avoids(
+    slow_link_then_hang: SlowLinkThenHang, real_node: RealNode, reliability: Recorder
+) -> None:
+    seen = slow_link_then_hang
+    slowed = seen.slowed
+    entry = seen.restarted["status"]["restarts"]["history"][0]
+    assert entry["reason"] == "FabricBelowThreshold", entry
+    assert f"every slow link touches pod {slowed} on node {real_node.name}" in entry["message"], entry
+    fabric = seen.restarted["status"]["fabric"]
+    assert fabric["report"]["suspectPod"] == slowed and not fabric["report"]["passed"], fabric
+    assert [n["node"] for n in fabric["avoidedNodes"]] == [real_node.name], fabric
+    verified = conditions_of(seen.restarted)["FabricVerified"]
+    assert verified["status"] == "False" and verified["reason"] == "BelowThreshold", verified
+    assert DEGRADED_LABEL in seen.labels, seen.labels
+    assert slowed in seen.annotation, seen.annotation
+    assert "affinity" in conditions_of(seen.waiting)["PodsScheduled"]["message"], conditions_of(seen.waiting)
+    pods = seen.pods_waiting
+    assert all(p["metadata"]["name"] != slowed for p in pods), "the slowed pod should be gone"
+    assert all(p["status"].get("phase") == "Pending" for p in pods if node_type(p) == "worker"), [
+        (p["metadata"]["name"], p["status"].get("phase")) for p in pods
+    ]
+    report = seen.passed["status"]["fabric"]["report"]
+    assert report["passed"] and len(report["links"]) >= 6 and report["busBandwidthGbps"] >= 0.05, report
+    reliability.record(
+        "One worker pod's link slowed to 20 Mbit/s (tc on its veth) before the job starts; three workers, "
+        "network.minBusBandwidthGbps 0.05",
+        "The fabric check fails naming the pod and node; the node is labelled and the next attempt's workers "
+        "avoid it",
+        f"FabricBelowThreshold {seconds_between(seen.slowed_at, entry['time']):.0f} s after the slowing, "
+        f"naming pod {slowed} on {real_node.name}; the next check, label removed: "
+        f"{report['busBandwidthGbps']} GB/s in {report['seconds']} s",
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_a_rank_that_hangs_in_a_worker_pod_is_named_with_its_pod_and_node_and_every_ranks_stacks_kept(
+    slow_link_then_hang: SlowLinkThenHang, real_node: RealNode, reliability: Recorder
+) -> None:
+    """Rank 0 of three stops making progress at step 12 in its worker pod, its process alive (ranks 1 and 2
+    wait for it in a collective): after the hang timeout, before the job is stopped, every rank's stacks go
+    to S3 and the status names rank 0 with the worker pod it ran in and the real node."""
+    forensics = slow_link_then_hang.hung["status"]["forensics"]
+    suspect = forensics["suspect"]
+    assert (forensics["ranksAnswered"], forensics["worldSize"]) == (3, 3), forensics
+    assert suspect["rank"] == 0 and suspect["pod"] in slow_link_then_hang.workers_hung, suspect
+    assert suspect["node"] == real_node.name, suspect
+    assert "while ranks 1, 2 wait in a collective" in suspect["why"], suspect
+    assert slow_link_then_hang.stored == {"request.json", "rank-0.json", "rank-1.json", "rank-2.json"}
+    collected = seconds_between(forensics["requestedAt"], forensics["concludedAt"])
+    reliability.record(
+        f"Rank 0 of three stops making progress at step {HANG_STEP} in its worker pod on the real node, "
+        "every process alive",
+        "every rank's stacks in S3 and rank 0 named with its pod and node before the job is stopped",
+        f"stacks of {forensics['ranksAnswered']} ranks {collected:.0f} s after the hang was declared; "
+        f"suspect rank 0 in pod {suspect['pod']} on {suspect['node']}",
+    )
