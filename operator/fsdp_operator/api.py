@@ -221,8 +221,9 @@ class ClusterSpec(ContractModel):
         default=None,
         max_length=32,
         pattern=QUANTITY,
-        description="Memory request and limit per worker pod. Default: 11/12 of the instance type's memory "
-        "(g6.12xlarge 176Gi, p5.48xlarge 1877Gi).",
+        description="Memory request and limit per worker pod. Default: what Karpenter's AWS provider assumes "
+        "a node of the instance type leaves pods before one has launched, less 4Gi for the node's DaemonSets "
+        "(g6.12xlarge 170Gi, p5.48xlarge 1888Gi): a larger request never gets a node from Karpenter.",
     )
     shm_size: str = Field(
         default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
