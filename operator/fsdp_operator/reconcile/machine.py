@@ -14,6 +14,7 @@ from fsdp_operator.reconcile.observation import Observation
 from fsdp_operator.reconcile.pending import pending
 from fsdp_operator.reconcile.provisioning import (
     absorb_pods_health,
+    absorb_provisioning_progress,
     absorb_scheduling,
     cluster_modified,
     cluster_not_ready,
@@ -80,6 +81,7 @@ def decide(state: PassState) -> None:
     absorb_image_request(state)
     if deadline_passed(state) or cluster_deleting(state):
         return
+    absorb_provisioning_progress(state)
     absorb_pods_health(state)
     absorb_scheduling(state)
     if pods_never_started(state) or provisioning_timed_out(state):

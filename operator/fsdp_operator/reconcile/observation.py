@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
+from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase, ProvisioningStatus
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import PreflightResult
@@ -33,10 +33,31 @@ class ClusterObservation:
 
 @dataclass(frozen=True)
 class PodProblem:
-    """A head or worker container that cannot start (ImagePullBackOff, CreateContainerConfigError, ...)."""
+    """A head or worker container that cannot start (ImagePullBackOff, CreateContainerConfigError, ...), or a
+    pod no node can be added for."""
 
     reason: str
     message: str
+    # Fails the run at once rather than after podErrorTimeoutSeconds: Karpenter has weighed every NodePool.
+    at_once: bool = False
+
+
+@dataclass(frozen=True)
+class PodsProgress:
+    """How far a RayCluster's pods have come: each count only grows while they come up."""
+
+    pods: int
+    placed: int  # bound to a node
+    started: int  # a container created, so its image is on the node
+    ready: int
+    pulls: tuple[str, ...] = ()  # "pulling image X on node Y" with the pull's start, for pods pulling now
+    pulling_since: dt.datetime | None = None  # the oldest of those pulls' starts
+
+    def ahead_of(self, before: ProvisioningStatus) -> bool:
+        """Further than `before` in any count, or pulling an image it was not."""
+        now = (self.placed, self.started, self.ready, len(self.pulls))
+        then = (before.pods_placed, before.pods_started, before.pods_ready, before.pods_pulling)
+        return any(a > b for a, b in zip(now, then, strict=True))
 
 
 @dataclass(frozen=True)
@@ -68,7 +89,9 @@ class Observation:
     pod_problems: tuple[PodProblem, ...] = ()
     pod_nodes: Mapping[str, str] = field(default_factory=dict)  # the run's Ray pods' nodes, by pod name
     unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
-    scale_up: str | None = None  # an autoscaler adding a node for one of them, in its words
+    scale_up: str | None = None  # an autoscaler adding a node for one of them (or held back), in its words
+    scale_up_delayed: bool = False  # held back for now (a group at its maximum, in backoff, a pool's limits)
+    pods_progress: PodsProgress | None = None  # the RayCluster's pods coming up
     oom_kills: tuple[OomKill, ...] = ()
     requested_image: str | None = None  # spec.image or the operator's default
     submission_prefix: str = "run"  # submission ids are <prefix>-<attempt>

@@ -56,7 +56,10 @@ def absorb_scheduling(state: PassState) -> None:
             state.condition(conditions.PODS_SCHEDULED, True, "Scheduled", "every Ray pod has a node")
         return
     message = f"{len(waiting)} pod(s) wait for a node: " + "; ".join(waiting[:2])
-    reason = "WaitingForScaleUp" if state.obs.scale_up else "Unschedulable"
+    if not state.obs.scale_up:
+        reason = "Unschedulable"
+    else:
+        reason = "ScaleUpDelayed" if state.obs.scale_up_delayed else "WaitingForScaleUp"
     if state.reason_of(conditions.PODS_SCHEDULED) != reason:
         state.event(True, reason, message)
     state.condition(conditions.PODS_SCHEDULED, False, reason, message)
@@ -65,12 +68,17 @@ def absorb_scheduling(state: PassState) -> None:
 
 
 def pods_never_started(state: PassState) -> bool:
-    """Pods that could not start for podErrorTimeoutSeconds fail the run."""
+    """Pods that could not start for podErrorTimeoutSeconds fail the run; one no NodePool can take at once."""
     stuck = state.condition_is(conditions.PODS_HEALTHY, "False")
     limit = state.spec.recovery.pod_error_timeout_seconds
     problems = pods_that_cannot_start(state)
     if state.obs.cluster is None or not problems or stuck is None:
         return False
+    refused = next((p for p in problems if p.at_once), None)
+    if refused is not None:
+        state.finish(Phase.FAILED, refused.reason, f"no node can be added for a Ray pod: {refused.message}")
+        state.decision.delete_cluster = True
+        return True
     if state.seconds_since(stuck.last_transition_time) < limit:
         return False
     first, message = problems[0], "; ".join(p.message for p in problems[:3])
@@ -83,11 +91,50 @@ def pods_healthy(state: PassState) -> None:
     state.condition(conditions.PODS_HEALTHY, True, "PodsStarting", "no pod is stuck starting")
 
 
+def absorb_provisioning_progress(state: PassState) -> None:
+    """status.provisioning while the run provisions: its pods' counts, and lastProgressTime moved on when one
+    grows or a pull begins; the run's message says how far they are (a problem or a wait for a node, absorbed
+    next, says more). Cleared in every other phase."""
+    new, seen = state.new, state.obs.pods_progress
+    if new.phase != Phase.PROVISIONING:
+        new.provisioning = None
+        return
+    if seen is None or state.obs.cluster is None:
+        return
+    before = new.provisioning or api.ProvisioningStatus(last_progress_time=new.phase_transition_time)
+    moved = seen.ahead_of(before)
+    new.provisioning = api.ProvisioningStatus(
+        pods=seen.pods,
+        pods_placed=seen.placed,
+        pods_pulling=len(seen.pulls),
+        pods_started=seen.started,
+        pods_ready=seen.ready,
+        last_progress_time=state.obs.now if moved else before.last_progress_time,
+    )
+    counts = f"{seen.placed}/{seen.pods} pods placed, {seen.started} started, {seen.ready} ready"
+    if seen.pulls:
+        minutes = int(state.seconds_since(seen.pulling_since) // 60)
+        counts += f"; {seen.pulls[0]} for {minutes}m" + (
+            f" (and {len(seen.pulls) - 1} more)" if seen.pulls[1:] else ""
+        )
+    state.say(f"waiting for KubeRay: {counts}")
+
+
 def provisioning_timed_out(state: PassState) -> bool:
+    """No progress for provisioningTimeoutSeconds: counted from the pods' last progress (status.provisioning),
+    so a slow pull or a node being added is not a timeout, and a cluster still coming up is never deleted."""
     new, limit = state.new, state.spec.recovery.provisioning_timeout_seconds
-    if new.phase != Phase.PROVISIONING or state.seconds_since(new.phase_transition_time) < limit:
+    progressed = new.provisioning.last_progress_time if new.provisioning else None
+    since = max(filter(None, (new.phase_transition_time, progressed)), default=None)
+    if new.phase != Phase.PROVISIONING or state.seconds_since(since) < limit:
         return False
     message = f"the RayCluster was not ready within provisioningTimeoutSeconds ({limit}s)"
+    if (
+        progressed is not None
+        and new.phase_transition_time is not None
+        and progressed > new.phase_transition_time
+    ):
+        message += " of its pods' last progress"
     waiting = state.obs.unschedulable
     if waiting:  # the why first: messages are bounded
         message += f": {len(waiting)} pod(s) had no node: {waiting[0]}"

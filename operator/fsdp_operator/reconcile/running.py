@@ -18,7 +18,7 @@ from fsdp_operator.reconcile.liveness import (
 from fsdp_operator.reconcile.observation import RAY_ACTIVE_JOB_STATES
 from fsdp_operator.reconcile.state import STILL_ENDING_REQUEUE_SECONDS, PassState
 from fsdp_operator.recovery import REASON_BY_KIND, Failure, classify
-from fsdp_trainer.contract import ErrorKind, SlowFabricPolicy
+from fsdp_trainer.contract import ErrorKind, ProgressRecord, SlowFabricPolicy
 
 # Ray's memory monitor's verdict on a task or actor it killed near the node's (the pod's) memory limit.
 RAY_MEMORY_MONITOR_KILL = re.compile(r"OutOfMemoryError|killed due to the node running low on memory")
@@ -135,13 +135,31 @@ def running(state: PassState) -> None:
         )
     elif job.status in RAY_ACTIVE_JOB_STATES:
         state.condition(conditions.JOB_RUNNING, True, job.status.capitalize(), job.message or job.status)
-        check_liveness(state)
+        state.say(what_the_job_does(new.attempt, job.submission_id, job.status, attempt_progress(state)))
+        check_liveness(state)  # a hang, or forensics under way, says so instead
     elif job.status == "SUCCEEDED":
         step = new.progress.step if new.progress else None
         state.finish(Phase.SUCCEEDED, "Completed", f"training finished at step {step}")
     else:
         failure = oom_killed(state) or classify(job.message, job.logs_tail, obs.progress, job.start_time)
         state.fail_attempt(avoiding_slow_node(state, failure))
+
+
+def what_the_job_does(
+    attempt: int, submission_id: str, job_status: str, record: ProgressRecord | None
+) -> str:
+    """The run's message while its job is active, as of this pass: training at its step, or setting up at its
+    stage, or Ray's state of the job before the trainer has said anything (the message the submission wrote
+    stood for the whole run: 'is PENDING' at step 40)."""
+    said = f"attempt {attempt}: Ray job {submission_id} is {job_status}"
+    if record is None:
+        return said
+    if record.phase == "training":
+        loss = f", loss {record.loss:.4g}" if record.loss is not None else ""
+        return f"attempt {attempt}: training, step {record.step} of {record.max_steps}{loss}"
+    if record.phase == "starting" and record.stage is not None:
+        return f"{said}: setting up ({record.stage})"
+    return said
 
 
 def oom_killed(state: PassState) -> Failure | None:
