@@ -116,7 +116,8 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         "head": head,
         "ready": ready,
         # A container was created, so its image is on the node: the pod is past its pull.
-        "started": any(s.get("imageID") for s in every_status),
+        "started": ready
+        or any(s.get("imageID") or "running" in (s.get("state") or {}) for s in every_status),
         "imageIds": image_ids,
         "problems": problems,
         "oomKills": oom_kills,

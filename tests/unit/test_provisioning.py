@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 
 from fsdp_operator import api, conditions
+from fsdp_operator.observe import pull_under_way
 from fsdp_operator.reconcile import ClusterObservation, PodProblem, PodsProgress, reconcile
 from tests.support.decision_inputs import NOW, job, observe, record, spec, status
 
@@ -97,3 +98,21 @@ def test_the_message_says_the_run_trains_at_its_step() -> None:
         starting.status.message
         == "attempt 1: Ray job run-0f1e2d3c-1 is RUNNING: setting up (downloading-model)"
     )
+
+
+def test_a_pull_is_under_way_from_the_kubelets_pulling_event_until_it_pulled() -> None:
+    image = "public.ecr.aws/deep-learning-containers/ray:2.58.0-gpu-py313-cu130"
+    pulling = {
+        "reason": "Pulling",
+        "message": f'Pulling image "{image}"',
+        "firstTimestamp": "2026-12-06T10:00:00Z",
+    }
+    pulling["lastTimestamp"] = pulling["firstTimestamp"]
+    pulled = {
+        "reason": "Pulled",
+        "message": f'Successfully pulled image "{image}"',
+        "lastTimestamp": "2026-12-06T10:04:10Z",
+    }
+    assert pull_under_way([pulling]) == ("2026-12-06T10:00:00Z", image)
+    assert pull_under_way([pulled, pulling]) is None
+    assert pull_under_way([]) is None
