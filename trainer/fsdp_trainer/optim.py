@@ -47,7 +47,9 @@ def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.A
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=True)
+    # A weightless (meta) model, whose optimizer state is only counted, cannot have the fused kernel.
+    weightless = any(p.is_meta for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=not weightless)
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,11 @@ def apply_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
     """optimizer.step(), which changes nothing (parameters, moments, step count) where `skip` is 1, as
     decided on the device: the fused AdamW's found_inf, through which torch's GradScaler skips a step whose
     gradients overflowed, set on the optimizer and removed as GradScaler does."""
+    parameters_device = optimizer.param_groups[0]["params"][0].device
+    if skip.device != parameters_device:
+        # cpu_offload: a blocking copy. torch's own non-blocking one lands in pinned memory that the fused
+        # kernel on the host would read before the copy completes.
+        skip = skip.to(parameters_device)
     optimizer.found_inf = skip  # type: ignore[attr-defined]
     try:
         optimizer.step()
