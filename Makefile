@@ -68,11 +68,8 @@ lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator and the kubectl
 
 .PHONY: test
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
-	export FSDP_RELIABILITY_TABLE=$(if $(PYTEST_ARGS),,docs/reliability.md) && \
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
-	  --ignore=$(TRAINER_TESTS) $(PYTEST_ARGS) && \
-	$(DLC_PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=5 \
-	  $(TRAINER_TESTS) $(PYTEST_ARGS)
+	FSDP_RELIABILITY_TABLE=$(if $(PYTEST_ARGS),,docs/reliability.md) \
+	  hack/test.sh $(PY) $(DLC_PY) $(TRAINER_TESTS) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 .PHONY: test-unit
 test-unit: venv-operator venv-dlc ## the fast tests only (no servers, no processes)

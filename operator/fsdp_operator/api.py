@@ -221,8 +221,9 @@ class ClusterSpec(ContractModel):
         default=None,
         max_length=32,
         pattern=QUANTITY,
-        description="Memory request and limit per worker pod. Default: 11/12 of the instance type's memory "
-        "(g6.12xlarge 176Gi, p5.48xlarge 1877Gi).",
+        description="Memory request and limit per worker pod. Default: what Karpenter's AWS provider assumes "
+        "a node of the instance type leaves pods before one has launched, less 4Gi for the node's DaemonSets "
+        "(g6.12xlarge 170Gi, p5.48xlarge 1888Gi): a larger request never gets a node from Karpenter.",
     )
     shm_size: str = Field(
         default="64Gi", max_length=32, pattern=QUANTITY, description="Size of the /dev/shm volume per worker."
@@ -764,6 +765,23 @@ class GoodputStatus(ContractModel):
     cost_per_million_tokens_usd: float | None = None
 
 
+class ProvisioningStatus(ContractModel):
+    """How far the current RayCluster's pods have come while it provisions.
+    recovery.provisioningTimeoutSeconds counts from lastProgressTime: a slow image pull or a node being added
+    is not a hang, and a cluster that keeps coming up is not deleted to start cold again."""
+
+    pods: int = Field(default=0, description="The RayCluster's Ray pods (head and workers) seen.")
+    pods_placed: int = Field(default=0, description="Of them, bound to a node.")
+    pods_pulling: int = Field(default=0, description="Of them, pulling their image now.")
+    pods_started: int = Field(
+        default=0, description="Of them, with a container created (the image is there)."
+    )
+    pods_ready: int = 0
+    last_progress_time: dt.datetime | None = Field(
+        default=None, description="When a count last grew, or a pull began (else when provisioning began)."
+    )
+
+
 class FSDPTrainingRunStatus(ContractModel):
     observed_generation: int | None = None
     phase: Phase | None = None
@@ -787,6 +805,9 @@ class FSDPTrainingRunStatus(ContractModel):
     )
     attempt_time: dt.datetime | None = Field(
         default=None, description="When the current attempt was decided."
+    )
+    provisioning: ProvisioningStatus | None = Field(
+        default=None, description="The current RayCluster's pods coming up, while the run is Provisioning."
     )
     image: ImageStatus = Field(default_factory=ImageStatus)
     progress: ProgressStatus = Field(default_factory=ProgressStatus)

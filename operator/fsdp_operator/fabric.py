@@ -2,7 +2,7 @@
 every run's workers off a node whose link the check found slow.
 
 The trainer measures and judges (fsdp_trainer/fabric.py); the operator decides what a failed check leads to
-(reconcile.py) and labels the node (actions.py).
+(reconcile/running.py) and labels the node (actions.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Kopf's wiring: the indexes of watched objects, and which events start a pass (runpass.py) or an action.
 
 Handlers are thin: they pick what kopf hands them and call the pass, the actions or the memory of what was
-watched; the decisions live in reconcile.py, admission.py and preflight.py.
+watched; the decisions live in reconcile/, admission.py and preflight.py.
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from fsdp_operator.health import start_site
 
 PREFIX = "fsdp_operator_"
 OTHER = "Other"
-# Every reason a restart entry can carry (reconcile.py, recovery.py); anything else is counted as OTHER.
+# Every reason a restart entry can carry (reconcile/, recovery.py); anything else is counted as OTHER.
 RESTART_REASONS = frozenset(
     {
         "JobFailed",

@@ -5,6 +5,7 @@ watched objects from kopf's indexes, the job from the run's Ray dashboard, progr
 from __future__ import annotations
 
 import datetime as dt
+import enum
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -12,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from fsdp_operator import api, builder, goodput, submission
+from fsdp_operator import api, builder, goodput, instancetypes, quantity, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
@@ -21,6 +22,7 @@ from fsdp_operator.reconcile import (
     Observation,
     OomKill,
     PodProblem,
+    PodsProgress,
     job_to_observe,
     needs_workload,
     observe_cluster,
@@ -30,11 +32,59 @@ from fsdp_operator.records import RecordTooLarge, RunStorage
 from fsdp_trainer.contract import CheckpointRef, RankStacks, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
-# What autoscalers say on a pod they are adding a node for (cluster-autoscaler, Karpenter), and on one they
-# cannot add a node for.
-AUTOSCALER_ADDING = ("TriggeredScaleUp", "Nominated")
-AUTOSCALER_REFUSED = ("NotTriggerScaleUp",)
-AUTOSCALER_PODS_READ = 3
+AUTOSCALER_MESSAGE_CHARS = 600  # of an autoscaler's event message, kept in a run's status
+AUTOSCALER_EVENT_REASONS = ("TriggeredScaleUp", "NotTriggerScaleUp", "Nominated", "FailedScheduling")
+# Karpenter's refusal shares its reason with the scheduler's; its message says whose it is.
+KARPENTER_REFUSAL = "Failed to schedule pod"
+# Refusals that pass by themselves: a node group at its maximum or in backoff after a failed scale-up (EC2
+# out of that type for now: p5 capacity shortages every day), a NodePool at its limits. Anything else an
+# autoscaler refuses (no group or pool can make a node the pod fits on) stays refused.
+PASSING_REFUSALS = (
+    "max node group size reached",
+    "in backoff after failed scale-up",
+    "exceed limits for nodepool",
+)
+
+
+class Verdict(enum.Enum):
+    """What an autoscaler's newest word about a waiting pod means for the run."""
+
+    ADDING = "adding"  # a node is being added for it: wait, up to provisioningTimeoutSeconds
+    DELAYED = "delayed"  # none can be added now but may be later: wait, up to provisioningTimeoutSeconds
+    REFUSED = "refused"  # none of its node groups can take the pod: a problem
+
+
+@dataclass(frozen=True)
+class AutoscalerSaid:
+    reason: str
+    message: str
+
+    @property
+    def karpenter(self) -> bool:
+        return self.message.startswith(KARPENTER_REFUSAL)
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """None for what is not an autoscaler's (the scheduler's own FailedScheduling)."""
+        if self.reason in ("TriggeredScaleUp", "Nominated"):
+            return Verdict.ADDING
+        if self.reason != "NotTriggerScaleUp" and not (self.reason == "FailedScheduling" and self.karpenter):
+            return None
+        passing = any(words in self.message for words in PASSING_REFUSALS)
+        return Verdict.DELAYED if passing else Verdict.REFUSED
+
+    @property
+    def short_of_resources(self) -> bool:
+        """Karpenter found no instance type with room for the pod (its requests, not its selectors)."""
+        return self.karpenter and "enough resources" in self.message
+
+    @property
+    def refusal_reason(self) -> str:
+        """The condition reason of a refusal: Karpenter's is named for what it means, no NodePool fits."""
+        return "NoNodePoolFits" if self.karpenter else self.reason
+
+    def __str__(self) -> str:
+        return f"{self.reason}: {self.message}"
 
 
 def observe(
@@ -81,7 +131,8 @@ def observe(
             storage_error, storage_error_reason = str(error)[:1000], RecordTooLarge.reason
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
-    scheduling = observe_scheduling(ctx, run.namespace, pods, cluster)
+    scheduling = observe_scheduling(ctx, run.namespace, pods, cluster, spec)
+    provisioning = status.phase == api.Phase.PROVISIONING and cluster is not None
     memory = ctx.runs.of(run.uid)
     return Observation(
         now=now,
@@ -101,6 +152,8 @@ def observe(
         pod_problems=scheduling.problems,
         unschedulable=scheduling.waiting,
         scale_up=scheduling.scale_up,
+        scale_up_delayed=scheduling.scale_up_delayed,
+        pods_progress=observe_pods_progress(ctx, run.namespace, pods) if provisioning else None,
         oom_kills=tuple(
             OomKill(dt.datetime.fromisoformat(finished), message)
             for pod in pods
@@ -163,63 +216,172 @@ def observe_forensics(
     return len(keys), tuple(storage.rank_stacks(keys))
 
 
+def observe_pods_progress(ctx: Context, namespace: str, pods: list[dict[str, Any]]) -> PodsProgress:
+    """How far the cluster's pods have come, with the image pulls under way (the kubelet's Pulling events,
+    read only for pods on a node whose containers are not created yet: one bounded LIST each)."""
+    pulls: list[tuple[str, str]] = []  # (since, what)
+    for pod in pods:
+        if not pod.get("node") or pod.get("started"):
+            continue
+        try:
+            events = ctx.kube.pod_events(namespace, pod["name"])
+        except Exception as error:
+            log.warning("%s: could not read the events of pod %s: %s", namespace, pod["name"], error)
+            continue
+        pull = pull_under_way(events)
+        if pull is not None:
+            since, image = pull
+            pulls.append((since, f"pulling image {image} on node {pod['node']}"))
+    pulls.sort()
+    return PodsProgress(
+        pods=len(pods),
+        placed=sum(1 for p in pods if p.get("node")),
+        started=sum(1 for p in pods if p.get("started")),
+        ready=sum(1 for p in pods if p.get("ready")),
+        pulls=tuple(what for _, what in pulls),
+        pulling_since=dt.datetime.fromisoformat(pulls[0][0]) if pulls and pulls[0][0] else None,
+    )
+
+
+def pull_under_way(events: list[dict[str, Any]]) -> tuple[str, str] | None:
+    """(when it began, the image) of the kubelet's newest Pulling event, unless Pulled or Failed followed."""
+    pulling = [
+        e for e in sorted(events, key=_event_time) if e.get("reason") in ("Pulling", "Pulled", "Failed")
+    ]
+    if not pulling or pulling[-1].get("reason") != "Pulling":
+        return None
+    newest = pulling[-1]
+    message = str(newest.get("message") or "")
+    image = message.split('"')[1] if message.count('"') >= 2 else message.removeprefix("Pulling image ")
+    began = newest.get("firstTimestamp") or newest.get("eventTime") or _event_time(newest)
+    return str(began), image[:200]
+
+
 @dataclass(frozen=True)
 class Scheduling:
     problems: tuple[PodProblem, ...]  # pods that cannot start, or that no node can be added for
     waiting: tuple[str, ...]  # pods waiting for a node, with the scheduler's (and an autoscaler's) message
-    scale_up: str | None  # an autoscaler adding a node for one of them, in its words
+    scale_up: str | None  # an autoscaler adding a node for one of them, or held back for now, in its words
+    scale_up_delayed: bool = False  # held back (a group at its maximum, in backoff): none is being added
 
 
 def observe_scheduling(
-    ctx: Context, namespace: str, pods: list[dict[str, Any]], cluster: ClusterObservation | None
+    ctx: Context,
+    namespace: str,
+    pods: list[dict[str, Any]],
+    cluster: ClusterObservation | None,
+    spec: api.FSDPTrainingRunSpec,
 ) -> Scheduling:
     """Why the Ray pods cannot start or wait. A pod no node can take is told apart by what an autoscaler
-    says in its events: adding a node (cluster-autoscaler's TriggeredScaleUp, Karpenter's Nominated) is
-    waited for, up to the provisioning timeout, the head's too; unable to (NotTriggerScaleUp) is a problem,
-    which fails the run after podErrorTimeoutSeconds; without an autoscaler, workers wait (a node group may
-    be resized by hand) and a head is a problem."""
-    waiting_pods = [pod["name"] for pod in pods if pod.get("unschedulable")]
-    verdicts = autoscaler_verdicts(ctx, namespace, waiting_pods) if waiting_pods else {}
-    problems, waiting, scale_up = [], [], None
+    says in its events: adding a node (cluster-autoscaler's TriggeredScaleUp, Karpenter's Nominated), or held
+    back for now (a node group at its maximum or in backoff, a NodePool at its limits) is waited for, up to
+    the provisioning timeout, the head's too; unable to (NotTriggerScaleUp, Karpenter's FailedScheduling) is a
+    problem: Karpenter's fails the run at once (it has weighed every NodePool), cluster-autoscaler's after
+    podErrorTimeoutSeconds; without an autoscaler, workers wait (a node group may be resized by hand) and a
+    head is a problem. A worker's crash loop is its own only while its head is up (without GCS workers exit
+    and loop until it is back)."""
+    head_first = sorted(pods, key=lambda pod: not pod.get("head"))
+    waiting_pods = pods_to_ask_about(pods)
+    said = autoscaler_said(ctx, namespace, waiting_pods) if waiting_pods else {}
+    return scheduling_of(head_first, said, cluster, disk_advice(spec))
+
+
+def pods_to_ask_about(pods: list[dict[str, Any]]) -> list[str]:
+    """Every waiting pod whose events say what an autoscaler does for it, the head first: the pod index lists
+    pods in whatever order it was rebuilt (by name after an operator restart: workers before the head)."""
+    return [
+        pod["name"] for pod in sorted(pods, key=lambda pod: not pod.get("head")) if pod.get("unschedulable")
+    ]
+
+
+def disk_advice(spec: api.FSDPTrainingRunSpec) -> str:
+    """What to change when Karpenter finds no node for a worker whose disk request is over what its default
+    root volume leaves pods: it sizes a node's disk from the EC2NodeClass, not from the pods."""
+    asked = quantity.whole(spec.worker_ephemeral_storage())
+    usable = (instancetypes.DEFAULT_ROOT_VOLUME_GIB - instancetypes.ROOT_VOLUME_NOT_FOR_PODS_GIB) * 2**30
+    if asked <= usable:
+        return ""
+    needed = -(-asked // 2**30) + instancetypes.ROOT_VOLUME_NOT_FOR_PODS_GIB
+    return (
+        f"; each worker requests {spec.worker_ephemeral_storage()} of ephemeral-storage, more than "
+        f"Karpenter's default {instancetypes.DEFAULT_ROOT_VOLUME_GIB} GiB root volume leaves pods: give the "
+        f"NodePool's EC2NodeClass a root volume of at least {needed} GiB (spec.blockDeviceMappings, "
+        "deviceName /dev/xvda, ebs.volumeSize), or lower spec.cluster.ephemeralStorage"
+    )
+
+
+def scheduling_of(
+    pods: list[dict[str, Any]],
+    said: Mapping[str, AutoscalerSaid],
+    cluster: ClusterObservation | None,
+    advice: str = "",
+) -> Scheduling:
+    """observe_scheduling's verdict from the pods (head first) and what autoscalers said of them; advice
+    follows a refusal of Karpenter's for want of resources."""
+    head_up = any(pod.get("head") and pod.get("ready") for pod in pods) or bool(cluster and cluster.ready)
+    problems, waiting, scale_up, delayed = [], [], None, False
     for pod in pods:
-        verdict = verdicts.get(pod["name"])
-        adding = verdict is not None and verdict[0] in AUTOSCALER_ADDING
+        words = said.get(pod["name"])
+        verdict = words.verdict if words is not None else None
+        waits = verdict in (Verdict.ADDING, Verdict.DELAYED)
         for reason, message in pod["problems"]:
-            if reason == "HeadUnschedulable" and adding:
-                continue
-            # Workers exit while their head is down (no GCS) and loop until it is back: not a fault of theirs.
-            if reason == "CrashLoopBackOff" and not pod.get("head") and not (cluster and cluster.ready):
+            if reason == "HeadUnschedulable" and (waits or verdict == Verdict.REFUSED):
+                continue  # the autoscaler's words say more
+            if reason == "CrashLoopBackOff" and not pod.get("head") and not head_up:
                 continue
             problems.append(PodProblem(reason, message))
         if not pod.get("unschedulable"):
             continue
-        if verdict is not None and verdict[0] in AUTOSCALER_REFUSED:
-            if not pod.get("head"):  # the head's HeadUnschedulable is already a problem
-                problems.append(PodProblem(verdict[0], f"{pod['unschedulable']}; {verdict[0]}: {verdict[1]}"))
-        elif adding or not pod.get("head"):
-            waiting.append(
-                pod["unschedulable"] + (f"; {verdict[0]}: {verdict[1]}" if verdict and adding else "")
+        if words is not None and verdict == Verdict.REFUSED:
+            problems.append(
+                PodProblem(
+                    words.refusal_reason,
+                    # Karpenter's words say all the scheduler's do, and the requests it could not fit.
+                    (f"pod {pod['name']}: {words}" if words.karpenter else f"{pod['unschedulable']}; {words}")
+                    + (advice if words.short_of_resources and not pod.get("head") else ""),
+                    at_once=words.karpenter,
+                )
             )
-            if adding and verdict is not None and scale_up is None:
-                scale_up = f"{verdict[0]}: {verdict[1]}"
-    return Scheduling(tuple(problems), tuple(waiting), scale_up)
+        elif waits or not pod.get("head"):
+            waiting.append(pod["unschedulable"] + (f"; {words}" if words is not None and waits else ""))
+            if words is not None and waits and (scale_up is None or (delayed and verdict == Verdict.ADDING)):
+                scale_up, delayed = str(words), verdict == Verdict.DELAYED
+    return Scheduling(tuple(problems), tuple(waiting), scale_up, delayed)
 
 
-def autoscaler_verdicts(ctx: Context, namespace: str, pods: list[str]) -> dict[str, tuple[str, str]]:
-    """Pod name -> (reason, message) of the newest autoscaler event about it, for at most
-    AUTOSCALER_PODS_READ pods a pass (one bounded LIST each). A read that fails is left out: the pod waits."""
-    verdicts = {}
-    for pod in pods[:AUTOSCALER_PODS_READ]:
+def autoscaler_said(ctx: Context, namespace: str, pods: list[str]) -> dict[str, AutoscalerSaid]:
+    """Pod name -> the newest autoscaler event about it, for every waiting pod of the run (one bounded LIST
+    each, the head's first). A read that fails is left out: the pod waits."""
+    found = {}
+    for pod in pods:
         try:
             events = ctx.kube.pod_events(namespace, pod)
         except Exception as error:
             log.warning("%s: could not read the events of pod %s: %s", namespace, pod, error)
             continue
-        said = [e for e in events if e.get("reason") in (*AUTOSCALER_ADDING, *AUTOSCALER_REFUSED)]
-        newest = max(said, key=_event_time, default=None)
+        newest = newest_autoscaler_word(events)
         if newest is not None:
-            verdicts[pod] = (str(newest["reason"]), str(newest.get("message") or "")[:500])
-    return verdicts
+            found[pod] = newest
+    return found
+
+
+def newest_autoscaler_word(events: list[dict[str, Any]]) -> AutoscalerSaid | None:
+    """The newest of the events that are an autoscaler's (the scheduler's FailedScheduling is not)."""
+    heard = [
+        AutoscalerSaid(str(e["reason"]), ends_kept(str(e.get("message") or ""), AUTOSCALER_MESSAGE_CHARS))
+        for e in sorted(events, key=_event_time)
+        if e.get("reason") in AUTOSCALER_EVENT_REASONS
+    ]
+    return next((h for h in reversed(heard) if h.verdict is not None), None)
+
+
+def ends_kept(text: str, limit: int) -> str:
+    """At most limit characters, its middle cut: Karpenter names the NodePool's requirements first and the
+    pod's requests (what to lower) last."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 5) * 2 // 5
+    return f"{text[:head]} ... {text[len(text) - (limit - 5 - head) :]}"
 
 
 def _event_time(event: dict[str, Any]) -> str:

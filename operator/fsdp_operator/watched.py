@@ -106,11 +106,18 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     ready = any(
         c.get("type") == "Ready" and c.get("status") == "True" for c in status_of.get("conditions") or []
     )
+    every_status = [
+        *(status_of.get("initContainerStatuses") or []),
+        *(status_of.get("containerStatuses") or []),
+    ]
     return {
         "name": name,
         "node": (body.get("spec") or {}).get("nodeName"),
         "head": head,
         "ready": ready,
+        # A container was created, so its image is on the node: the pod is past its pull.
+        "started": ready
+        or any(s.get("imageID") or "running" in (s.get("state") or {}) for s in every_status),
         "imageIds": image_ids,
         "problems": problems,
         "oomKills": oom_kills,

@@ -61,6 +61,16 @@ def test_run_goes_from_preflight_to_succeeded_with_its_record(
     namespace: str, lifecycle_operator: OperatorProcess, s3: Any, tmp_path: Path
 ) -> None:
     name = demo_run(namespace, cleanupPolicy="KeepCluster")
+
+    def trains_in_the_message_column() -> str | None:
+        row = kubectl("get", "trainingruns", name, "-n", namespace, "--no-headers").stdout
+        return row if "training, step" in row else None
+
+    # The daily view says the run trains at its step, not the job's state when it was submitted.
+    row = wait_until(
+        "`kubectl get trainingruns` saying the run trains", trains_in_the_message_column, RUN_TIMEOUT
+    )
+    assert "is PENDING" not in row, row
     run = wait_for_phase(namespace, name, "Succeeded", timeout=RUN_TIMEOUT)
     status = run["status"]
     conditions = conditions_of(run)

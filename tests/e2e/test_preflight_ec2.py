@@ -121,9 +121,11 @@ def p5_node(name: str, zone: str) -> dict[str, Any]:
 def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_is_refused(
     namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """Two runs on p5.48xlarge, of which no node exists: the autoscaler adds a node for one
-    (TriggeredScaleUp), which the run waits for and then uses; it says it cannot for the other
-    (NotTriggerScaleUp), which fails within podErrorTimeoutSeconds naming the autoscaler's reason."""
+    """Two runs on p5.48xlarge, of which no node exists. For one the autoscaler is first held back (its node
+    group in backoff after a failed scale-up: EC2 out of p5s for now), which the run waits out past
+    podErrorTimeoutSeconds with the reason shown, then adds a node (TriggeredScaleUp), which the run waits for
+    and then uses; for the other no node group matches (NotTriggerScaleUp), which fails within
+    podErrorTimeoutSeconds naming the autoscaler's reason."""
     proc = OperatorProcess(
         namespace=namespace,
         env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
@@ -158,20 +160,30 @@ def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_i
 
         grows = wait_until("the worker of 'grows' unschedulable", lambda: waiting_worker("grows"), timeout=90)
         never = wait_until("the worker of 'never' unschedulable", lambda: waiting_worker("never"), timeout=90)
-        autoscaler_says(
-            namespace, grows, "TriggeredScaleUp", "pod triggered scale-up: [{eks-p5 0->1 (max: 2)}]"
-        )
-        autoscaler_says(
-            namespace,
-            never,
-            "NotTriggerScaleUp",
-            "pod didn't trigger scale-up: 1 max node group size reached",
-        )
+        backoff = "pod didn't trigger scale-up: 1 in backoff after failed scale-up"
+        autoscaler_says(namespace, grows, "NotTriggerScaleUp", backoff)
+        no_match = "pod didn't trigger scale-up: 1 node(s) didn't match Pod's node affinity/selector"
+        autoscaler_says(namespace, never, "NotTriggerScaleUp", no_match)
 
         failed = wait_for_phase(namespace, "never", "Failed", timeout=90)
         reason = conditions_of(failed)["Failed"]
-        assert reason["reason"] == "NotTriggerScaleUp" and "max node group size reached" in reason["message"]
+        assert reason["reason"] == "NotTriggerScaleUp" and "didn't match" in reason["message"]
 
+        # By then 'grows' has waited past podErrorTimeoutSeconds (20 s) behind its backoff, and still waits.
+        def scheduled_reason(reason: str) -> dict[str, Any] | None:
+            scheduled = conditions_of(run_of(namespace, "grows")).get("PodsScheduled") or {}
+            return scheduled if scheduled.get("reason") == reason else None
+
+        held_back = wait_until(
+            "'grows' waiting out the backoff", lambda: scheduled_reason("ScaleUpDelayed"), 60
+        )
+        assert "in backoff after failed scale-up" in held_back["message"], held_back
+        assert run_of(namespace, "grows")["status"]["phase"] == "Provisioning"
+        autoscaler_says(
+            namespace, grows, "TriggeredScaleUp", "pod triggered scale-up: [{eks-p5 0->1 (max: 2)}]"
+        )
+
+        wait_until("'grows' waiting for its scale-up", lambda: scheduled_reason("WaitingForScaleUp"), 60)
         run = run_of(namespace, "grows")
         scheduled = conditions_of(run)["PodsScheduled"]
         assert (scheduled["status"], scheduled["reason"]) == ("False", "WaitingForScaleUp"), scheduled

@@ -29,7 +29,7 @@ def test_a_p5_worker_gets_every_efa_interface_and_gpu_of_the_node_by_default() -
     limits = worker_resources({"instanceType": "p5.48xlarge"})
     assert limits == {
         "cpu": "188",
-        "memory": "1877Gi",
+        "memory": "1888Gi",
         builder.GPU: "8",
         builder.EFA: "32",
     }
@@ -37,11 +37,33 @@ def test_a_p5_worker_gets_every_efa_interface_and_gpu_of_the_node_by_default() -
 
 
 def test_the_sample_shape_is_unchanged_and_what_the_spec_sets_wins() -> None:
-    assert worker_resources({}) == {"cpu": "44", "memory": "176Gi", builder.GPU: "4", builder.EFA: "1"}
+    assert worker_resources({}) == {"cpu": "44", "memory": "170Gi", builder.GPU: "4", builder.EFA: "1"}
     set_by_hand = {"instanceType": "p5.48xlarge", "gpusPerWorker": 4, "efaPerWorker": 16, "cpu": "90"}
     limits = worker_resources(set_by_hand)
     assert (limits["cpu"], limits[builder.GPU], limits[builder.EFA]) == ("90", "4", "16")
     assert builder.EFA not in worker_resources({"instanceType": "p5.48xlarge"}, network={"efa": "disabled"})
+
+
+def test_karpenters_estimate_of_the_sample_node_is_aws_providers() -> None:
+    """g6.12xlarge as karpenter-provider-aws sizes it before one launched: 192 GiB less 7.5 % (14,746 MiB),
+    less kube-reserved for 234 pods (8 ENIs x 29 addresses + 2: 2,829 MiB), less the 100 MiB eviction
+    threshold."""
+    g6 = instancetypes.GPU_INSTANCE_TYPES["g6.12xlarge"]
+    assert g6.max_pods == 234
+    assert g6.estimated_allocatable_mib == 196_608 - 14_746 - 2_829 - 100 == 178_933
+    assert g6.estimated_allocatable_millicores == 48_000 - 60 - 10 - 2 * 5 - 44 * 2.5 == 47_810
+
+
+@pytest.mark.parametrize("name", sorted(instancetypes.GPU_INSTANCE_TYPES))
+def test_a_default_worker_fits_the_node_karpenter_assumes_with_room_for_daemonsets(name: str) -> None:
+    """Karpenter launches a node only for pods that fit its estimate of the type's allocatable: the default
+    worker (cpu and memory unset) must, with the node's DaemonSet pods beside it (176Gi of g6.12xlarge's 192
+    did not: Karpenter assumes 174.7 GiB)."""
+    shape = instancetypes.GPU_INSTANCE_TYPES[name]
+    limits = worker_resources({"instanceType": name})
+    memory_mib = int(limits["memory"].removesuffix("Gi")) * 1024
+    assert memory_mib + instancetypes.DAEMONSET_MIB <= shape.estimated_allocatable_mib, limits
+    assert int(limits["cpu"]) * 1000 + 500 <= shape.estimated_allocatable_millicores, limits
 
 
 @pytest.mark.parametrize("name", sorted(instancetypes.GPU_INSTANCE_TYPES))
@@ -57,6 +79,16 @@ def test_the_table_says_what_ec2_says(name: str) -> None:
     assert ours.gpus == sum(g["Count"] for g in ec2["GpuInfo"]["Gpus"])
     assert ours.efa_interfaces == ec2["NetworkInfo"]["EfaInfo"]["MaximumEfaInterfaces"]
     assert ours.instance_store_gb == ec2["InstanceStorageInfo"]["TotalSizeInGB"]
+    network = ec2["NetworkInfo"]
+    [default_card] = [
+        card
+        for card in network["NetworkCards"]
+        if card["NetworkCardIndex"] == network.get("DefaultNetworkCardIndex", 0)
+    ]
+    assert (ours.enis, ours.ipv4_per_eni) == (
+        default_card["MaximumNetworkInterfaces"],
+        network["Ipv4AddressesPerInterface"],
+    )
 
 
 def test_where_nodes_expose_efa_through_dra_workers_claim_it_from_the_device_class() -> None:

@@ -1,0 +1,143 @@
+"""One pass's state: the new status under construction and the actions decided so far, with the primitives
+every phase uses (conditions, Events, the phase's transition, the requeue, a finished run, a failed
+attempt)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Literal
+
+from fsdp_operator import api, conditions
+from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
+from fsdp_operator.reconcile.decision import Decision, Event
+from fsdp_operator.reconcile.observation import Observation
+from fsdp_operator.recovery import Failure, backoff_seconds
+from fsdp_trainer.contract import RestartEntry
+
+STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
+
+
+class PassState:
+    """One reconcile pass: the spec and observation it decides from, the status as read (`old`), the new
+    status (`new`) and the decision that carries it."""
+
+    def __init__(self, spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, obs: Observation) -> None:
+        self.spec, self.obs, self.old = spec, obs, status
+        self.new = status.model_copy(deep=True)
+        self.new.observed_generation = obs.generation
+        self.decision = Decision(status=self.new)
+
+    def event(self, warning: bool, reason: str, message: str) -> None:
+        self.decision.events.append(Event("Warning" if warning else "Normal", reason, message))
+
+    def condition(self, type_: str, ok: bool | Literal["Unknown"], reason: str, message: str) -> None:
+        self.new.conditions = conditions.set_condition(
+            self.new.conditions, type_, ok, reason, message, self.obs.now, self.obs.generation
+        )
+
+    def condition_is(self, type_: str, status: str) -> api.Condition | None:
+        found = conditions.condition(self.new.conditions, type_)
+        return found if found is not None and found.status == status else None
+
+    def reason_of(self, type_: str) -> str | None:
+        found = conditions.condition(self.new.conditions, type_)
+        return found.reason if found else None
+
+    def transition(
+        self, phase: Phase, reason: str, message: str, warning: bool = False, announce: bool = True
+    ) -> None:
+        if self.new.phase != phase:
+            if announce:
+                self.event(warning, reason, message)
+            self.new.phase_transition_time = self.obs.now
+        self.new.phase = phase
+        self.say(message)
+
+    def say(self, message: str) -> None:
+        """The run's message, on one line: `kubectl get` shows only the first line of a cell (KubeRay's and
+        the trainer's errors span several)."""
+        self.new.message = conditions.bounded(" ".join(message.split()))
+
+    def requeue(self, seconds: float) -> None:
+        current = self.decision.requeue_after
+        self.decision.requeue_after = seconds if current is None else min(current, seconds)
+
+    def seconds_since(self, moment: dt.datetime | None) -> float:
+        return 0.0 if moment is None else (self.obs.now - moment).total_seconds()
+
+    def start_active(self) -> None:
+        self.new.active_since = self.new.active_since or self.obs.now
+        self.new.start_time = self.new.start_time or self.obs.now
+
+    def stop_active(self) -> None:
+        if self.new.active_since is not None:
+            self.new.active_seconds += int(self.seconds_since(self.new.active_since))
+            self.new.active_since = None
+
+    def finish(self, phase: Phase, reason: str, message: str) -> None:
+        succeeded = phase == Phase.SUCCEEDED
+        if not succeeded and self.new.phase in api.ACTIVE_PHASES and self.new.job_submission_id:
+            self.decision.stop_job = self.new.job_submission_id  # a no-op for a job that ended itself
+        if not succeeded:
+            self.condition(conditions.FAILED, True, reason, message)
+        self.condition(conditions.JOB_RUNNING, False, reason, message)
+        self.condition(conditions.SUCCEEDED, succeeded, reason, message)
+        self.condition(conditions.FINISHED, True, "Succeeded" if succeeded else "Failed", message)
+        self.transition(phase, reason, message, warning=not succeeded)
+        self.new.completion_time = self.obs.now
+        self.new.next_check_time = None
+        self.stop_active()
+        if self.spec.cleanup_policy == api.CleanupPolicy.DELETE_CLUSTER and self.obs.cluster is not None:
+            self.decision.delete_cluster = True
+
+    def fail_attempt(self, failure: Failure) -> None:
+        """A failed attempt: Failed when permanent or out of restarts, else Restarting after a backoff. An
+        attempt lost with a disrupted pod (preempted, evicted, drained) restarts without spending a restart,
+        as a Job's podFailurePolicy ignores DisruptionTarget."""
+        new, recovery, disruption = self.new, self.spec.recovery, self.obs.disruption
+        if failure.permanent:
+            named = failure.message.startswith(failure.reason)  # the trainer's errors name their kind
+            self.finish(
+                Phase.FAILED,
+                failure.reason,
+                failure.message if named else f"{failure.reason}: {failure.message}",
+            )
+            return
+        if disruption is None and new.restarts.count >= recovery.max_restarts:
+            self.finish(
+                Phase.FAILED,
+                "RestartsExhausted",
+                f"{failure.reason} after {new.restarts.count} restarts "
+                f"(maxRestarts {recovery.max_restarts}): {failure.message}",
+            )
+            return
+        if new.job_submission_id:
+            self.decision.stop_job = new.job_submission_id  # it may still run (hang, cluster edited)
+        delay = backoff_seconds(recovery.backoff_seconds, new.restarts.count)
+        resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
+        if disruption is None:
+            new.restarts.count += 1
+            reason, why = failure.reason, failure.message
+            counted = f"restart {new.restarts.count}/{recovery.max_restarts}"
+        else:
+            new.restarts.preemptions += 1
+            reason, why = "Preempted", f"{failure.reason} after {disruption}: {failure.message}"
+            counted = (
+                f"restart after a disruption (not counted; {new.restarts.count}/{recovery.max_restarts} used)"
+            )
+            self.event(True, "Preempted", why)
+        entry = RestartEntry(
+            time=self.obs.now,
+            reason=reason,
+            message=conditions.bounded(why),
+            resumed_from_step=resumed,
+            world_size=new.progress.world_size,
+        )
+        new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
+        new.next_check_time = self.obs.now + dt.timedelta(seconds=delay)
+        self.requeue(delay)
+        message = f"{counted} in {delay}s after {reason}: {why}; resuming from " + (
+            f"step {resumed}" if resumed is not None else "the start"
+        )
+        self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
+        self.transition(Phase.RESTARTING, "Restarting", message, warning=True)
