@@ -148,6 +148,8 @@ import json  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sysconfig  # noqa: E402
 import traceback  # noqa: E402
 from types import FrameType  # noqa: E402
 
@@ -168,8 +170,13 @@ from fsdp_trainer.loop import train_loop  # noqa: E402
 from fsdp_trainer.metrics import flops_per_token, peak_flops  # noqa: E402
 from fsdp_trainer.model import AutoModelForCausalLM  # noqa: E402
 from fsdp_trainer.storage import Location  # noqa: E402
+from fsdp_trainer.transport import allocator_env  # noqa: E402
 from trainer_baseline import run_baseline  # noqa: E402
 from trainer_checkpoint import measure_saves  # noqa: E402
+
+# The loop's allocator settings (expandable segments), here: CUDA reads them once, when it starts, which the
+# matmul peak and the host preflight do before any loop runs (train_loop's own setting would come too late).
+os.environ.update(allocator_env())
 
 # Qwen2.5-1.5B's shape (config.json of the published model): 1,543,714,304 parameters.
 QWEN25_15B: dict[str, Any] = {
@@ -211,7 +218,12 @@ class NotRun(Exception):
 
 
 class BudgetSpent(Exception):
-    """The --time-budget alarm: whatever was running is stopped and recorded."""
+    """The --time-budget alarm: whatever was running is stopped and recorded, with the figures it had
+    measured when stopped (`figures`, set by the part on its way out)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.figures: dict[str, Any] = {}
 
 
 def on_alarm(signum: int, frame: FrameType | None) -> NoReturn:
@@ -235,6 +247,18 @@ class Summary:
                 partial.write_text(text + "\n")
                 partial.replace(output)
 
+    def memory_snapshot(self, key: str) -> str | None:
+        """The CUDA allocator's history up to an out-of-memory error (torch's memory_viz reads it), next to
+        the summary: what held the memory is what the next run needs to know."""
+        if not self.outputs or not torch.cuda.is_available():
+            return None
+        path = self.outputs[-1].with_name(f"oom-{key}.pickle")
+        try:
+            torch.cuda.memory._dump_snapshot(str(path))
+        except Exception as error:  # the failure is what matters; a snapshot is a bonus
+            return f"not written: {type(error).__name__}: {error}"
+        return str(path)
+
     def run(self, entry: dict[str, Any], key: str, work: Callable[[], dict[str, Any]]) -> bool:
         """Runs one part of the benchmark into entry[key]: its figures, or {"failed": why}; True when it
         finished. The summary is written whatever happens."""
@@ -245,7 +269,7 @@ class Summary:
             entry[key] = {"finished": False, "not_run": str(refused)}
             return False
         except BudgetSpent as stopped:
-            entry[key] = {"finished": False, "not_run": str(stopped)}
+            entry[key] = {"finished": False, "not_run": str(stopped), **stopped.figures}
             raise
         except Exception as error:  # recorded, and the benchmark goes on with the next part
             lines = traceback.format_exception(error)
@@ -254,6 +278,8 @@ class Summary:
                 "failed": f"{type(error).__name__}: {error}",
                 "where": lines[-3:],
             }
+            if isinstance(error, torch.OutOfMemoryError) and (snapshot := self.memory_snapshot(key)):
+                entry[key]["memory_snapshot"] = snapshot
             return False
         finally:
             release_memory()
@@ -373,18 +399,25 @@ def our_loop(
     args: argparse.Namespace, compile_blocks: bool, shape: dict[str, Any], per_checkpoint: int
 ) -> dict[str, Any]:
     require_disk_for(args, 1, per_checkpoint)
+    if compile_blocks:
+        require_compile_toolchain()
     storage = tempfile.mkdtemp(prefix="bench-fsdp-", dir=args.checkpoint_dir)
     try:
         config = trainer_config(args, storage, compile_blocks)
         started = time.perf_counter()
-        train_loop(LoopInput(trainer=config, submission_id="bench").model_dump(mode="json"))
+        try:
+            train_loop(LoopInput(trainer=config, submission_id="bench").model_dump(mode="json"))
+        except BudgetSpent as stopped:
+            # Stopped in the last step's save, say: the steps measured before it are figures all the same
+            # (the loop stored its history on the way out).
+            measured = measured_records(stored_records(config), args.warmup_steps)
+            stopped.figures = {
+                "measured_steps": len(measured),
+                "tokens_per_second": [r.tokens_per_second_per_device or 0.0 for r in measured],
+            }
+            raise
         wall = time.perf_counter() - started
-        run = Location.parse(config.run_uri())
-        records = [
-            ProgressRecord.model_validate_json(line)
-            for name in run.child("metrics").list_files()
-            for line in run.child("metrics", name).read_text().splitlines()
-        ]
+        records = stored_records(config)
     finally:
         shutil.rmtree(storage, ignore_errors=True)
     measured = measured_records(records, args.warmup_steps)
@@ -399,7 +432,19 @@ def our_loop(
     }
 
 
+def stored_records(config: TrainerConfig) -> list[ProgressRecord]:
+    """The progress records of our loop's run, as its history stored them."""
+    run = Location.parse(config.run_uri())
+    return [
+        ProgressRecord.model_validate_json(line)
+        for name in run.child("metrics").list_files()
+        for line in run.child("metrics", name).read_text().splitlines()
+    ]
+
+
 def baseline_a(args: argparse.Namespace, compile_blocks: bool) -> dict[str, Any]:
+    if compile_blocks:
+        require_compile_toolchain()
     config = trainer_config(args, str(args.checkpoint_dir), compile_blocks)
     runtime = distributed.start(use_gpu=config.gpus_per_worker > 0)
     try:
@@ -456,6 +501,55 @@ def training_state(shape: dict[str, Any], runtime: distributed.Runtime) -> check
     )
 
 
+def host_preflight(checkpoint_dir: Path) -> dict[str, Any]:
+    """What the GPU host offers, found before anything runs: the driver and CUDA torch sees, the C compiler
+    and Python headers Triton builds its launchers with on the first compiled step (without them that step
+    crashes), and the free disk."""
+    compiler = next(
+        (
+            found
+            for name in (os.environ.get("CC"), "cc", "gcc", "clang")
+            if name and (found := shutil.which(name))
+        ),
+        None,
+    )
+    headers = Path(sysconfig.get_paths()["include"], "Python.h")
+    driver = None
+    if shutil.which("nvidia-smi"):
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            driver = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip() or None
+    return {
+        "cuda_available": torch.cuda.is_available(),
+        "torch_cuda": torch.version.cuda,
+        "nvidia_driver": driver,
+        "c_compiler": compiler,
+        "python_headers": str(headers) if headers.exists() else None,
+        "disk_free_bytes": shutil.disk_usage(checkpoint_dir).free,
+    }
+
+
+def compile_toolchain_missing(found: dict[str, Any]) -> str | None:
+    """Why torch.compile cannot run on this host, or None."""
+    missing = [
+        what
+        for what, key in (
+            ("a C compiler (cc, gcc or clang; CC)", "c_compiler"),
+            ("Python.h", "python_headers"),
+        )
+        if not found.get(key)
+    ]
+    if not missing:
+        return None
+    return f"not run: torch.compile's Triton kernels need {' and '.join(missing)}, which this host lacks"
+
+
+def require_compile_toolchain() -> None:
+    refusal = compile_toolchain_missing(host_preflight(Path(tempfile.gettempdir())))
+    if refusal is not None:
+        raise NotRun(refusal)
+
+
 def matmul_peak_flops(device: torch.device, seconds: float = 3.0) -> float | None:
     """bf16 dense matmul throughput measured here: the ceiling a training step can approach."""
     if device.type != "cuda":
@@ -486,11 +580,21 @@ def with_figures(
 ) -> dict[str, Any]:
     """A loop's result with its tokens/s turned into percentiles and MFU (FLOPs per token, spec and
     measured peaks)."""
-    measured = dict(measure())
+    try:
+        measured = dict(measure())
+    except BudgetSpent as stopped:
+        steps = stopped.figures.pop("tokens_per_second", [])
+        if len(steps) >= 2:  # enough for percentiles
+            stopped.figures.update(figures(steps, *peaks))
+        raise
     return {**figures(measured.pop("tokens_per_second"), *peaks), **measured}
 
 
 def main(args: argparse.Namespace, watchdog: Watchdog) -> None:
+    preflight = host_preflight(args.checkpoint_dir)
+    print(f"gpu_fsdp: host preflight {json.dumps(preflight)}", file=sys.stderr, flush=True)
+    if torch.cuda.is_available():  # an out-of-memory error then leaves a snapshot (Summary.memory_snapshot)
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     shape = TINY if args.tiny else QWEN25_15B
@@ -513,6 +617,8 @@ def main(args: argparse.Namespace, watchdog: Watchdog) -> None:
             "measured_steps": args.steps,
             "time_budget_seconds": args.time_budget,
             "seconds_from_process_start_to_imports_done": time.monotonic() - PROCESS_STARTED,
+            "host_preflight": preflight,
+            "compile_refused": compile_toolchain_missing(preflight),
             "checkpoint_dir": str(args.checkpoint_dir),
             "disk_free_bytes_at_start": shutil.disk_usage(args.checkpoint_dir).free,
             "disk_bound_bytes": int(args.disk_bound_gb * 1e9),

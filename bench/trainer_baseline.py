@@ -49,16 +49,16 @@ def run_baseline(
     window_start = time.perf_counter()
     lm.train()
     for step in range(1, training.max_steps + 1):
-        loss_sum = torch.zeros((), device=runtime.device)
-        for micro_step in range(training.grad_accumulation):
-            indices = layout.micro_batch_indices(position, micro_step, runtime.rank)
-            batch = samples.samples(indices).to(runtime.device)
-            root.set_requires_gradient_sync(
-                config.fsdp.reduce_every_micro_step or micro_step == training.grad_accumulation - 1
+        micro_batches = [
+            optim.MicroBatch.packed(
+                samples.samples(layout.micro_batch_indices(position, micro_step, runtime.rank)).to(
+                    runtime.device
+                )
             )
-            loss = lm(input_ids=batch, labels=batch).loss / training.grad_accumulation
-            loss.backward()
-            loss_sum += loss.detach()
+            for micro_step in range(training.grad_accumulation)
+        ]
+        # The loop's loss (a token mean over the global batch: parallelize sums the gradients over ranks).
+        loss_sum = optim.accumulate_gradients(lm, root, micro_batches, config.fsdp.reduce_every_micro_step)
         optim.clip_gradients(lm.parameters(), training.max_grad_norm)
         optimizer.step()
         scheduler.step()

@@ -14,6 +14,9 @@ KWOK_VERSION=v0.7.0
 HELM_VERSION=v3.19.5
 KUBERAY_VERSION=v1.6.2
 KUEUE_VERSION=v0.17.0
+# v1.14.1: the newest whose go.mod this machine's Go (1.26.8) builds without another toolchain (v1.14.3 and
+# v1.15.0 ask for 1.26.9 or later).
+KARPENTER_VERSION=v1.14.1
 COREDNS_VERSION=v1.15.0
 KUBE_ROUTER_VERSION=v2.1.0 # the only v2 the module proxy serves (v2.6.1 answers 403)
 
@@ -40,6 +43,8 @@ components=(
   "helm|helm|helm.sh/helm/v3/cmd/helm|$HELM_VERSION|-X helm.sh/helm/v3/internal/version.version=$HELM_VERSION"
   "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
   "kueue|kueue|sigs.k8s.io/kueue/cmd/kueue|$KUEUE_VERSION|-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z"
+  # Karpenter's KWOK cloud provider (main package sigs.k8s.io/karpenter/kwok), named so as not to shadow kwok.
+  "karpenter-kwok|karpenter|sigs.k8s.io/karpenter/kwok|$KARPENTER_VERSION|-X sigs.k8s.io/karpenter/pkg/operator.Version=$KARPENTER_VERSION"
   "argocd-health-test|argocd-health|fsdp-operator.dev/hack/argocd-health|local|"
   "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
@@ -123,4 +128,19 @@ if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" kueue "* ]]; then
     mv "$crds.tmp" "$crds"
   fi
   ln -sfn "$crds" "$root/bin/kueue-crds"
+fi
+
+# Karpenter's CRDs (NodePool, NodeClaim, ... and the KWOK provider's KWOKNodeClass), from the same module version as
+# karpenter-kwok (tests/support/karpenter.py installs them when a test needs Karpenter).
+if ((${#only[@]} == 0)) || [[ " ${only[*]} " == *" karpenter-kwok "* ]]; then
+  sum=$(sha256sum "$root/hack/go/karpenter/go.sum" | cut -c1-12)
+  crds="$CACHE/tools/karpenter-crds-$KARPENTER_VERSION-$sum"
+  if [[ ! -d $crds ]]; then
+    module_dir=$(cd "$root/hack/go/karpenter" && go list -m -f '{{.Dir}}' sigs.k8s.io/karpenter)
+    mkdir "$crds.tmp"
+    cp "$module_dir"/kwok/charts/crds/*.yaml "$module_dir"/kwok/apis/crds/*.yaml "$crds.tmp"
+    chmod -R u+w "$crds.tmp"
+    mv "$crds.tmp" "$crds"
+  fi
+  ln -sfn "$crds" "$root/bin/karpenter-crds"
 fi

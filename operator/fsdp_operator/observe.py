@@ -32,6 +32,7 @@ from fsdp_operator.records import RecordTooLarge, RunStorage
 from fsdp_trainer.contract import CheckpointRef, RankStacks, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
+AUTOSCALER_MESSAGE_CHARS = 600  # of an autoscaler's event message, kept in a run's status
 AUTOSCALER_EVENT_REASONS = ("TriggeredScaleUp", "NotTriggerScaleUp", "Nominated", "FailedScheduling")
 # Karpenter's refusal shares its reason with the scheduler's; its message says whose it is.
 KARPENTER_REFUSAL = "Failed to schedule pod"
@@ -335,7 +336,8 @@ def scheduling_of(
             problems.append(
                 PodProblem(
                     words.refusal_reason,
-                    f"{pod['unschedulable']}; {words}"
+                    # Karpenter's words say all the scheduler's do, and the requests it could not fit.
+                    (f"pod {pod['name']}: {words}" if words.karpenter else f"{pod['unschedulable']}; {words}")
                     + (advice if words.short_of_resources and not pod.get("head") else ""),
                     at_once=words.karpenter,
                 )
@@ -366,11 +368,20 @@ def autoscaler_said(ctx: Context, namespace: str, pods: list[str]) -> dict[str, 
 def newest_autoscaler_word(events: list[dict[str, Any]]) -> AutoscalerSaid | None:
     """The newest of the events that are an autoscaler's (the scheduler's FailedScheduling is not)."""
     heard = [
-        AutoscalerSaid(str(e["reason"]), str(e.get("message") or "")[:500])
+        AutoscalerSaid(str(e["reason"]), ends_kept(str(e.get("message") or ""), AUTOSCALER_MESSAGE_CHARS))
         for e in sorted(events, key=_event_time)
         if e.get("reason") in AUTOSCALER_EVENT_REASONS
     ]
     return next((h for h in reversed(heard) if h.verdict is not None), None)
+
+
+def ends_kept(text: str, limit: int) -> str:
+    """At most limit characters, its middle cut: Karpenter names the NodePool's requirements first and the
+    pod's requests (what to lower) last."""
+    if len(text) <= limit:
+        return text
+    head = (limit - 5) * 2 // 5
+    return f"{text[:head]} ... {text[len(text) - (limit - 5 - head) :]}"
 
 
 def _event_time(event: dict[str, Any]) -> str:

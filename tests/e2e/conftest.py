@@ -14,6 +14,7 @@ import pytest
 
 from fsdp_operator import tenancy
 from tests.support.demo import BUCKET, CORPUS, lifecycle_env
+from tests.support.karpenter import Karpenter, running_karpenter
 from tests.support.kube import REAL_NODE_TOLERATION, delete_namespace, grant, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
 from tests.support.operator_process import OperatorProcess
@@ -44,6 +45,14 @@ def lifecycle_operator(
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         proc.stop()
         print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
+
+
+@pytest.fixture
+def karpenter(local_cluster: LocalCluster, tmp_path: Path) -> Iterator[Karpenter]:
+    """Real Karpenter (its KWOK provider) with NodePools for EKS GPU types and Ray heads; the nodes it made
+    are gone afterwards, and its log's tail is shown when the test fails."""
+    with running_karpenter(local_cluster, tmp_path / "karpenter") as running:
+        yield running
 
 
 @pytest.fixture

@@ -135,3 +135,17 @@ def test_karpenter_short_of_disk_says_what_to_change_in_the_ec2nodeclass() -> No
     assert seen.problems[0].message.endswith(advice)
     small = qwen.model_copy(update={"cluster": qwen.cluster.model_copy(update={"ephemeral_storage": "10Gi"})})
     assert disk_advice(small) == ""
+
+
+def test_a_long_karpenter_refusal_keeps_the_requests_it_could_not_fit() -> None:
+    """Karpenter lists every requirement first and the pod's requests last: those stay in the status."""
+    requirements = ", ".join(f'key-{i} In ["value-{i}"]' for i in range(60))
+    message = f'Failed to schedule pod, incompatible with nodepool "gpu", requirements {requirements}, '
+    message += "no instance type which had enough resources and the required offering met the scheduling "
+    message += 'requirements, resources={"cpu":"48","memory":"170Gi","nvidia.com/gpu":"4","pods":"1"}'
+    event = {"reason": "FailedScheduling", "message": message, "lastTimestamp": "2026-12-06T10:00:01Z"}
+    said = newest_autoscaler_word([event])
+    assert said is not None and len(said.message) <= 600 and said.message.endswith('"pods":"1"}')
+    assert said.message.startswith("Failed to schedule pod") and said.verdict == Verdict.REFUSED
+    seen = scheduling_of([pod("w-0", unschedulable=True)], {"w-0": said}, None, "; advice")
+    assert '"cpu":"48"' in seen.problems[0].message and seen.problems[0].message.endswith("; advice")

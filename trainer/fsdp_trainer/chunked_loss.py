@@ -23,10 +23,15 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def chunked_cross_entropy(
-    hidden: torch.Tensor, head: torch.nn.Module, labels: torch.Tensor, chunk_tokens: int
+    hidden: torch.Tensor,
+    head: torch.nn.Module,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    num_items_in_batch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """transformers' causal-LM loss (each position predicts the next label; the mean over positions with a
-    label), computed `chunk_tokens` positions at a time in fp32."""
+    """transformers' causal-LM loss (each position predicts the next label; summed over positions with a
+    label and divided by `num_items_in_batch`, or by their number here), computed `chunk_tokens` positions
+    at a time in fp32."""
     targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = hidden.reshape(-1, hidden.shape[-1])
 
@@ -38,7 +43,9 @@ def chunked_cross_entropy(
     for start in range(0, flat.shape[0], chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(chunk_loss_sum, flat[start:end], targets[start:end], use_reentrant=False)
-    return total / (targets != IGNORE_INDEX).sum()
+    if num_items_in_batch is None:
+        return total / (targets != IGNORE_INDEX).sum()
+    return total / num_items_in_batch.to(total.device)
 
 
 def install(model: torch.nn.Module, chunk_tokens: int) -> None:
@@ -56,9 +63,14 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> None:
     decoder = lm.base_model  # the transformer up to its final norm, without the output projection
     head = lm.get_output_embeddings()
 
-    def forward(input_ids: torch.Tensor, labels: torch.Tensor) -> CausalLMOutputWithPast:
-        hidden = decoder(input_ids=input_ids).last_hidden_state
-        loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens)
+    def forward(
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        num_items_in_batch: torch.Tensor | None = None,
+        attention_mask: Any = None,
+    ) -> CausalLMOutputWithPast:
+        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens, num_items_in_batch)
         # transformers' output type, which FSDP's hooks can look into for the tensors backward starts from
         return CausalLMOutputWithPast(loss=cast(torch.FloatTensor, loss))
 

@@ -443,6 +443,39 @@ class TrainerConfig(ContractModel):
         """The run's storage prefix: checkpoints, progress, metrics, the exported model and run.json."""
         return run_prefix(self.checkpoint.storage_path, self.namespace, self.run_name)
 
+    def world_sizes(self) -> range:
+        """Every world size (training processes) an attempt may start on: Ray Train's elastic range runs from
+        minWorkers to workers nodes' worth of processes, any number in between (driver.scaling_workers)."""
+        per_node = max(self.gpus_per_worker, 1)
+        fewest = self.workers if self.min_workers is None else min(self.min_workers, self.workers)
+        return range(fewest * per_node, self.workers * per_node + 1)
+
+    def unusable_world_sizes(self) -> str | None:
+        """Why some world size of the elastic range could not train, or None: each must divide
+        training.globalBatchSize with microBatchSize and, under HYBRID_SHARD, be whole nodes. A size found
+        only after a resize would otherwise end the run mid-way with a permanent error."""
+        per_node = max(self.gpus_per_worker, 1)
+        reasons = []
+        for size in self.world_sizes():
+            try:
+                self.training.accumulation_for(size)
+            except ValueError:
+                reasons.append(
+                    f"{size} (training.globalBatchSize {self.training.global_batch_size} is not divisible "
+                    f"by {size} x training.microBatchSize {self.training.micro_batch_size})"
+                )
+                continue
+            if self.fsdp.sharding == ShardingStrategy.HYBRID_SHARD and size % per_node:
+                reasons.append(f"{size} (HYBRID_SHARD needs whole nodes of {per_node} processes)")
+        if not reasons:
+            return None
+        sizes = self.world_sizes()
+        return (
+            f"minWorkers {self.min_workers}: the run may train on {sizes.start} to {sizes[-1]} processes, "
+            f"and cannot on {'; '.join(reasons)}. Choose minWorkers, workers and training.globalBatchSize so "
+            "that every size in the range divides it"
+        )
+
     def resume_fingerprint(self) -> str:
         """What must match for a checkpoint to be resumed: the model and tokenizer, the sequence length, the
         data and its order (seed). A checkpoint with another fingerprint is never loaded."""
@@ -717,6 +750,10 @@ class CollectiveRecord(ContractModel):
     seq: int = Field(description="Its number in its process group (collective_seq_id), counting from 1.")
     process_group: str = Field(default="", max_length=128)
     op: str = Field(default="", max_length=128, description="As torch names it, e.g. nccl:all_reduce.")
+    completed: bool = Field(
+        default=True,
+        description="Whether it had completed: one that has not is one the rank (its GPU, on NCCL) waits in.",
+    )
 
 
 class RankStacks(ContractModel):
@@ -785,6 +822,12 @@ def forensics_request_name(attempt: int) -> str:
 
 def rank_stacks_name(attempt: int, rank: int) -> str:
     return f"{forensics_dir(attempt)}/rank-{rank}.json"
+
+
+def timeout_dump_name(dump: str) -> str:
+    """Where NCCL's flight-recorder dump from a collective timeout goes under the run's prefix (torch's
+    tools/flight_recorder reads it)."""
+    return f"{FORENSICS_DIR}/timeout-dumps/{dump}"
 
 
 def checkpoint_is_complete(manifest: CheckpointManifest | None, listing: dict[str, int]) -> bool:

@@ -281,8 +281,9 @@ class BatchLoader:
         start = self.position
         self.position += self.layout.samples_per_step
         return (
-            self.samples.samples(self.layout.micro_batch_indices(start, micro_step, self.rank)).to(
-                self.device
+            to_device(
+                self.samples.samples(self.layout.micro_batch_indices(start, micro_step, self.rank)),
+                self.device,
             )
             for micro_step in range(self.layout.grad_accumulation)
         )
@@ -293,6 +294,14 @@ class BatchLoader:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.position = int(state_dict["data_position"])
         self.samples.load_state_dict(state_dict)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """On CUDA, pinned and copied without blocking: a copy from pageable memory waits for everything queued
+    on the GPU to finish, a step's worth of work, before the host can queue the next forward."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 def eval_batch_indices(

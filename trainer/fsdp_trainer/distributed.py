@@ -4,6 +4,7 @@ process (torch.distributed env vars), or a lone `python` process (a one-process 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
@@ -14,7 +15,12 @@ import torch.distributed as dist
 from fsdp_trainer.errors import DeviceError
 
 Launcher = Literal["ray", "torchrun", "single"]
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# How long a collective may wait before the process group aborts it (and the attempt fails, to be retried).
+# Setup (downloads, data listing, loading a checkpoint), the first step (torch.compile) and the end (export)
+# have ranks wait on one another's long work; steps do not, and a hang in one should not hold every GPU of
+# the run for half an hour (torchtitan likewise shortens it after the first step).
+SETUP_TIMEOUT = timedelta(minutes=30)
+STEP_TIMEOUT = timedelta(minutes=5)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,16 @@ def require_cuda(use_gpu: bool, device_type: str) -> None:
         )
 
 
-def start(use_gpu: bool) -> Runtime:
+def process_group_backend(use_gpu: bool, cpu_offload: bool) -> str:
+    """The process group's backend. With GPUs, NCCL; with cpu_offload also gloo for CPU tensors: FSDP's own
+    collectives stay on the GPU, but the gradients, and so the norm and clipping (collectives on DTensors),
+    the non-finite check and export's full_tensor, live in host memory, and NCCL has no CPU backend."""
+    if not use_gpu:
+        return "gloo"
+    return "cpu:gloo,cuda:nccl" if cpu_offload else "nccl"
+
+
+def start(use_gpu: bool, cpu_offload: bool = False) -> Runtime:
     context = ray_train_context()
     if context is not None:
         from ray.train.torch import get_device
@@ -78,7 +93,7 @@ def start(use_gpu: bool) -> Runtime:
             device,
         )
     require_cuda(use_gpu, "cuda" if torch.cuda.is_available() else "cpu")
-    backend = "nccl" if use_gpu else "gloo"
+    backend = process_group_backend(use_gpu, cpu_offload)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun (or any env:// launcher)
         launcher: Launcher = "torchrun"
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,7 +101,7 @@ def start(use_gpu: bool) -> Runtime:
         device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
         if use_gpu:
             torch.cuda.set_device(device)
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, timeout=SETUP_TIMEOUT)
     else:
         launcher, local_rank, local_world_size = "single", 0, 1
         device = torch.device("cuda", 0) if use_gpu else torch.device("cpu")
@@ -94,9 +109,17 @@ def start(use_gpu: bool) -> Runtime:
             torch.cuda.set_device(device)
         # A one-process group: its own rendezvous on any free loopback port.
         dist.init_process_group(
-            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, timeout=COLLECTIVE_TIMEOUT
+            backend, init_method="tcp://127.0.0.1:0", rank=0, world_size=1, timeout=SETUP_TIMEOUT
         )
     return Runtime(launcher, dist.get_rank(), dist.get_world_size(), local_rank, local_world_size, device)
+
+
+def set_collective_timeout(timeout: timedelta, groups: Sequence[dist.ProcessGroup]) -> None:
+    """The timeout of the default group and of `groups` (the device mesh's), after a barrier: no rank may
+    wait under a shorter limit for one still doing the work the longer one was for."""
+    dist.barrier()
+    for group in (None, *groups):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def stop(runtime: Runtime) -> None:

@@ -42,6 +42,11 @@ def worker_environment(config: TrainerConfig) -> dict[str, str]:
 def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo | None = None) -> int:
     """Trains to the end (Ray Train restarts the workers up to maxFailures times, resuming from the latest
     checkpoint); returns the process exit code."""
+    unusable = config.unusable_world_sizes()
+    if unusable is not None:  # refused before any worker starts, not at the resize that reaches such a size
+        record_failure(config, f"ConfigError: {unusable}"[:MAX_ERROR_CHARS], ErrorKind.CONFIG, submission_id)
+        log.error("training failed (%s): %s", ErrorKind.CONFIG, unusable)
+        return 1
     try:
         check_data(config)
     except DataError as error:
@@ -50,7 +55,9 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         return 1
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from fsdp_trainer.distributed import process_group_backend  # torch: imported once Ray is needed too
 
     if not ray.is_initialized():
         ray.init()  # RAY_ADDRESS (set inside a Ray job) or a local Ray
@@ -77,6 +84,9 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
         ).model_dump(mode="json"),
         scaling_config=scaling,
         run_config=run_config,
+        torch_config=TorchConfig(
+            backend=process_group_backend(gpu, config.fsdp.cpu_offload),
+        ),
     )
     try:
         trainer.fit()
@@ -93,11 +103,8 @@ def scaling_workers(config: TrainerConfig) -> int | tuple[int, int]:
     """Ray Train's num_workers: one worker per GPU (each worker process drives one device), or per CPU
     worker. With min_workers, Ray Train's elastic range: it starts on what the cluster has between the two
     and resizes the group (resuming from the latest checkpoint) when nodes go or come back."""
-    per_node = max(config.gpus_per_worker, 1)
-    most = config.workers * per_node
-    if config.min_workers is None or config.min_workers >= config.workers:
-        return most
-    return (config.min_workers * per_node, most)
+    sizes = config.world_sizes()
+    return sizes.start if len(sizes) == 1 else (sizes.start, sizes[-1])
 
 
 def check_data(config: TrainerConfig) -> None:

@@ -242,18 +242,20 @@ def _transfer(
     operation: Callable[..., dist.Work | None], peer: int, size: int, device: torch.device
 ) -> float:
     """One small untimed exchange (it sets the pair's connection up), then LINK_ITERATIONS of `size` bytes;
-    the seconds those took."""
-    _wait(operation(torch.ones(1, device=device), peer), device)
-    buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
+    the seconds those took. Batched point-to-point: NCCL runs a batch on the group's own communicator, where
+    a lone isend/irecv would create a two-rank communicator for the pair, kept (with its buffers and
+    connections) for the rest of the run."""
+    _exchange(operation, [torch.ones(1, device=device)], peer, device)
+    buffers = [torch.ones(size // 4, dtype=torch.float32, device=device) for _ in range(LINK_ITERATIONS)]
     start = time.perf_counter()
-    works = [operation(buffer, peer) for _ in range(LINK_ITERATIONS)]
-    for work in works:
-        _wait(work, device)
+    _exchange(operation, buffers, peer, device)
     return time.perf_counter() - start
 
 
-def _wait(work: dist.Work | None, device: torch.device) -> None:
-    if work is not None:
+def _exchange(
+    operation: Callable[..., dist.Work | None], buffers: list[torch.Tensor], peer: int, device: torch.device
+) -> None:
+    for work in dist.batch_isend_irecv([dist.P2POp(operation, buffer, peer) for buffer in buffers]):
         work.wait()
     _synchronize(device)
 

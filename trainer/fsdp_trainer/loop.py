@@ -18,6 +18,7 @@ from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_trainer import checkpoint, data, distributed, fabric, forensics, model, optim, runlog, transport
@@ -54,7 +55,7 @@ def train_loop(config: dict[str, Any]) -> None:
         os.environ.update(transport.allocator_env())  # before distributed.start initialises CUDA
         socket_interface = transport.choose_socket_interface()  # on the worker: its own pod's interfaces
     os.environ.update(forensics.flight_recorder_env())  # before the group starts (Ray's: the driver sets it)
-    runtime = distributed.start(use_gpu=use_gpu)
+    runtime = distributed.start(use_gpu=use_gpu, cpu_offload=loop_input.trainer.fsdp.cpu_offload)
     run = Location.parse(loop_input.trainer.run_uri())
     rank_log = runlog.start_rank_log(
         run, loop_input.attempt.attempt or 1, runtime.rank, loop_input.trainer.secret_env_names
@@ -103,6 +104,7 @@ class Session:
     attempt_id: str
     lm: torch.nn.Module  # the sharded model, called for forward passes
     root: FSDPModule  # the same object seen as the FSDP root (gradient sync control)
+    mesh: DeviceMesh  # of the sharding
     model_config: Any
     tokenizer: Any
     dtype: torch.dtype
@@ -141,6 +143,7 @@ class Trainer:
         self.checkpoints: CheckpointManager | None = None  # closed by train_loop, however setup ends
         self.tracker: MlflowTracker | None = None  # rank 0 only, closed by train_loop
         self.step = 0  # the last step this rank completed (hang forensics report it)
+        self.skipped_in_a_row = 0  # steps whose update was skipped, up to the last settled one
 
     def run(self) -> None:
         session = self.setup()
@@ -245,6 +248,7 @@ class Trainer:
             attempt_id=attempt_id,
             lm=lm,
             root=sharded.root,
+            mesh=sharded.mesh,
             model_config=model_config,
             tokenizer=tokenizer,
             dtype=sharded.dtype,
@@ -298,10 +302,13 @@ class Trainer:
         checkpoints, metrics = session.checkpoints, session.metrics
         fault = Fault.from_env()
         first_step = state.step + 1
-        skipped_in_a_row = 0
+        self.skipped_in_a_row = 0
         # A checkpoint due at a skipped step is saved after the next applied one (if any): every checkpoint
         # holds the state after a step whose loss was finite, never weights that came in non-finite.
         save_pending = False
+        # The previous step's skip decision, read by the host only once the next step's forward and backward
+        # are queued (see StepOutcome), unless a log or checkpoint step needed it at once.
+        unsettled: StepOutcome | None = None
         if config.fsdp.compile:  # torch.compile runs in the first step, which can take minutes
             self.stage(SetupStage.COMPILING)
         else:
@@ -312,33 +319,38 @@ class Trainer:
                 if fault is not None and fault.due(runtime.rank, step):
                     checkpoints.wait()  # tests know which checkpoint a resume uses: the last is complete
                     fault.trigger()
-                learning_rate = float(session.scheduler.get_last_lr()[0])
                 try:
-                    loss, grad_norm, applied = self.train_step(session)
+                    loss, grad_norm, skip = self.forward_backward(session)
                 except torch._dynamo.exc.Unsupported as error:  # evaluated only when something is raised
                     raise ModelError(
                         "fsdp.compile: torch.compile cannot compile a decoder layer whole (fullgraph=True): "
                         f"{error}. Turn fsdp.compile off for this model."
                     ) from error
+                if unsettled is not None:
+                    self.settle(session, unsettled)
+                    unsettled = None
+                learning_rate = float(session.scheduler.get_last_lr()[0])
+                self.update(session, skip)
                 self.step = step
                 # A skipped step still takes its step number: its samples were read, so the step, the data
                 # position and tokens seen move on together, the batch that went non-finite is not retried,
                 # and maxSteps still bounds the attempt.
                 state.step = step
                 state.tokens_seen += metrics.throughput.tokens_per_step
-                if applied:
-                    skipped_in_a_row = 0
+                outcome = StepOutcome.start(step, loss, skip)
+                save_pending = save_pending or checkpoints.due(step)
+                applied = None
+                if save_pending or metrics.due(step):  # the last step is a logging step
+                    applied = self.settle(session, outcome)
                 else:
-                    skipped_in_a_row += 1
-                    metrics.step_skipped(step, loss)
-                    if skipped_in_a_row == training.max_non_finite_steps:
-                        self.fail_non_finite(checkpoints, step)
-                if step == first_step and config.fsdp.compile:
-                    metrics.training_started()
+                    unsettled = outcome
+                if step == first_step:
+                    if config.fsdp.compile:
+                        metrics.training_started()
+                    self.collective_timeout(session, distributed.STEP_TIMEOUT)
                 metrics.step_done(step, loss, grad_norm, learning_rate, state.tokens_seen)
                 if config.data.eval_every and step % config.data.eval_every == 0:
                     metrics.evaluated(session.validator.validate(session.lm, step), step)
-                save_pending = save_pending or checkpoints.due(step)
                 if save_pending and applied:
                     checkpoints.save(
                         session.app_state,
@@ -348,29 +360,40 @@ class Trainer:
                     )
                     save_pending = False
 
-    def train_step(self, session: Session) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step over grad_accumulation micro-batches; returns this rank's loss and the gradient
-        norm before clipping, as device tensors (reading them is the metrics processor's host sync), and
-        whether the update was applied: a step whose loss or gradient norm is not finite on any rank is
-        skipped on every rank, its gradients dropped."""
-        training = self.config.training
-        loss_sum = optim.accumulate_gradients(
-            session.lm,
-            session.root,
-            session.batches.next_step(),  # read one at a time, as each micro-step begins
-            session.batches.layout.grad_accumulation,
-            self.config.fsdp.reduce_every_micro_step,
+    def forward_backward(self, session: Session) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The forward and backward passes of one optimizer step over grad_accumulation micro-batches; returns
+        the step's loss, the gradient norm before clipping and whether to skip the update (1.0: the loss or
+        the norm is not finite), all three device tensors, the same on every rank. Queued without a host
+        sync: reading them is the metrics processor's and StepOutcome's."""
+        # All of the step's micro-batches first: the loss is divided by their target count.
+        micro_batches = [optim.MicroBatch.packed(tokens) for tokens in session.batches.next_step()]
+        loss_share = optim.accumulate_gradients(
+            session.lm, session.root, micro_batches, self.config.fsdp.reduce_every_micro_step
         )
-        grad_norm = optim.clip_gradients(session.lm.parameters(), training.max_grad_norm)
-        applied = optim.all_finite(loss_sum, grad_norm)
+        grad_norm = optim.clip_gradients(session.lm.parameters(), self.config.training.max_grad_norm)
+        loss = optim.global_loss(loss_share)
+        return loss, grad_norm, optim.non_finite(loss, grad_norm)
+
+    def update(self, session: Session, skip: torch.Tensor) -> None:
+        """The optimizer step, skipped on the device where `skip` is 1 (its gradients dropped either way)."""
         self.checkpoint_staged(session)  # a save's staging overlapped this step's forward and backward
-        if applied:
-            session.optimizer.step()
-            # The schedule counts applied updates: a skipped step leaves the learning rate as it was, so
-            # skipped steps never cut the warmup short (the decay then ends just above its floor).
-            session.scheduler.step()
+        optim.apply_update(session.optimizer, skip)
         session.optimizer.zero_grad(set_to_none=True)
-        return loss_sum, grad_norm, applied
+
+    def settle(self, session: Session, outcome: StepOutcome) -> bool:
+        """The host's part of a step once its skip decision is read: the schedule counts applied updates (a
+        skipped step leaves the learning rate as it was, so skipped steps never cut the warmup short; the
+        decay then ends just above its floor), skipped steps are counted, and maxNonFiniteSteps of them in
+        a row fail the attempt. Returns whether the update was applied."""
+        if outcome.applied():
+            self.skipped_in_a_row = 0
+            session.scheduler.step()
+            return True
+        self.skipped_in_a_row += 1
+        session.metrics.step_skipped(outcome.step, outcome.loss)
+        if self.skipped_in_a_row == self.config.training.max_non_finite_steps:
+            self.fail_non_finite(session.checkpoints, outcome.step)
+        return False
 
     def fail_non_finite(self, checkpoints: CheckpointManager, step: int) -> NoReturn:
         """Fails the attempt at the last of maxNonFiniteSteps skipped steps in a row. Every rank gets here at
@@ -393,8 +416,13 @@ class Trainer:
         if blocked is not None:
             session.metrics.checkpoint_staged(blocked)
 
+    def collective_timeout(self, session: Session, timeout: dt.timedelta) -> None:
+        distributed.set_collective_timeout(timeout, session.mesh.get_all_groups())
+        log.info("collectives time out after %s", timeout)
+
     def finish(self, session: Session) -> None:
         checkpoints, step = session.checkpoints, session.state.step
+        self.collective_timeout(session, distributed.SETUP_TIMEOUT)  # export: ranks wait on uploads
         self.checkpoint_staged(session)
         checkpoints.wait()  # the last checkpoint is complete before the run says it finished
         if session.validator.evaluated_at_step != step:
@@ -405,6 +433,34 @@ class Trainer:
             if self.tracker is not None:
                 self.tracker.log_model(Location.parse(exported))
         session.metrics.finished(step, exported)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """A step's skip decision on its way to the host. On CUDA it is copied into pinned memory without
+    blocking, and the host waits on that copy's event only: reading the flag at once would wait for the
+    whole step (every queued kernel) and leave the GPU idle while the host queues the next one; read after
+    the next step's forward and backward are queued, it was computed long before and the GPU stays busy."""
+
+    step: int
+    loss: torch.Tensor
+    skip: torch.Tensor  # in host memory once `copied` has completed
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def start(cls, step: int, loss: torch.Tensor, skip: torch.Tensor) -> StepOutcome:
+        if skip.device.type != "cuda":
+            return cls(step, loss, skip, None)
+        host = torch.empty(skip.shape, dtype=skip.dtype, pin_memory=True)
+        host.copy_(skip, non_blocking=True)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        copied.record()
+        return cls(step, loss, host, copied)
+
+    def applied(self) -> bool:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return not bool(self.skip)
 
 
 @contextlib.contextmanager

@@ -132,7 +132,7 @@ def materialise(
     weights: Weights,
     spec: ModelSpec,
     seed: int,
-    rank: int,
+    shard_index: int,
     local_rank: int,
     barrier: Callable[[], None],
     cpu_offload: bool = False,
@@ -142,7 +142,9 @@ def materialise(
     weights read straight into each rank's shards ("load"), or nothing but the buffers that no checkpoint
     holds, such as rotary frequencies ("checkpoint": the checkpoint's weights are loaded next). Buffers are
     refilled by transformers' `_init_weights`, whose rotary branch (transformers>=5) recomputes inv_freq and
-    original_inv_freq from the config."""
+    original_inv_freq from the config. `shard_index` is this rank's coordinate along the mesh's shard
+    dimension: the replicas of one shard (HYBRID_SHARD, NO_SHARD) have the same and so draw the same
+    weights."""
     model.to_empty(device=torch.device("cpu") if cpu_offload else device)
     for module in model.modules():  # buffers are not sharded or offloaded: forward reads them on the device
         for name, buffer in module.named_buffers(recurse=False):
@@ -150,10 +152,12 @@ def materialise(
     lm: Any = model
     with torch.no_grad():
         if weights == "initialise":
-            # DTensor's random ops keep shards consistent only for parameters on CUDA; elsewhere each rank
-            # draws its shard from its own stream, which must differ between ranks or shards would repeat.
+            # DTensor's random ops keep shards consistent only for parameters on CUDA (offsets by shard
+            # coordinate, so replicas agree); elsewhere each shard draws from its own stream, which must
+            # differ between shards (or shards would repeat) and be the same for the replicas of one shard
+            # (or they would start apart, and nothing broadcasts them).
             consistent = device.type == "cuda" and not cpu_offload
-            torch.manual_seed(seed if consistent else seed * 100_003 + rank)
+            torch.manual_seed(seed if consistent else seed * 100_003 + shard_index)
             _forget_initialisation(model)
             with warnings.catch_warnings():
                 # DTensor warns on every random op off CUDA; the per-rank seed above is the answer to it.
@@ -215,6 +219,25 @@ def _load_pretrained_shards(model: PreTrainedModel, directory: str) -> None:
         load(state, storage_reader=HuggingFaceStorageReader(directory))
     except (OSError, ValueError, RuntimeError) as error:
         raise ModelError(f"cannot load the weights in {directory}: {error}") from error
+
+
+# Attention implementations that mask causally by themselves when given no mask (SDPA's is_causal, flash
+# attention's causal flag); eager and flex attention need the mask built.
+_CAUSAL_WITHOUT_MASK = ("sdpa", "flash_attention_2", "flash_attention_3")
+
+
+def prepared_attention_masks(config: PretrainedConfig | None) -> dict[str, None] | None:
+    """The decoder's attention masks ready-made (transformers skips building them), where causal attention
+    needs none: every layer on full attention (no sliding window) through SDPA or flash attention, over rows
+    without left padding (packed rows; right padding only follows the tokens that matter). Built each
+    forward, they cost a host sync per micro-batch: transformers checks on the host whether the positions
+    of a row restart (packed documents), and the GPU's queue drains before the next kernel is queued. None
+    where the masks must be built (or for a model without a transformers config)."""
+    implementation = getattr(config, "_attn_implementation", None)
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if implementation not in _CAUSAL_WITHOUT_MASK or layer_types != {"full_attention"}:
+        return None
+    return {"full_attention": None}
 
 
 def model_shape(model: PreTrainedModel) -> ModelShape:

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fsdp_trainer.chunked_loss import IGNORE_INDEX
 from fsdp_trainer.contract import Schedule, TrainingSpec
+from fsdp_trainer.model import prepared_attention_masks
 
 ADAM_BETAS = (0.9, 0.95)  # the usual choice for LLM training (GPT-3, Llama, Qwen)
 
@@ -35,36 +38,67 @@ def lr_factor(steps_taken: int, spec: TrainingSpec) -> float:
 
 
 def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.AdamW:
-    """Weight decay on matrices only: biases and norm weights are not decayed. On CUDA the fused kernel
-    (one launch for all parameters, torchtitan's default); elsewhere torch's foreach implementation."""
+    """Weight decay on matrices only: biases and norm weights are not decayed. The fused kernel (one launch
+    for all parameters on CUDA, torchtitan's default), on every device: it alone can skip a step on a flag
+    that stays on the device (apply_update)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": spec.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    on_cuda = all(p.device.type == "cuda" for p in decay + no_decay)
-    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=on_cuda or None)
+    # A weightless (meta) model, whose optimizer state is only counted, cannot have the fused kernel.
+    weightless = any(p.is_meta for p in decay + no_decay)
+    return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=not weightless)
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch on this rank: token ids and, per position, the token it is trained to be followed by
+    (transformers' labels: IGNORE_INDEX where a position has no target, such as padding or a masked
+    prompt). Packed pretraining data has labels = input_ids."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+    @classmethod
+    def packed(cls, tokens: torch.Tensor) -> MicroBatch:
+        return cls(tokens, tokens)
+
+
+def target_count(labels: torch.Tensor) -> torch.Tensor:
+    """Positions with a target, as the causal-LM loss counts them: position i predicts label i + 1."""
+    return (labels[..., 1:] != IGNORE_INDEX).sum()
 
 
 def accumulate_gradients(
     lm: torch.nn.Module,
     root: FSDPModule,
-    micro_batches: Iterable[torch.Tensor],
-    micro_steps: int,
+    micro_batches: Sequence[MicroBatch],
     reduce_every_micro_step: bool,
 ) -> torch.Tensor:
-    """Forward and backward over one optimizer step's `micro_steps` micro-batches, each loss scaled by
-    1 / micro_steps; returns the sum of the scaled losses as a device tensor.
+    """Forward and backward over one optimizer step's micro-batches; returns this rank's share of the step's
+    loss as a device tensor (the shares of all ranks sum to the step's loss).
+
+    The loss is torchtitan's: the cross-entropy summed over every target of the global batch and divided by
+    their number, all-reduced before the first forward (on the device: no host sync). A mean of per-micro-
+    batch means would weigh a target by how many others share its micro-batch, which padding and masked
+    labels make unequal. The gradients are reduced as sums (parallelize sets FSDP's divide factor to 1), so
+    they are exactly those of this loss.
 
     With reduce_every_micro_step (the default, torchtitan's way) gradients are reduce-scattered after every
     micro-step and accumulate as this rank's shard; without, they are reduce-scattered once, after the last
     micro-step, and accumulate unsharded in fp32 before it (the fewest collectives, shard-size times the
     gradient memory)."""
+    targets = torch.stack([target_count(batch.labels) for batch in micro_batches]).sum()
+    dist.all_reduce(targets)
+    masks = prepared_attention_masks(getattr(lm, "config", None))
+    mask = {} if masks is None else {"attention_mask": masks}
     losses = []
+    last = len(micro_batches) - 1
     for micro_step, batch in enumerate(micro_batches):
-        root.set_requires_gradient_sync(reduce_every_micro_step or micro_step == micro_steps - 1)
-        loss = lm(input_ids=batch, labels=batch).loss / micro_steps
+        root.set_requires_gradient_sync(reduce_every_micro_step or micro_step == last)
+        loss = lm(input_ids=batch.input_ids, labels=batch.labels, num_items_in_batch=targets, **mask).loss
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()
@@ -72,27 +106,53 @@ def accumulate_gradients(
 
 def clip_gradients(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clips the gradients to `max_norm` (0 disables clipping) and returns their total norm before clipping,
-    as a tensor (a DTensor under FSDP; reading it is a collective). Without clipping the gradients are left
-    untouched: scaling by max_norm / norm with an infinite max_norm would turn an overflowed norm into NaN
-    gradients (inf / inf)."""
+    as a plain tensor, the same on every rank. Without clipping the gradients are left untouched: scaling by
+    max_norm / norm with an infinite max_norm would turn an overflowed norm into NaN gradients (inf / inf).
+
+    Under FSDP the norm comes as a partial DTensor; it is reduced once here (torchtitan's way), and the
+    clipping and the finiteness check use that tensor: left partial, each of them would all-reduce it
+    again."""
     with_grads = [p for p in parameters if p.grad is not None]
     norm = torch.nn.utils.get_total_norm([p.grad for p in with_grads if p.grad is not None])
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
     return norm
 
 
-def all_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
-    """Whether a step's loss and gradient norm are finite on every rank, so that every rank applies or skips
-    the update alike (a rank deciding alone would update only some of the model's shards, or fail alone and
-    leave the others waiting in a collective): one all-reduce of one number and one host sync."""
-    # The global norm: clip_gradients' DTensor comes replicated, so this is no collective.
-    norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+def global_loss(loss_share: torch.Tensor) -> torch.Tensor:
+    """The step's loss, the same on every rank: the sum of the ranks' shares (an all-reduce on the device,
+    no host sync). A non-finite share makes the sum non-finite on every rank."""
+    total = loss_share.detach().float().clone()
+    dist.all_reduce(total)
+    return total
+
+
+def non_finite(loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+    """1.0 if the step's loss (global_loss) or gradient norm (clip_gradients) is not finite, else 0.0: a
+    device tensor, computed without a host sync or a collective. Both inputs are the same on every rank, so
+    every rank skips or applies the update alike (a rank deciding alone would update only some of the
+    model's shards, or fail alone and leave the others waiting in a collective)."""
     # On the loss's device: with cpu_offload the gradients, and so their norm, are in host memory.
-    values = torch.stack([loss.float(), norm.to(loss.device, torch.float32)])
-    non_finite = (~torch.isfinite(values)).any().to(torch.int32)
-    dist.all_reduce(non_finite, op=dist.ReduceOp.MAX)
-    return not non_finite.item()
+    values = torch.stack([loss.float(), grad_norm.to(loss.device, torch.float32)])
+    return (~torch.isfinite(values)).any().to(torch.float32)
+
+
+def apply_update(optimizer: torch.optim.Optimizer, skip: torch.Tensor) -> None:
+    """optimizer.step(), which changes nothing (parameters, moments, step count) where `skip` is 1, as
+    decided on the device: the fused AdamW's found_inf, through which torch's GradScaler skips a step whose
+    gradients overflowed, set on the optimizer and removed as GradScaler does."""
+    parameters_device = optimizer.param_groups[0]["params"][0].device
+    if skip.device != parameters_device:
+        # cpu_offload: a blocking copy. torch's own non-blocking one lands in pinned memory that the fused
+        # kernel on the host would read before the copy completes.
+        skip = skip.to(parameters_device)
+    optimizer.found_inf = skip  # type: ignore[attr-defined]
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.found_inf  # type: ignore[attr-defined]
 
 
 def build_scheduler(

@@ -65,6 +65,11 @@ def build_mesh(shape: MeshShape, device_type: str) -> DeviceMesh:
     )
 
 
+def shard_index(mesh: DeviceMesh) -> int:
+    """This rank's coordinate along the shard dimension: which shard of the parameters it holds."""
+    return mesh.get_local_rank("shard")
+
+
 def compute_dtype(requested: Precision, device_type: str) -> torch.dtype:
     """The parameter dtype for compute. On CPU, gloo cannot reduce bf16/fp16 and CPU matmuls gain nothing,
     so CPU runs train in fp32 (and say so)."""
@@ -129,7 +134,7 @@ def _per_operation_contexts() -> tuple[Any, Any]:
 
 
 def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype: torch.dtype) -> FSDPModule:
-    """Shards `model` in place and returns it as the FSDP root. Gradients always reduce in fp32."""
+    """Shards `model` in place and returns it as the FSDP root. Gradients always reduce in fp32, as sums."""
     layers = decoder_layers(model)
     mode = ActivationCheckpointing(spec.activation_checkpointing)
     for index in checkpointed_layer_indices(mode, len(layers)):
@@ -167,4 +172,12 @@ def parallelize(model: torch.nn.Module, spec: FsdpSpec, mesh: DeviceMesh, dtype:
         )
     # The root's reshard_after_forward is left to FSDP (None): it keeps the root's parameters (a tied
     # embedding and the final norm) after forward, since backward starts with them; True gathers them again.
-    return fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    root = fully_shard(model, mesh=mesh, mp_policy=mp_policy, offload_policy=offload)
+    # Gradients are summed over ranks, not averaged: the loss is already divided by the global batch's
+    # target count (optim.accumulate_gradients), as torchtitan does. Forcing plain SUM collectives keeps a
+    # divide factor of 1 from becoming NCCL's PreMulSum(1) (a scaling for nothing), which gloo lacks.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+    return root

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from transformers import PretrainedConfig, PreTrainedModel
 
@@ -21,6 +22,7 @@ class ShardedModel:
     root: FSDPModule  # the same object seen as the FSDP root (gradient sync control)
     dtype: torch.dtype  # of the computation
     shape: ModelShape  # for the FLOPs estimate
+    mesh: DeviceMesh  # of the sharding: its process groups carry FSDP's collectives
 
 
 def build_sharded_model(
@@ -49,9 +51,9 @@ def build_sharded_model(
         weights,
         config.model,
         training.seed,
-        runtime.rank,
+        parallelize.shard_index(mesh),
         runtime.local_rank,
         dist.barrier,
         config.fsdp.cpu_offload,
     )
-    return ShardedModel(lm, root, dtype, shape)
+    return ShardedModel(lm, root, dtype, shape, mesh)

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from fsdp_trainer import distributed
 from fsdp_trainer.contract import ProgressRecord
@@ -73,8 +72,7 @@ class MetricsProcessor:
         if not self.due(step):
             return None
         device = self.runtime.device
-        self.last_loss = distributed.mean(float(loss), device)
-        norm = grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm
+        self.last_loss = float(loss)
         memory = distributed.maximum(_peak_memory(device), device)
         elapsed = self.clock() - self.interval_start
         tokens_per_second = self.throughput.tokens_per_step * self.interval_steps / elapsed
@@ -86,7 +84,7 @@ class MetricsProcessor:
                 step=step,
                 loss=self.last_loss,
                 learning_rate=learning_rate,
-                grad_norm=float(norm),
+                grad_norm=float(grad_norm),
                 tokens_per_second=tokens_per_second,
                 tokens_per_second_per_device=per_device,
                 step_time_seconds=elapsed / self.interval_steps,
@@ -116,10 +114,10 @@ class MetricsProcessor:
 
     def step_skipped(self, step: int, loss: torch.Tensor) -> None:
         """A step whose update was skipped for a non-finite loss or gradient norm (every rank calls this;
-        `loss` is this rank's, which the finiteness check has already waited for)."""
+        the finiteness check has already waited for `loss`)."""
         self.non_finite_steps += 1
         log.warning(
-            "step %d: loss or gradient norm not finite (this rank's loss %s): update skipped (%d so far)",
+            "step %d: loss or gradient norm not finite (loss %s): update skipped (%d so far)",
             step,
             float(loss),
             self.non_finite_steps,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -248,3 +249,56 @@ def test_every_part_is_written_out_as_it_ends_whatever_becomes_of_it(tmp_path: P
         summary.run(loop, "ours", lambda: gpu_fsdp.on_alarm(0, None))
     assert json.loads(output.read_text())["loops"]["eager"]["ours"]["not_run"].startswith("stopped")
     assert [path.name for path in tmp_path.iterdir()] == ["gpu_fsdp.json"], "no partial file left"
+
+
+def test_our_loops_figures_survive_the_alarm_in_its_last_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The alarm fires while the last step's checkpoint is saved (on the GPU machine: 18.5 GB, fsynced):
+    the steps measured before it are in the summary all the same. Our real loop, tiny, on the CPU."""
+    from fsdp_trainer.checkpoint_manager import CheckpointManager
+
+    def alarm_in_the_save(*args: Any, **kwargs: Any) -> None:
+        gpu_fsdp.on_alarm(0, None)  # what SIGALRM's handler raises wherever the main thread is
+
+    monkeypatch.setattr(CheckpointManager, "save", alarm_in_the_save)
+    args = arguments(tmp_path, compile="off")
+    summary = gpu_fsdp.Summary({"loops": {"eager": {}}}, [args.output])
+    loop = summary.fields["loops"]["eager"]
+    peaks = (1e9, None, None)
+    ours = functools.partial(gpu_fsdp.our_loop, args, False, gpu_fsdp.TINY, 1)
+    with pytest.raises(gpu_fsdp.BudgetSpent):
+        summary.run(loop, "ours", functools.partial(gpu_fsdp.with_figures, ours, peaks))
+    written = json.loads(args.output.read_text())["loops"]["eager"]["ours"]
+    assert written["not_run"].startswith("stopped") and not written["finished"]
+    assert written["measured_steps"] == args.steps, written
+    assert written["tokens_per_second_per_gpu"]["p50"] > 0, written
+
+
+def test_without_a_c_compiler_the_compiled_loops_are_not_run_and_say_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, gcc or clang to be found
+    monkeypatch.delenv("CC", raising=False)
+    found = gpu_fsdp.host_preflight(tmp_path)
+    assert found["c_compiler"] is None and found["disk_free_bytes"] > 0
+    refusal = gpu_fsdp.compile_toolchain_missing(found)
+    assert refusal is not None and "need a C compiler (cc, gcc or clang; CC)" in refusal
+    args = arguments(tmp_path)
+    for loop in (
+        functools.partial(gpu_fsdp.our_loop, args, True, gpu_fsdp.TINY, 1),
+        functools.partial(gpu_fsdp.baseline_a, args, True),
+    ):
+        with pytest.raises(gpu_fsdp.NotRun, match="C compiler"):
+            loop()
+
+
+def test_the_allocator_setting_is_in_place_before_anything_starts_cuda() -> None:
+    """Set as the script is imported: the matmul peak and the preflight start CUDA before any loop, and CUDA
+    reads the setting once, then."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTORCH_CUDA_ALLOC_CONF"}
+    code = "import gpu_fsdp, os; print(os.environ.get('PYTORCH_CUDA_ALLOC_CONF'))"
+    found = subprocess.run(
+        [sys.executable, "-c", code], cwd=BENCH, env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert found.stdout.strip().splitlines()[-1] == "expandable_segments:True", found.stderr[-2000:]

@@ -143,3 +143,43 @@ def test_under_ray_only_rank_0_reads_storage_and_the_others_follow_its_flag(tmp_
         for started in watches:
             started.stop()
         ray.shutdown()
+
+
+def capture_while_a_collective_is_in_flight(rank: int, port: int, output: str) -> None:
+    """Rank 0 starts an all-reduce without waiting for it and is asked for its stacks while rank 1 has not
+    joined yet: its training thread is outside torch.distributed, as an NCCL rank's is when it blocks in
+    `.item()` while its GPU waits in the collective."""
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    import torch
+    import torch.distributed as dist
+
+    from fsdp_trainer import forensics
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        joined = Path(output) / "rank-1-may-join"
+        if rank == 0:
+            work = dist.all_reduce(torch.ones(4), async_op=True)
+            answer = forensics.capture(0, 2, 5, "", threading.get_ident())
+            (Path(output) / "rank0.json").write_text(answer.model_dump_json(by_alias=True))
+            joined.touch()
+            work.wait()
+            done = forensics.capture(0, 2, 5, "", threading.get_ident())
+            (Path(output) / "rank0-after.json").write_text(done.model_dump_json(by_alias=True))
+        else:
+            wait_for("rank 0's stacks", [joined], timeout=60)
+            dist.all_reduce(torch.ones(4))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_rank_whose_collective_has_not_completed_is_in_it_wherever_its_thread_is(tmp_path: Path) -> None:
+    multiprocessing.spawn(
+        capture_while_a_collective_is_in_flight, args=(free_port(), str(tmp_path)), nprocs=2
+    )
+    during = RankStacks.model_validate_json((tmp_path / "rank0.json").read_text())
+    after = RankStacks.model_validate_json((tmp_path / "rank0-after.json").read_text())
+    assert "in capture" in during.training_thread_top or "forensics.py" in during.training_thread_top
+    assert during.in_collective, during.collectives
+    assert [(record.op, record.completed) for record in during.collectives][-1] == ("gloo:all_reduce", False)
+    assert not after.in_collective and after.collectives[-1].completed

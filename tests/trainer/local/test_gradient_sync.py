@@ -6,8 +6,8 @@ gradients, not the whole unsharded fp32 gradients."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,22 @@ def one_step(rank: int, reduce_every_micro_step: bool) -> dict[str, object]:
     reduced_after_first: list[bool] = []
     held_between_micro_steps: list[int] = []
 
-    def micro_batches() -> Iterator[torch.Tensor]:
-        data = torch.Generator().manual_seed(100 + rank)
-        for micro_step in range(MICRO_STEPS):
-            if micro_step == 1:  # the first micro-step's backward is done
-                reduced_after_first.append(all(p.grad is not None for p in lm.parameters()))
-                held_between_micro_steps.append(held_gradient_bytes(lm))
-            yield torch.randint(0, VOCAB, (2, 16), generator=data)
+    forwards = 0
 
-    loss = optim.accumulate_gradients(lm, root, micro_batches(), MICRO_STEPS, reduce_every_micro_step)
+    def before_forward(module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        nonlocal forwards
+        forwards += 1
+        if forwards == 2:  # the first micro-step's backward is done
+            reduced_after_first.append(all(p.grad is not None for p in lm.parameters()))
+            held_between_micro_steps.append(held_gradient_bytes(lm))
+
+    # Before FSDP's own hook, which gathers the root's parameters for the forward pass (in their place).
+    lm.register_forward_pre_hook(before_forward, prepend=True, with_kwargs=True)
+    data = torch.Generator().manual_seed(100 + rank)
+    micro_batches = [
+        optim.MicroBatch.packed(torch.randint(0, VOCAB, (2, 16), generator=data)) for _ in range(MICRO_STEPS)
+    ]
+    loss = optim.accumulate_gradients(lm, root, micro_batches, reduce_every_micro_step)
     gradients = {name: p.grad.full_tensor() for name, p in lm.named_parameters() if p.grad is not None}
     optimizer.step()
     return {

@@ -166,11 +166,13 @@ def check_on_rank(rank: int, port: int, output: Path) -> None:
         def step(poisoned_rank: int | None, poison: Poison) -> bool:
             batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
             finish = poison(lm) if rank == poisoned_rank else (lambda: None)
-            loss = optim.accumulate_gradients(lm, root, [batch], 1, True)
+            loss = optim.global_loss(
+                optim.accumulate_gradients(lm, root, [optim.MicroBatch.packed(batch)], True)
+            )
             finish()
             norm = optim.clip_gradients(lm.parameters(), 1.0)
             lm.zero_grad(set_to_none=True)
-            return optim.all_finite(loss, norm)
+            return not optim.non_finite(loss, norm).item()
 
         verdicts = {
             "clean": step(None, nan_activations),
