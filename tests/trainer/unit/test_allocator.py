@@ -45,7 +45,7 @@ def test_the_loop_sets_it_before_cuda_initialises_and_keeps_the_users(
     monkeypatch.setattr(os, "environ", environ)  # the NCCL settings the loop adds stay out of this process
     at_start: list[str | None] = []
 
-    def start(use_gpu: bool) -> distributed.Runtime:
+    def start(use_gpu: bool, cpu_offload: bool = False) -> distributed.Runtime:
         at_start.append(os.environ.get(CUDA_ALLOC_CONF))
         raise Started
 
