@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from fsdp_operator import api, builder, metrics, preflight
 from fsdp_operator.kube import Indexes, Kube
+from fsdp_operator.launchers import LauncherReader
 
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
@@ -38,6 +39,7 @@ class Admission:
         ec2: Callable[[], Any],
         efa_through_dra: bool = False,
         max_active_per_namespace: int = 0,
+        autoscaling: Callable[[], Any] = lambda: None,
     ) -> None:
         self.watch_namespaces = watch_namespaces
         self.max_active_per_namespace = max_active_per_namespace  # 0: no limit
@@ -47,6 +49,7 @@ class Admission:
         self.kube = kube
         self.ec2 = ec2  # the EC2 client, built on first use
         self._ec2_facts: dict[str, tuple[float, preflight.InstanceTypeFacts]] = {}
+        self.launchers = LauncherReader(kube, ec2, autoscaling)  # what can add nodes: where workers may go
         self._lock = threading.Lock()
         self._admitted: dict[str, tuple[float, preflight.Competitor]] = {}  # uid -> when, what
         self._pods_view: tuple[float, list[dict[str, Any]]] | None = None
@@ -70,7 +73,8 @@ class Admission:
         if limited is not None:
             return limited
         if spec.preflight.scale_from_zero:
-            return preflight.check_instance_type(spec, self._instance_type_facts(spec.cluster.instance_type))
+            facts = self._instance_type_facts(spec.cluster.instance_type)
+            return preflight.check_instance_type(spec, facts, self.launchers.read())
         with self._lock:
             start = time.thread_time()
             try:

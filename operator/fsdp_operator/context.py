@@ -28,6 +28,7 @@ class Context:
     kube: Kube
     s3: Any
     ec2: Callable[[], Any]  # the EC2 client, built on first use
+    autoscaling: Callable[[], Any] = lambda: None  # the EC2 Auto Scaling client, built on first use
     package_sha256: str = field(default_factory=submission.package_sha256)
     runs: RunMemories = field(default_factory=RunMemories)
     admission: Admission = field(init=False)
@@ -45,6 +46,7 @@ class Context:
             self.ec2,
             efa_through_dra=self.settings.efa_device_class is not None,
             max_active_per_namespace=self.settings.max_active_runs_per_namespace,
+            autoscaling=self.autoscaling,
         )
 
     @property

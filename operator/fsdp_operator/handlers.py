@@ -44,6 +44,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         ec2=functools.cache(
             lambda: boto3.client("ec2", region_name=region, endpoint_url=endpoint, config=bounded)
         ),
+        autoscaling=functools.cache(
+            lambda: boto3.client("autoscaling", region_name=region, endpoint_url=endpoint, config=bounded)
+        ),
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
     ray_clusters = (RAY_GROUP, RAY_VERSION, RAY_PLURAL)

@@ -15,6 +15,7 @@ from kubernetes.client.exceptions import ApiException
 from fsdp_operator import api, builder, kueue, preflight
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+NODEPOOLS_PATH = "/apis/karpenter.sh/v1/nodepools"  # Karpenter's NodePools: cluster-scoped
 RAY_AUTH_KEY_FIELD = "key"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the operator makes
 POD_LIST_PAGE = 250
@@ -196,6 +197,17 @@ class Kube:
                 return []
             raise
         return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
+
+    def nodepools(self) -> list[dict[str, Any]] | None:
+        """Karpenter's NodePools; None where they cannot be seen: no Karpenter (its CRD answers 404) or no
+        permission to list them (the chart grants it)."""
+        try:
+            found = self.request("GET", NODEPOOLS_PATH)
+        except ApiException as error:
+            if error.status in (403, 404):
+                return None
+            raise
+        return cast(list[dict[str, Any]], found.get("items") or [])
 
     def pod_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
         """The Events about one pod (the scheduler's, an autoscaler's), at most EVENTS_PER_POD of them."""

@@ -1,12 +1,15 @@
 """Preflight: is there room for every worker of a run, with its GPUs and EFA, inside one availability zone?
 
 Two sources of truth, both reduced to data before a pure decision: the nodes that exist (allocatable minus
-what pods already request), or, where GPU nodes scale from zero, the EC2 API (is the instance type offered
-in the region's zones, does it support EFA, does it have enough GPUs).
+what pods already request), or, where GPU nodes scale from zero, what can launch them: the EC2 API (is the
+instance type offered in the region's zones, does it support EFA, does it have enough GPUs) and the cluster's
+autoscalers (Karpenter's NodePools, cluster-autoscaler's node groups), which say in which of those zones a
+node of the type can be added for the workers.
 """
 
 from __future__ import annotations
 
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -80,6 +83,100 @@ class InstanceTypeFacts:
     efa_supported: bool = False
     max_efa_interfaces: int = 0
     zones: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ("amd64",)  # as Kubernetes names them (kubernetes.io/arch)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One of a NodePool's node requirements (a node selector requirement, as Karpenter evaluates it)."""
+
+    key: str
+    operator: str  # In, NotIn, Exists, DoesNotExist, Gt, Lt
+    values: tuple[str, ...] = ()
+
+    def allows(self, value: str | None) -> bool:
+        """Whether a node whose label `key` is `value` (None: no such label) meets the requirement."""
+        if self.operator == "In":
+            return value in self.values
+        if self.operator == "NotIn":
+            return value not in self.values
+        if self.operator == "Exists":
+            return value is not None
+        if self.operator == "DoesNotExist":
+            return value is None
+        if self.operator in ("Gt", "Lt") and value is not None and value.isdigit() and self.values:
+            bound = int(self.values[0])
+            return int(value) > bound if self.operator == "Gt" else int(value) < bound
+        return False
+
+    def __str__(self) -> str:
+        return f"{self.key} {self.operator}" + (f" {list(self.values)}" if self.values else "")
+
+
+@dataclass(frozen=True)
+class NodePool:
+    """A Karpenter NodePool (karpenter.sh/v1): the nodes it may launch and the labels and taints they get."""
+
+    name: str
+    requirements: tuple[Requirement, ...] = ()
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[tuple[str, str, str], ...] = ()  # (key, value, effect)
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> NodePool:
+        template = (body.get("spec") or {}).get("template") or {}
+        node = template.get("spec") or {}
+        return cls(
+            name=body["metadata"]["name"],
+            requirements=tuple(
+                Requirement(r["key"], r["operator"], tuple(str(v) for v in r.get("values") or ()))
+                for r in node.get("requirements") or ()
+            ),
+            labels=tuple(sorted(((template.get("metadata") or {}).get("labels") or {}).items())),
+            taints=tuple((t["key"], t.get("value") or "", t["effect"]) for t in node.get("taints") or ()),
+        )
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """An EC2 Auto Scaling group cluster-autoscaler manages (tagged k8s.io/cluster-autoscaler/enabled)."""
+
+    name: str
+    zones: tuple[str, ...]
+    instance_types: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Launchers:
+    """What can add nodes to the cluster; None where the operator cannot see that kind (no Karpenter CRD, no
+    permission to describe Auto Scaling groups)."""
+
+    nodepools: tuple[NodePool, ...] | None = None
+    node_groups: tuple[NodeGroup, ...] | None = None
+
+
+# Labels Karpenter's AWS provider gives every node of a type, from the type's name and facts.
+LABEL_ARCH = "kubernetes.io/arch"
+LABEL_OS = "kubernetes.io/os"
+LABEL_NODEPOOL = "karpenter.sh/nodepool"
+# Labels whose value Karpenter picks per node (capacity type, and AWS's finer instance facts this operator
+# does not model): a requirement on them does not rule an instance type out.
+_KARPENTER_LABEL_PREFIXES = ("karpenter.sh/", "karpenter.k8s.aws/")
+
+
+def _instance_type_labels(facts: InstanceTypeFacts) -> dict[str, str]:
+    """The labels a node of the type gets whatever its zone and architecture (Karpenter's AWS provider)."""
+    family, _, size = facts.instance_type.partition(".")
+    named = re.match(r"([a-z]+)(\d+)", family)  # p5en: category p, generation 5
+    return {
+        LABEL_INSTANCE_TYPE: facts.instance_type,
+        "karpenter.k8s.aws/instance-family": family,
+        "karpenter.k8s.aws/instance-size": size,
+        "karpenter.k8s.aws/instance-category": named.group(1) if named else family,
+        "karpenter.k8s.aws/instance-generation": named.group(2) if named else "",
+        "karpenter.k8s.aws/instance-gpu-count": str(facts.gpus),
+        LABEL_OS: "linux",
+    }
 
 
 @dataclass(frozen=True)
@@ -546,8 +643,105 @@ def _short_of(nodes: list[NodeFree], demand: WorkerDemand, workers: int) -> str:
     return f"; short of {', '.join(short)}" if short else ""
 
 
-def check_instance_type(spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts) -> PreflightResult:
-    """Scale-from-zero: can the autoscaler create the workers' nodes at all, in one zone, with EFA?"""
+def nodepool_zones(
+    pool: NodePool, spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts
+) -> tuple[tuple[str, ...], str]:
+    """The zones EC2 offers the type in where `pool` can launch a node the workers can use, and, when there
+    are none, why: the first requirement, nodeSelector label or taint that rules the workers out."""
+    fixed = _instance_type_labels(facts)
+    labels = dict(pool.labels)
+    kind = facts.instance_type
+    for requirement in pool.requirements:
+        if requirement.key == LABEL_ARCH and not any(map(requirement.allows, facts.architectures)):
+            return (
+                (),
+                f"NodePool {pool.name} requires {requirement}: {kind} is {'/'.join(facts.architectures)}",
+            )
+        if requirement.key in fixed and not requirement.allows(fixed[requirement.key]):
+            return (), f"NodePool {pool.name} requires {requirement}, which rules out {kind}"
+    zone_rules = [r for r in pool.requirements if r.key == LABEL_ZONE]
+    zones = [zone for zone in facts.zones if all(r.allows(zone) for r in zone_rules)]
+    for key, value in spec.cluster.node_selector.items():
+        on_key = [r for r in pool.requirements if r.key == key]
+        if key == LABEL_ZONE:
+            zones = [zone for zone in zones if zone == value]
+            continue
+        if key == LABEL_NODEPOOL:
+            fits = value == pool.name
+        elif key in fixed:
+            fits = fixed[key] == value
+        elif key == LABEL_ARCH:
+            fits = value in facts.architectures and all(r.allows(value) for r in on_key)
+        elif key in labels:
+            fits = labels[key] == value
+        elif on_key:
+            fits = all(r.allows(value) for r in on_key)
+        else:  # Karpenter sets its own labels per node; any other label must be one the NodePool defines
+            fits = key.startswith(_KARPENTER_LABEL_PREFIXES)
+        if not fits:
+            return (), (
+                f"NodePool {pool.name} makes no node labelled {key}={value} (spec.cluster.nodeSelector)"
+            )
+    tolerations = worker_tolerations(spec)
+    for key, value, effect in pool.taints:
+        if effect != "PreferNoSchedule" and not _tolerated(
+            {"key": key, "value": value, "effect": effect}, tolerations
+        ):
+            taint = f"{key}={value}:{effect}" if value else f"{key}:{effect}"
+            return (
+                (),
+                f"NodePool {pool.name} taints its nodes {taint}, not tolerated (spec.cluster.tolerations)",
+            )
+    if not zones:
+        return (
+            (),
+            f"NodePool {pool.name} allows none of the zones EC2 offers {kind} in ({', '.join(facts.zones)})",
+        )
+    return tuple(zones), ""
+
+
+def node_group_zones(group: NodeGroup, facts: InstanceTypeFacts) -> tuple[tuple[str, ...], str]:
+    """The zones of an Auto Scaling group where EC2 offers the type, if it launches the type; else why not."""
+    kind = facts.instance_type
+    if kind not in group.instance_types:
+        return (), f"node group {group.name} launches {', '.join(group.instance_types) or 'no type it names'}"
+    zones = tuple(zone for zone in facts.zones if zone in group.zones)
+    if not zones:
+        return (), f"node group {group.name} spans {', '.join(group.zones)}, where EC2 does not offer {kind}"
+    return zones, ""
+
+
+def launchable_zones(
+    spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts, launchers: Launchers
+) -> tuple[dict[str, list[str]], list[str]]:
+    """zone -> the NodePools and node groups that can add a node of the type there for the workers, sorted by
+    zone; and why each of the others cannot."""
+    zones: dict[str, list[str]] = defaultdict(list)
+    why_not: list[str] = []
+    found: list[tuple[str, tuple[tuple[str, ...], str]]] = [
+        *((f"NodePool {pool.name}", nodepool_zones(pool, spec, facts)) for pool in launchers.nodepools or ()),
+        *(
+            (f"node group {group.name}", node_group_zones(group, facts))
+            for group in launchers.node_groups or ()
+        ),
+    ]
+    for name, (where, why) in found:
+        for zone in where:
+            zones[zone].append(name)
+        if why:
+            why_not.append(why)
+    return dict(sorted(zones.items())), why_not
+
+
+NOT_LAUNCHABLE = "NoNodePoolOrNodeGroupCanLaunch"
+_REASONS_SHOWN = 6  # of the NodePools and node groups that cannot launch the type, in a refusal's message
+
+
+def check_instance_type(
+    spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts, launchers: Launchers = Launchers()
+) -> PreflightResult:
+    """Scale-from-zero: can the autoscaler create the workers' nodes at all, in one zone, with EFA? The zone
+    is one where a visible NodePool or node group can launch the type, else (none visible) one EC2 offers."""
     cluster = spec.cluster
     if not facts.exists:
         return PreflightResult(
@@ -567,17 +761,59 @@ def check_instance_type(spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts)
             f"{facts.instance_type} supports {facts.max_efa_interfaces if facts.efa_supported else 0} EFA "
             f"interfaces; spec.cluster.efaPerWorker asks for {cluster.efa(spec.network)}",
         )
+    launchable, why_not = launchable_zones(spec, facts, launchers)
+    # Both kinds of autoscaler visible, or one that can launch the type: the cluster decides. One visible kind
+    # that cannot, beside one the operator cannot see: the other may, so EC2's offerings decide as before.
+    if launchable or (launchers.nodepools is not None and launchers.node_groups is not None):
+        return _launch_zone(spec, facts.instance_type, launchable, why_not)
     zones = [z for z in facts.zones if not cluster.zone or z == cluster.zone]
     if not zones:
         where = f"zone {cluster.zone}" if cluster.zone else "any zone of the region"
         return PreflightResult(
             False, "InstanceTypeNotOffered", f"{facts.instance_type} is not offered in {where}"
         )
+    unseen = (
+        f" (no visible NodePool or node group launches it: {'; '.join(why_not[:_REASONS_SHOWN])}; the "
+        "autoscaler the operator cannot see may)"
+        if why_not
+        else ""
+    )
     return PreflightResult(
         True,
         "InstanceTypeOffered",
-        f"{facts.instance_type} is offered in {', '.join(sorted(zones))}; workers go to {sorted(zones)[0]}",
+        f"{facts.instance_type} is offered in {', '.join(sorted(zones))}; workers go to {sorted(zones)[0]}"
+        + unseen,
         zone=sorted(zones)[0],
+    )
+
+
+def _launch_zone(
+    spec: api.FSDPTrainingRunSpec, instance_type: str, launchable: dict[str, list[str]], why_not: list[str]
+) -> PreflightResult:
+    pinned = spec.cluster.zone
+    zones = [zone for zone in launchable if not pinned or zone == pinned]
+    if zones:
+        zone = zones[0]
+        return PreflightResult(
+            True,
+            "InstanceTypeLaunchable",
+            f"{', '.join(launchable[zone])} can launch {instance_type} in {zone}; workers go to {zone}",
+            zone=zone,
+        )
+    if launchable:  # only elsewhere than the zone the run names
+        elsewhere = "; ".join(f"{zone} ({', '.join(names)})" for zone, names in launchable.items())
+        why = f"they can in {elsewhere} (spec.cluster.zone)"
+    else:
+        shown = why_not[:_REASONS_SHOWN] + (
+            [f"{len(why_not) - _REASONS_SHOWN} more"] if len(why_not) > _REASONS_SHOWN else []
+        )
+        why = "; ".join(shown) or "the cluster has none (Karpenter NodePool, or Auto Scaling group tagged "
+        "k8s.io/cluster-autoscaler/enabled)"
+    return PreflightResult(
+        False,
+        NOT_LAUNCHABLE,
+        f"no Karpenter NodePool or cluster-autoscaler node group can add a {instance_type} node for the "
+        f"workers{f' in zone {pinned}' if pinned else ''}: {why}",
     )
 
 
@@ -593,6 +829,7 @@ def ec2_instance_type_facts(ec2: Any, instance_type: str) -> InstanceTypeFacts:
         return InstanceTypeFacts(instance_type, exists=False)
     network = info[0].get("NetworkInfo", {})
     gpus = sum(g.get("Count", 0) for g in info[0].get("GpuInfo", {}).get("Gpus", []))
+    architectures = info[0].get("ProcessorInfo", {}).get("SupportedArchitectures", ["x86_64"])
     offerings = ec2.describe_instance_type_offerings(
         LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": [instance_type]}]
     )["InstanceTypeOfferings"]
@@ -603,4 +840,8 @@ def ec2_instance_type_facts(ec2: Any, instance_type: str) -> InstanceTypeFacts:
         efa_supported=bool(network.get("EfaSupported")),
         max_efa_interfaces=int(network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)),
         zones=tuple(sorted(o["Location"] for o in offerings)),
+        architectures=tuple(_KUBERNETES_ARCH.get(a, a) for a in architectures),
     )
+
+
+_KUBERNETES_ARCH = {"x86_64": "amd64", "arm64": "arm64"}  # EC2's names -> kubernetes.io/arch

@@ -258,3 +258,134 @@ def test_an_elastic_run_is_admitted_on_its_fewest_workers_when_that_is_all_a_zon
     assert elastic.ok and elastic.reason == "ElasticCapacityAvailable" and elastic.zone == "us-west-2a"
     assert "2 of 3 x (4 GPU, 1 EFA) fit in zone us-west-2a" in elastic.message
     assert check(spec(workers=3, minWorkers=3, zone="us-west-2a"), NODES, []).reason == "InsufficientCapacity"
+
+
+G6_ABC = preflight.InstanceTypeFacts(
+    "g6.12xlarge",
+    True,
+    gpus=4,
+    efa_supported=True,
+    max_efa_interfaces=1,
+    zones=("us-west-2a", "us-west-2b", "us-west-2c"),
+)
+
+
+def nodepool(name: str, *requirements: tuple[str, str, list[str]], **template: Any) -> preflight.NodePool:
+    """A NodePool as the apiserver returns it, read as preflight reads it."""
+    return preflight.NodePool.of(
+        {
+            "metadata": {"name": name},
+            "spec": {
+                "template": {
+                    "metadata": {"labels": template.get("labels", {})},
+                    "spec": {
+                        "requirements": [
+                            {"key": key, "operator": op, "values": values} for key, op, values in requirements
+                        ],
+                        "taints": template.get("taints", []),
+                    },
+                }
+            },
+        }
+    )
+
+
+ZONE, TYPE, FAMILY = (
+    "topology.kubernetes.io/zone",
+    "node.kubernetes.io/instance-type",
+    ("karpenter.k8s.aws/instance-family"),
+)
+
+
+def test_scale_from_zero_goes_to_a_zone_a_nodepool_can_launch_the_type_in_not_the_first_ec2_offers() -> None:
+    """EC2 offers g6.12xlarge in a, b and c; the only GPU NodePool launches in c: the workers go there (in a
+    they would wait for a node Karpenter never adds)."""
+    gpu = nodepool("gpu", (ZONE, "In", ["us-west-2c"]), (FAMILY, "In", ["g6", "p5"]))
+    cpu = nodepool("cpu", (FAMILY, "In", ["m7i"]))
+    result = preflight.check_instance_type(spec(), G6_ABC, preflight.Launchers(nodepools=(cpu, gpu)))
+    assert (result.ok, result.reason, result.zone) == (True, "InstanceTypeLaunchable", "us-west-2c"), result
+    assert "NodePool gpu can launch g6.12xlarge in us-west-2c" in result.message
+
+
+def test_scale_from_zero_goes_to_a_zone_of_a_node_group_that_launches_the_type() -> None:
+    groups = (
+        preflight.NodeGroup("eks-p5", ("us-west-2a",), ("p5.48xlarge",)),
+        preflight.NodeGroup("eks-g6", ("us-west-2b", "us-west-2d"), ("g6.12xlarge",)),
+    )
+    result = preflight.check_instance_type(spec(), G6_ABC, preflight.Launchers(node_groups=groups))
+    assert (result.ok, result.zone) == (True, "us-west-2b"), result  # d: EC2 does not offer the type there
+
+
+def test_with_nodepools_and_node_groups_visible_and_none_able_to_launch_the_type_the_run_is_refused() -> None:
+    pools = (
+        nodepool("p5-only", (TYPE, "In", ["p5.48xlarge"])),
+        nodepool("no-g6", (FAMILY, "NotIn", ["g6"])),
+        nodepool("big-gpus", ("karpenter.k8s.aws/instance-gpu-count", "Gt", ["4"])),
+        nodepool("graviton", ("kubernetes.io/arch", "In", ["arm64"])),
+        nodepool("dedicated", taints=[{"key": "team", "value": "ml", "effect": "NoSchedule"}]),
+        nodepool("elsewhere", (ZONE, "In", ["us-east-1a"])),
+    )
+    groups = (preflight.NodeGroup("eks-g6", ("us-west-2d",), ("g6.12xlarge",)),)
+    result = preflight.check_instance_type(spec(), G6_ABC, preflight.Launchers(pools, groups))
+    assert (result.ok, result.reason) == (False, preflight.NOT_LAUNCHABLE), result
+    for why in (
+        "NodePool p5-only requires node.kubernetes.io/instance-type In ['p5.48xlarge'], which rules out",
+        "NodePool no-g6 requires karpenter.k8s.aws/instance-family NotIn ['g6']",
+        "NodePool big-gpus requires karpenter.k8s.aws/instance-gpu-count Gt ['4']",
+        "NodePool graviton requires kubernetes.io/arch In ['arm64']: g6.12xlarge is amd64",
+        "NodePool dedicated taints its nodes team=ml:NoSchedule, not tolerated (spec.cluster.tolerations)",
+        "NodePool elsewhere allows none of the zones EC2 offers g6.12xlarge in",
+    ):
+        assert why in result.message, (why, result.message)
+    # node groups past the shown NodePools are counted, not listed
+    assert "1 more" in result.message
+    nothing = preflight.check_instance_type(spec(), G6_ABC, preflight.Launchers((), ()))
+    assert nothing.reason == preflight.NOT_LAUNCHABLE and "the cluster has none" in nothing.message
+
+
+def test_a_nodepool_launches_for_the_workers_only_what_their_selector_and_tolerations_allow() -> None:
+    dedicated = nodepool(
+        "ml",
+        ("team", "In", ["ml", "research"]),
+        labels={"tier": "gpu"},
+        taints=[{"key": "team", "value": "ml", "effect": "NoSchedule"}],
+    )
+    tolerating = {"tolerations": [{"key": "team", "operator": "Equal", "value": "ml"}]}
+    launchers = preflight.Launchers(nodepools=(dedicated,), node_groups=())
+    assert preflight.check_instance_type(spec(**tolerating), G6_ABC, launchers).zone == "us-west-2a"
+    for selector, fits in (
+        ({"team": "research"}, True),
+        ({"tier": "gpu", "karpenter.sh/capacity-type": "on-demand"}, True),
+        ({"karpenter.sh/nodepool": "ml"}, True),
+        ({"team": "infra"}, False),
+        ({"tier": "cpu"}, False),
+        ({"rack": "r1"}, False),  # a label the NodePool never sets
+        ({"karpenter.sh/nodepool": "other"}, False),
+    ):
+        result = preflight.check_instance_type(spec(nodeSelector=selector, **tolerating), G6_ABC, launchers)
+        assert result.ok is fits, (selector, result)
+        if not fits:
+            assert "(spec.cluster.nodeSelector)" in result.message
+    zone_b = spec(nodeSelector={ZONE: "us-west-2b"}, **tolerating)
+    assert preflight.check_instance_type(zone_b, G6_ABC, launchers).zone == "us-west-2b"
+
+
+def test_a_named_zone_no_launcher_serves_is_refused_naming_the_zones_they_serve() -> None:
+    gpu = nodepool("gpu", (ZONE, "In", ["us-west-2c"]))
+    result = preflight.check_instance_type(
+        spec(zone="us-west-2a"), G6_ABC, preflight.Launchers(nodepools=(gpu,))
+    )
+    assert (result.ok, result.reason) == (False, preflight.NOT_LAUNCHABLE)
+    assert "in zone us-west-2a: they can in us-west-2c (NodePool gpu) (spec.cluster.zone)" in result.message
+
+
+def test_one_visible_autoscaler_that_cannot_launch_the_type_leaves_the_choice_to_ec2s_offerings() -> None:
+    """NodePools for CPU only, node groups not visible (no autoscaling permission): a node group may launch
+    it, so the run goes where EC2 offers the type, and the message says what was seen."""
+    cpu = nodepool("cpu", (FAMILY, "In", ["m7i"]))
+    result = preflight.check_instance_type(spec(), G6_ABC, preflight.Launchers(nodepools=(cpu,)))
+    assert (result.ok, result.reason, result.zone) == (True, "InstanceTypeOffered", "us-west-2a")
+    assert "no visible NodePool or node group launches it: NodePool cpu requires" in result.message
+    assert preflight.check_instance_type(spec(), G6_ABC).message == (
+        "g6.12xlarge is offered in us-west-2a, us-west-2b, us-west-2c; workers go to us-west-2a"
+    )
