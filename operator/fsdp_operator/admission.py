@@ -73,7 +73,7 @@ class Admission:
         if limited is not None:
             return limited
         if spec.preflight.scale_from_zero:
-            facts = self._instance_type_facts(spec.cluster.instance_type)
+            facts = self.instance_type_facts(spec.cluster.instance_type)
             return preflight.check_instance_type(spec, facts, self.launchers.read())
         with self._lock:
             start = time.thread_time()
@@ -84,7 +84,7 @@ class Admission:
                 self.cpu_seconds += spent
                 metrics.ADMISSION_CPU.inc(spent)
 
-    def _instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
+    def instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
         now = time.monotonic()
         kept = self._ec2_facts.get(instance_type)
         if kept is None or now - kept[0] > EC2_FACTS_SECONDS:

@@ -17,6 +17,7 @@ from typing import Any, cast
 
 from fsdp_operator import api, fabric, instancetypes, quantity
 from fsdp_operator.builder import EFA, GPU, LABEL_INSTANCE_TYPE, LABEL_ZONE, uses_efa, worker_tolerations
+from fsdp_trainer.contract import EfaPolicy
 
 CPU, MEMORY, DISK = "cpu", "memory", "ephemeral-storage"
 # A waiting run whose single worker fits no node of its instance type, not even an empty one: nodes the
@@ -84,6 +85,7 @@ class InstanceTypeFacts:
     max_efa_interfaces: int = 0
     zones: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ("amd64",)  # as Kubernetes names them (kubernetes.io/arch)
+    shape: instancetypes.InstanceType | None = None  # its sizes, for a type instancetypes does not list
 
 
 @dataclass(frozen=True)
@@ -754,6 +756,13 @@ def check_instance_type(
             f"{facts.instance_type} has {facts.gpus} GPUs; "
             f"spec.cluster.gpusPerWorker asks for {cluster.gpus()}",
         )
+    if spec.network.efa == EfaPolicy.REQUIRED and not facts.efa_supported:
+        return PreflightResult(
+            False,
+            "EfaUnsupported",
+            f"{facts.instance_type} has no EFA; spec.network.efa is required (set it to preferred or "
+            "disabled to run without EFA, or pick an instanceType with EFA)",
+        )
     if uses_efa(spec) and (not facts.efa_supported or facts.max_efa_interfaces < cluster.efa(spec.network)):
         return PreflightResult(
             False,
@@ -841,7 +850,22 @@ def ec2_instance_type_facts(ec2: Any, instance_type: str) -> InstanceTypeFacts:
         max_efa_interfaces=int(network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)),
         zones=tuple(sorted(o["Location"] for o in offerings)),
         architectures=tuple(_KUBERNETES_ARCH.get(a, a) for a in architectures),
+        shape=instancetypes.from_ec2(info[0]),
     )
+
+
+def sized_by(spec: api.FSDPTrainingRunSpec, shape: instancetypes.InstanceType) -> api.FSDPTrainingRunSpec:
+    """The spec with each worker size it leaves unset taken from `shape` (a type the table does not list, as
+    EC2 describes it) and written out, so that the builder and every decision read the same sizes."""
+    cluster = spec.cluster
+    sizes: dict[str, Any] = {
+        "gpus_per_worker": cluster.gpus_per_worker or shape.gpus,
+        "cpu": cluster.worker_cpu() if cluster.cpu else shape.worker_cpu,
+        "memory": cluster.worker_memory() if cluster.memory else shape.worker_memory,
+    }
+    if cluster.efa_per_worker is None and spec.network.efa != EfaPolicy.DISABLED:
+        sizes["efa_per_worker"] = shape.efa_interfaces
+    return spec.model_copy(update={"cluster": cluster.model_copy(update=sizes)})
 
 
 _KUBERNETES_ARCH = {"x86_64": "amd64", "arm64": "arm64"}  # EC2's names -> kubernetes.io/arch

@@ -389,3 +389,17 @@ def test_one_visible_autoscaler_that_cannot_launch_the_type_leaves_the_choice_to
     assert preflight.check_instance_type(spec(), G6_ABC).message == (
         "g6.12xlarge is offered in us-west-2a, us-west-2b, us-west-2c; workers go to us-west-2a"
     )
+
+
+def test_a_type_without_efa_is_refused_when_the_run_requires_efa_whatever_its_efa_default() -> None:
+    """Sized by EC2, a type without EFA defaults to no interface; network.efa required still needs one."""
+    g5 = preflight.InstanceTypeFacts("g5.xlarge", True, gpus=1, zones=("us-west-2a",))
+    required = api.FSDPTrainingRunSpec.model_validate(
+        {**BASE_SPEC, "cluster": {"gpusPerWorker": 1, "efaPerWorker": 0}, "network": {"efa": "required"}}
+    )
+    result = preflight.check_instance_type(required, g5)
+    assert (result.ok, result.reason) == (False, "EfaUnsupported") and "spec.network.efa" in result.message
+    preferred = required.model_copy(
+        update={"network": required.network.model_copy(update={"efa": "preferred"})}
+    )
+    assert preflight.check_instance_type(preferred, g5).ok
