@@ -47,6 +47,7 @@ class Context:
             efa_through_dra=self.settings.efa_device_class is not None,
             max_active_per_namespace=self.settings.max_active_runs_per_namespace,
             autoscaling=self.autoscaling,
+            platform=self.platform,
         )
 
     def sized(self, spec: api.FSDPTrainingRunSpec) -> api.FSDPTrainingRunSpec:

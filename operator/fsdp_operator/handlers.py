@@ -134,7 +134,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index(*pods, id="accelerator_pods", registry=registry)
     def accelerator_pods(body: kopf.Body, **_: Any) -> Any:
-        return {None: preflight.placement_of(body)} if preflight.holds_accelerators(body) else None
+        return {None: preflight.placement_of(body)} if preflight.counted_by_preflight(body) else None
 
     def indexes_of(kwargs: Mapping[str, Any]) -> Indexes:
         # kopf hands each index to handlers as a keyword argument named by the index's id.

@@ -219,9 +219,9 @@ class Kube:
         return cast(list[dict[str, Any]], found.get("items") or [])
 
     def accelerator_pods(self) -> list[dict[str, Any]]:
-        """Pods of every namespace that hold GPUs or EFA, reduced as the pod index reduces them. Read a page
-        at a time as plain JSON: a busy cluster's whole pod list decoded at once, as client models, is tens
-        of MB that the process keeps long after."""
+        """Pods of every namespace that preflight counts (GPUs, EFA, DaemonSets'), reduced as the pod index
+        reduces them. Read a page at a time as plain JSON: a busy cluster's whole pod list decoded at once, as
+        client models, is tens of MB that the process keeps long after."""
         found: list[dict[str, Any]] = []
         page_token = None
         while True:
@@ -233,7 +233,7 @@ class Kube:
                 query.append(("continue", page_token))
             response = self.request("GET", "/api/v1/pods", query=query, preload=False)
             page = json.loads(cast(Any, response).data)  # the raw urllib3 response: _preload_content=False
-            found += [preflight.placement_of(p) for p in page["items"] if preflight.holds_accelerators(p)]
+            found += [preflight.placement_of(p) for p in page["items"] if preflight.counted_by_preflight(p)]
             page_token = page["metadata"].get("continue")
             if not page_token:
                 return found
@@ -247,7 +247,8 @@ class Indexes:
     rayclusters: Any  # (namespace, cluster name) -> RayCluster body
     ray_pods: Any  # (namespace, cluster name) -> pod summaries
     nodes: Any = None  # None -> every node
-    accelerator_pods: Any = None  # None -> pods bound to a node that request GPUs or EFA (watched namespaces)
+    # None -> bound pods requesting GPUs or EFA, and DaemonSets' pods (watched namespaces): preflight's
+    accelerator_pods: Any = None
     active_runs: Any = None  # namespace -> uids of its runs whose status shows a cluster held (admission.py)
 
     @staticmethod

@@ -91,8 +91,11 @@ class LauncherReader:
         return None if found is None else tuple(preflight.NodePool.of(body) for body in found)
 
     def _node_groups(self) -> tuple[preflight.NodeGroup, ...] | None:
+        autoscaling = self.autoscaling()
+        if autoscaling is None:  # an operator built without AWS clients
+            return None
         try:
-            return node_groups(self.autoscaling(), self.ec2())
+            return node_groups(autoscaling, self.ec2())
         except (BotoCoreError, ClientError) as error:  # no permission, no endpoint: not visible
             log.info("node groups not visible to preflight: %s", error)
             return None

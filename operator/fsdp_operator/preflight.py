@@ -215,12 +215,19 @@ def _requests(container: Mapping[str, Any]) -> Mapping[str, Any]:
     return cast(Mapping[str, Any], resources.get("requests") or resources.get("limits") or {})
 
 
-def holds_accelerators(pod: Mapping[str, Any]) -> bool:
-    """A pod bound to a node, not finished, that requests GPUs or EFA: what preflight subtracts."""
+def is_daemon(pod: Mapping[str, Any]) -> bool:
+    """A DaemonSet's pod: every node it selects has one, a node still to be added too."""
+    owners = (pod.get("metadata") or {}).get("ownerReferences") or ()
+    return any(owner.get("kind") == "DaemonSet" for owner in owners)
+
+
+def counted_by_preflight(pod: Mapping[str, Any]) -> bool:
+    """A pod bound to a node, not finished, that requests GPUs or EFA, or a DaemonSet's (its CPU, memory and
+    disk are not the workers' or the head's on any node it runs on): what preflight subtracts."""
     spec, status = pod.get("spec") or {}, pod.get("status") or {}
     if not spec.get("nodeName") or status.get("phase") in ("Succeeded", "Failed"):
         return False
-    return any(_requests(c).get(r) for c in spec.get("containers", []) for r in (GPU, EFA))
+    return is_daemon(pod) or any(_requests(c).get(r) for c in spec.get("containers", []) for r in (GPU, EFA))
 
 
 def node_facts(node: Mapping[str, Any]) -> dict[str, Any]:
@@ -246,6 +253,7 @@ def placement_of(pod: Mapping[str, Any]) -> dict[str, Any]:
             "name": meta["name"],
             "namespace": meta["namespace"],
             "labels": dict(meta.get("labels") or {}),
+            "ownerReferences": [{"kind": "DaemonSet"}] if is_daemon(pod) else [],
         },
         "spec": {
             "nodeName": spec["nodeName"],
@@ -262,10 +270,8 @@ def placement_key(spec: api.FSDPTrainingRunSpec) -> str:
     return spec.cluster.model_dump_json(include={"instance_type", "node_selector", "tolerations"})
 
 
-def free_worker_nodes(
-    spec: api.FSDPTrainingRunSpec, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
-) -> list[NodeFree]:
-    """Nodes a worker could land on (type, selector, Ready, schedulable, taints) with their free GPU/EFA."""
+def _used(pods: Iterable[Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """node name -> resource -> what the pods bound to it request."""
     used: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for pod in pods:
         node_name = pod.get("spec", {}).get("nodeName")
@@ -278,34 +284,109 @@ def free_worker_nodes(
             used[node_name][CPU] += quantity.milli(requests.get(CPU, 0))
             for resource in (MEMORY, DISK):
                 used[node_name][resource] += quantity.whole(requests.get(resource, 0))
+    return used
+
+
+def _takes_pods(node: Mapping[str, Any], tolerations: list[api.Toleration]) -> bool:
+    """Ready, schedulable, and every NoSchedule/NoExecute taint tolerated."""
+    node_spec, status = node.get("spec", {}), node.get("status", {})
+    if node_spec.get("unschedulable"):
+        return False
+    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
+    taints = [t for t in node_spec.get("taints", []) if t.get("effect") in ("NoSchedule", "NoExecute")]
+    return ready and all(_tolerated(t, tolerations) for t in taints)
+
+
+def _node_free(node: Mapping[str, Any], used: Mapping[str, Mapping[str, int]]) -> NodeFree:
+    labels, name = node["metadata"].get("labels", {}), node["metadata"]["name"]
+    allocatable, by_pods = node.get("status", {}).get("allocatable", {}), used.get(name, {})
+    taken: dict[str, int] = defaultdict(int, by_pods)
+    return NodeFree(
+        name=name,
+        zone=labels.get(LABEL_ZONE, ""),
+        gpus=_quantity_int(allocatable.get(GPU)) - taken[GPU],
+        efa=_quantity_int(allocatable.get(EFA)) - taken[EFA],
+        cpu_m=_free(allocatable, taken, CPU, quantity.milli),
+        memory=_free(allocatable, taken, MEMORY, quantity.whole),
+        disk=_free(allocatable, taken, DISK, quantity.whole),
+    )
+
+
+def free_worker_nodes(
+    spec: api.FSDPTrainingRunSpec, nodes: Iterable[Mapping[str, Any]], pods: Iterable[Mapping[str, Any]]
+) -> list[NodeFree]:
+    """Nodes a worker could land on (type, selector, Ready, schedulable, taints) with what is free on them."""
+    used = _used(pods)
     wanted = {**spec.cluster.node_selector, LABEL_INSTANCE_TYPE: spec.cluster.instance_type}
     tolerations = worker_tolerations(spec)
     result = []
     for node in nodes:
-        meta, node_spec, status = node["metadata"], node.get("spec", {}), node.get("status", {})
-        labels = meta.get("labels", {})
-        if any(labels.get(k) != v for k, v in wanted.items()) or node_spec.get("unschedulable"):
+        labels = node["metadata"].get("labels", {})
+        if any(labels.get(k) != v for k, v in wanted.items()):
             continue
         if fabric.is_degraded(labels):  # workers avoid it (builder.py): its capacity is not the run's
             continue
-        ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", []))
-        taints = [t for t in node_spec.get("taints", []) if t.get("effect") in ("NoSchedule", "NoExecute")]
-        if not ready or not all(_tolerated(t, tolerations) for t in taints):
-            continue
-        allocatable = status.get("allocatable", {})
-        name = meta["name"]
-        result.append(
-            NodeFree(
-                name=name,
-                zone=labels.get(LABEL_ZONE, ""),
-                gpus=_quantity_int(allocatable.get(GPU)) - used[name][GPU],
-                efa=_quantity_int(allocatable.get(EFA)) - used[name][EFA],
-                cpu_m=_free(allocatable, used[name], CPU, quantity.milli),
-                memory=_free(allocatable, used[name], MEMORY, quantity.whole),
-                disk=_free(allocatable, used[name], DISK, quantity.whole),
-            )
-        )
+        if _takes_pods(node, tolerations):
+            result.append(_node_free(node, used))
     return result
+
+
+HEAD_FITS_NO_NODE = "HeadFitsNoNode"
+
+
+def head_fits_no_node(
+    spec: api.FSDPTrainingRunSpec,
+    platform: Any,
+    nodes: Iterable[Mapping[str, Any]],
+    daemon_pods: Iterable[Mapping[str, Any]],
+) -> PreflightResult | None:
+    """A failed result naming what the head asks more of than any node it may go on has beside that node's
+    DaemonSet pods (builder.Platform `platform`: the operator's head selector and tolerations), or None when
+    it fits one, or no such node exists to judge by (its nodes scale from zero)."""
+    head = spec.cluster.head
+    selector = head.node_selector or platform.head_node_selector
+    tolerations = [api.Toleration.model_validate(t) for t in platform.head_tolerations]
+    tolerations += head.tolerations
+    used = _used(daemon_pods)
+    candidates = [
+        _node_free(node, used)
+        for node in nodes
+        if _takes_pods(node, tolerations)
+        and _head_may_use(node["metadata"].get("labels", {}), selector, spec.cluster.instance_type)
+    ]
+    asked = [
+        (CPU, quantity.milli(head.cpu), "cpu"),
+        (MEMORY, quantity.whole(head.memory), "memory"),
+        (DISK, quantity.whole(head.ephemeral_storage), "ephemeralStorage"),
+    ]
+    short = []
+    for resource, amount, field_name in asked:
+        known = [free for node in candidates if (free := _free_of(node, resource)) is not None]
+        if known and max(known) < amount:
+            short.append(
+                f"{_shown(resource, amount)}, at most {_shown(resource, max(known))} free of DaemonSets on a "
+                f"node (spec.cluster.head.{field_name})"
+            )
+    if not short:
+        return None
+    where = f"labelled {selector}" if selector else f"not of the workers' type {spec.cluster.instance_type}"
+    return PreflightResult(
+        False,
+        HEAD_FITS_NO_NODE,
+        f"the Ray head fits no node it may go on ({len(candidates)} {where}), not even an empty one: "
+        + "; ".join(short),
+    )
+
+
+def _head_may_use(labels: Mapping[str, str], selector: Mapping[str, str], worker_type: str) -> bool:
+    """The head's node selector, or by default any node not of the workers' instance type (builder.py)."""
+    if selector:
+        return all(labels.get(k) == v for k, v in selector.items())
+    return labels.get(LABEL_INSTANCE_TYPE) != worker_type
+
+
+def _free_of(node: NodeFree, resource: str) -> int | None:
+    return {CPU: node.cpu_m, MEMORY: node.memory, DISK: node.disk}[resource]
 
 
 def _free(

@@ -403,3 +403,77 @@ def test_a_type_without_efa_is_refused_when_the_run_requires_efa_whatever_its_ef
         update={"network": required.network.model_copy(update={"efa": "preferred"})}
     )
     assert preflight.check_instance_type(preferred, g5).ok
+
+
+def daemon_pod(node_name: str, cpu: str, memory: str) -> dict[str, Any]:
+    """A DaemonSet's pod as the pod index keeps it (preflight.placement_of)."""
+    return preflight.placement_of(
+        {
+            "metadata": {
+                "name": f"agent-{node_name}",
+                "namespace": "kube-system",
+                "ownerReferences": [{"kind": "DaemonSet", "name": "agent", "uid": "u-agent"}],
+            },
+            "spec": {
+                "nodeName": node_name,
+                "containers": [{"resources": {"requests": {"cpu": cpu, "memory": memory}}}],
+            },
+            "status": {"phase": "Running"},
+        }
+    )
+
+
+def test_daemonset_pods_on_a_node_leave_less_for_a_worker_even_on_an_otherwise_empty_node() -> None:
+    """A g6.12xlarge allocates 47.81 CPU; a log agent's DaemonSet takes 4 of them on every node. The default
+    worker (44 CPU) fits no node, however empty: refused at once, not waited for."""
+    nodes = [eks_node(f"a{i}", "us-west-2a", disk="500Gi") for i in range(2)]
+    agents = [daemon_pod(f"a{i}", "4", "1Gi") for i in range(2)]
+    assert admit_alone(spec(workers=1), nodes, []).ok
+    result = admit_alone(spec(workers=1), nodes, agents)
+    assert (result.ok, result.reason) == (False, preflight.WORKER_FITS_NO_NODE), result
+    assert "44 CPU per worker, at most 43.81 CPU on a node" in result.message
+
+
+def cpu_node(name: str, cpu: str, memory: str, **labels: str) -> dict[str, Any]:
+    return {
+        "metadata": {
+            "name": name,
+            "labels": {"node.kubernetes.io/instance-type": "m7i.xlarge", ZONE: "us-west-2a", **labels},
+        },
+        "spec": {},
+        "status": {
+            "allocatable": {"cpu": cpu, "memory": memory, "ephemeral-storage": "18Gi"},
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+
+
+def test_a_head_larger_than_every_node_it_may_go_on_is_refused_naming_the_head_fields() -> None:
+    """The head's default 4 CPU and 16Gi on m7i.xlarge nodes (3.92 CPU, 15Gi allocatable): the head would wait
+    for ever. GPU nodes do not count: the head keeps off the workers' instance type."""
+    from fsdp_operator.builder import Platform
+
+    nodes = [cpu_node("c0", "3920m", "15Gi"), eks_node("g0", "us-west-2a", disk="500Gi")]
+    result = preflight.head_fits_no_node(spec(), Platform(), nodes, [])
+    assert result is not None and result.reason == preflight.HEAD_FITS_NO_NODE
+    assert "(1 not of the workers' type g6.12xlarge)" in result.message
+    assert "4 CPU, at most 3.92 CPU free of DaemonSets on a node (spec.cluster.head.cpu)" in result.message
+    assert "16Gi memory, at most 15Gi memory free of DaemonSets on a node (spec.cluster.head.memory)" in (
+        result.message
+    )
+    small = spec(head={"cpu": "2", "memory": "8Gi"})
+    assert preflight.head_fits_no_node(small, Platform(), nodes, []) is None
+    agents = [daemon_pod("c0", "2", "1Gi")]  # leaves 1.92 CPU
+    crowded = preflight.head_fits_no_node(small, Platform(), nodes, agents)
+    assert crowded is not None and "2 CPU, at most 1.92 CPU free of DaemonSets" in crowded.message
+    # Where the operator sends heads to nodes the cluster has none of yet, there is nothing to judge by.
+    to_pool = Platform(head_node_selector={"pool": "heads"})
+    assert preflight.head_fits_no_node(spec(), to_pool, nodes, []) is None
+    big = cpu_node("h0", "15890m", "60Gi", pool="heads")
+    assert preflight.head_fits_no_node(spec(), to_pool, [*nodes, big], []) is None
+
+
+def test_a_refused_head_stops_admission_before_any_worker_is_placed() -> None:
+    nodes = [cpu_node("c0", "3920m", "15Gi"), eks_node("g0", "us-west-2a", disk="500Gi")]
+    result = admit_alone(spec(workers=1), nodes, [])
+    assert (result.ok, result.reason) == (False, preflight.HEAD_FITS_NO_NODE), result
