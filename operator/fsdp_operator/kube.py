@@ -16,6 +16,7 @@ from fsdp_operator import api, builder, kueue, preflight
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
 NODEPOOLS_PATH = "/apis/karpenter.sh/v1/nodepools"  # Karpenter's NodePools: cluster-scoped
+DAEMONSETS_PATH = "/apis/apps/v1/daemonsets"  # every namespace's
 RAY_AUTH_KEY_FIELD = "key"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the operator makes
 POD_LIST_PAGE = 250
@@ -205,6 +206,16 @@ class Kube:
             found = self.request("GET", NODEPOOLS_PATH)
         except ApiException as error:
             if error.status in (403, 404):
+                return None
+            raise
+        return cast(list[dict[str, Any]], found.get("items") or [])
+
+    def daemonsets(self) -> list[dict[str, Any]] | None:
+        """Every namespace's DaemonSets; None where the operator may not list them."""
+        try:
+            found = self.request("GET", DAEMONSETS_PATH)
+        except ApiException as error:
+            if error.status == 403:
                 return None
             raise
         return cast(list[dict[str, Any]], found.get("items") or [])

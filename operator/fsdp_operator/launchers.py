@@ -1,6 +1,7 @@
 """What can add nodes to the cluster, read for scale-from-zero preflight: Karpenter's NodePools from the
-apiserver, cluster-autoscaler's node groups (EC2 Auto Scaling groups) from AWS. Each read is bounded by its
-client's timeouts, and a kind the operator cannot see is None (preflight.Launchers)."""
+apiserver, cluster-autoscaler's node groups (EC2 Auto Scaling groups) from AWS, and the DaemonSets whose pods
+every added node gets. Each read is bounded by its client's timeouts, and a kind the operator cannot see is
+None (preflight.Launchers)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ log = logging.getLogger(__name__)
 
 # The tag cluster-autoscaler's auto-discovery selects node groups by (EKS managed node groups carry it).
 AUTOSCALER_ENABLED_TAG = "k8s.io/cluster-autoscaler/enabled"
+# The labels and taints a group's nodes will carry, as cluster-autoscaler reads them from tags at zero nodes.
+NODE_TEMPLATE_LABEL = "k8s.io/cluster-autoscaler/node-template/label/"
+NODE_TEMPLATE_TAINT = "k8s.io/cluster-autoscaler/node-template/taint/"
 # NodePools and node groups change with the platform's configuration: read at most this often, not on every
 # pass of every waiting run (AWS throttles DescribeAutoScalingGroups per account).
 LAUNCHERS_SECONDS = 30.0
@@ -35,10 +39,24 @@ def node_groups(autoscaling: Any, ec2: Any) -> tuple[preflight.NodeGroup, ...]:
             name=group["AutoScalingGroupName"],
             zones=tuple(sorted(group.get("AvailabilityZones") or ())),
             instance_types=_instance_types(autoscaling, ec2, group),
+            **_node_template(group.get("Tags") or ()),
         )
         for page in pages
         for group in page["AutoScalingGroups"]
     )
+
+
+def _node_template(tags: Any) -> dict[str, Any]:
+    """The node-template labels and taints (value `value:Effect`) a group's tags give its nodes."""
+    labels, taints = [], []
+    for tag in tags:
+        key, value = tag["Key"], tag.get("Value") or ""
+        if key.startswith(NODE_TEMPLATE_LABEL):
+            labels.append((key.removeprefix(NODE_TEMPLATE_LABEL), value))
+        elif key.startswith(NODE_TEMPLATE_TAINT):
+            taint_value, _, effect = value.rpartition(":")
+            taints.append((key.removeprefix(NODE_TEMPLATE_TAINT), taint_value, effect or "NoSchedule"))
+    return {"labels": tuple(sorted(labels)), "taints": tuple(taints)}
 
 
 def _instance_types(autoscaling: Any, ec2: Any, group: dict[str, Any]) -> tuple[str, ...]:
@@ -83,12 +101,19 @@ class LauncherReader:
         with self._lock:
             now = time.monotonic()
             if self._seen is None or now - self._seen[0] > LAUNCHERS_SECONDS:
-                self._seen = (now, preflight.Launchers(self._nodepools(), self._node_groups()))
+                self._seen = (
+                    now,
+                    preflight.Launchers(self._nodepools(), self._node_groups(), self._daemonsets()),
+                )
             return self._seen[1]
 
     def _nodepools(self) -> tuple[preflight.NodePool, ...] | None:
         found = self.kube.nodepools() if self.kube is not None else None
         return None if found is None else tuple(preflight.NodePool.of(body) for body in found)
+
+    def _daemonsets(self) -> tuple[preflight.DaemonSetDemand, ...]:
+        found = self.kube.daemonsets() if self.kube is not None else None
+        return tuple(preflight.DaemonSetDemand.of(body) for body in found or ())
 
     def _node_groups(self) -> tuple[preflight.NodeGroup, ...] | None:
         autoscaling = self.autoscaling()

@@ -146,15 +146,75 @@ class NodeGroup:
     name: str
     zones: tuple[str, ...]
     instance_types: tuple[str, ...]
+    # What its nodes will carry, from the node-template tags cluster-autoscaler itself reads at zero nodes
+    labels: tuple[tuple[str, str], ...] = ()
+    taints: tuple[tuple[str, str, str], ...] = ()  # (key, value, effect)
+
+
+@dataclass(frozen=True)
+class DaemonSetDemand:
+    """What a DaemonSet's pod requests on every node it selects, a node still to be added too."""
+
+    name: str  # namespace/name
+    node_selector: tuple[tuple[str, str], ...]
+    affinity: tuple[tuple[Requirement, ...], ...]  # required node affinity: any term, all of its expressions
+    tolerations: tuple[api.Toleration, ...]
+    cpu_m: int
+    memory: int
+
+    @classmethod
+    def of(cls, body: Mapping[str, Any]) -> DaemonSetDemand:
+        meta, pod = body["metadata"], ((body.get("spec") or {}).get("template") or {}).get("spec") or {}
+        required = (
+            ((pod.get("affinity") or {}).get("nodeAffinity") or {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            )
+            or {}
+        ).get("nodeSelectorTerms") or ()
+        requests = [_requests(c) for c in pod.get("containers") or ()]
+        return cls(
+            name=f"{meta['namespace']}/{meta['name']}",
+            node_selector=tuple(sorted((pod.get("nodeSelector") or {}).items())),
+            affinity=tuple(
+                tuple(
+                    Requirement(e["key"], e["operator"], tuple(str(v) for v in e.get("values") or ()))
+                    for e in term.get("matchExpressions") or ()
+                )
+                for term in required
+            ),
+            tolerations=tuple(
+                api.Toleration.model_validate(
+                    {k: t[k] for k in ("key", "operator", "value", "effect") if k in t}
+                )
+                for t in pod.get("tolerations") or ()
+            ),
+            cpu_m=sum(quantity.milli(r.get(CPU, 0)) for r in requests),
+            memory=sum(quantity.whole(r.get(MEMORY, 0)) for r in requests),
+        )
+
+    def selects(self, labels: Mapping[str, str], taints: Iterable[tuple[str, str, str]]) -> bool:
+        """Whether the DaemonSet puts a pod on a node with these labels and taints."""
+        if any(labels.get(k) != v for k, v in self.node_selector):
+            return False
+        if self.affinity and not any(
+            all(r.allows(labels.get(r.key)) for r in term) for term in self.affinity
+        ):
+            return False
+        tolerations = list(self.tolerations)
+        return all(
+            effect == "PreferNoSchedule" or _tolerated({"key": k, "value": v, "effect": effect}, tolerations)
+            for k, v, effect in taints
+        )
 
 
 @dataclass(frozen=True)
 class Launchers:
     """What can add nodes to the cluster; None where the operator cannot see that kind (no Karpenter CRD, no
-    permission to describe Auto Scaling groups)."""
+    permission to describe Auto Scaling groups). The DaemonSets put a pod on each node they add."""
 
     nodepools: tuple[NodePool, ...] | None = None
     node_groups: tuple[NodeGroup, ...] | None = None
+    daemonsets: tuple[DaemonSetDemand, ...] = ()
 
 
 # Labels Karpenter's AWS provider gives every node of a type, from the type's name and facts.
@@ -765,16 +825,12 @@ def nodepool_zones(
             return (), (
                 f"NodePool {pool.name} makes no node labelled {key}={value} (spec.cluster.nodeSelector)"
             )
-    tolerations = worker_tolerations(spec)
-    for key, value, effect in pool.taints:
-        if effect != "PreferNoSchedule" and not _tolerated(
-            {"key": key, "value": value, "effect": effect}, tolerations
-        ):
-            taint = f"{key}={value}:{effect}" if value else f"{key}:{effect}"
-            return (
-                (),
-                f"NodePool {pool.name} taints its nodes {taint}, not tolerated (spec.cluster.tolerations)",
-            )
+    untolerated = _untolerated(pool.taints, worker_tolerations(spec))
+    if untolerated:
+        return (
+            (),
+            f"NodePool {pool.name} taints its nodes {untolerated}, not tolerated (spec.cluster.tolerations)",
+        )
     if not zones:
         return (
             (),
@@ -783,11 +839,38 @@ def nodepool_zones(
     return tuple(zones), ""
 
 
-def node_group_zones(group: NodeGroup, facts: InstanceTypeFacts) -> tuple[tuple[str, ...], str]:
-    """The zones of an Auto Scaling group where EC2 offers the type, if it launches the type; else why not."""
+def _untolerated(taints: Iterable[tuple[str, str, str]], tolerations: list[api.Toleration]) -> str:
+    """The first of `taints` that keeps pods with `tolerations` off a node, as key=value:effect, or ""."""
+    for key, value, effect in taints:
+        if effect != "PreferNoSchedule" and not _tolerated(
+            {"key": key, "value": value, "effect": effect}, tolerations
+        ):
+            return f"{key}={value}:{effect}" if value else f"{key}:{effect}"
+    return ""
+
+
+def node_group_zones(
+    group: NodeGroup, spec: api.FSDPTrainingRunSpec, facts: InstanceTypeFacts
+) -> tuple[tuple[str, ...], str]:
+    """The zones of an Auto Scaling group where EC2 offers the type, if it launches the type for the workers
+    (its node-template labels and taints against their nodeSelector and tolerations); else why not."""
     kind = facts.instance_type
     if kind not in group.instance_types:
         return (), f"node group {group.name} launches {', '.join(group.instance_types) or 'no type it names'}"
+    labels = dict(group.labels)
+    for key, value in spec.cluster.node_selector.items():
+        if key in labels and labels[key] != value:  # a label it does not tag may still be set by EKS
+            return (
+                (),
+                f"node group {group.name} labels its nodes {key}={labels[key]} (spec.cluster.nodeSelector)",
+            )
+    untolerated = _untolerated(group.taints, worker_tolerations(spec))
+    if untolerated:
+        return (
+            (),
+            f"node group {group.name} taints its nodes {untolerated}, not tolerated "
+            "(spec.cluster.tolerations)",
+        )
     zones = tuple(zone for zone in facts.zones if zone in group.zones)
     if not zones:
         return (), f"node group {group.name} spans {', '.join(group.zones)}, where EC2 does not offer {kind}"
@@ -801,12 +884,17 @@ def launchable_zones(
     zone; and why each of the others cannot."""
     zones: dict[str, list[str]] = defaultdict(list)
     why_not: list[str] = []
-    found: list[tuple[str, tuple[tuple[str, ...], str]]] = [
-        *((f"NodePool {pool.name}", nodepool_zones(pool, spec, facts)) for pool in launchers.nodepools or ()),
-        *(
-            (f"node group {group.name}", node_group_zones(group, facts))
-            for group in launchers.node_groups or ()
-        ),
+    found: list[tuple[str, tuple[tuple[str, ...], str]]] = []
+    for pool in launchers.nodepools or ():
+        name = f"NodePool {pool.name}"
+        where, why = nodepool_zones(pool, spec, facts)
+        if where:  # Karpenter launches only for pods that fit its estimate, DaemonSets' pods counted
+            labels = {**dict(pool.labels), LABEL_NODEPOOL: pool.name}
+            why = _no_room_beside_daemonsets(spec, facts, name, labels, pool.taints, launchers.daemonsets)
+        found.append((name, ((), why) if why else (where, "")))
+    found += [
+        (f"node group {group.name}", node_group_zones(group, spec, facts))
+        for group in launchers.node_groups or ()
     ]
     for name, (where, why) in found:
         for zone in where:
@@ -814,6 +902,42 @@ def launchable_zones(
         if why:
             why_not.append(why)
     return dict(sorted(zones.items())), why_not
+
+
+def _no_room_beside_daemonsets(
+    spec: api.FSDPTrainingRunSpec,
+    facts: InstanceTypeFacts,
+    launcher: str,
+    labels: dict[str, str],
+    taints: tuple[tuple[str, str, str], ...],
+    daemonsets: tuple[DaemonSetDemand, ...],
+) -> str:
+    """Why a worker does not fit a node the NodePool would add, beside the DaemonSets' pods that node gets, by
+    what Karpenter's AWS provider assumes the type leaves pods before one launched; "" when it fits.
+    (cluster-autoscaler sizes its groups' nodes otherwise, from the type's capacity: not judged here.)"""
+    shape = facts.shape or instancetypes.GPU_INSTANCE_TYPES.get(facts.instance_type)
+    if shape is None:
+        return ""
+    node_labels = {**labels, **_instance_type_labels(facts), LABEL_ARCH: facts.architectures[0]}
+    on_node = [d for d in daemonsets if d.selects(node_labels, taints)]
+    demand = WorkerDemand.of(spec)
+    short = [
+        f"{_shown(resource, asked)} for the worker and {_shown(resource, daemons)} for "
+        f"{len(on_node)} DaemonSets' pods, of {_shown(resource, room)}"
+        for resource, asked, daemons, room in (
+            (CPU, demand.cpu_m, sum(d.cpu_m for d in on_node), shape.estimated_allocatable_millicores),
+            (MEMORY, demand.memory, sum(d.memory for d in on_node), shape.estimated_allocatable_mib << 20),
+        )
+        if asked + daemons > room
+    ]
+    if not short:
+        return ""
+    largest = sorted(on_node, key=lambda d: -d.memory)[:3]
+    return (
+        f"{launcher}: a {facts.instance_type} it adds leaves pods too little by Karpenter's estimate before "
+        f"one launched: {'; '.join(short)} (lower spec.cluster.cpu or spec.cluster.memory; largest "
+        f"DaemonSets: {', '.join(d.name for d in largest)})"
+    )
 
 
 NOT_LAUNCHABLE = "NoNodePoolOrNodeGroupCanLaunch"

@@ -477,3 +477,80 @@ def test_a_refused_head_stops_admission_before_any_worker_is_placed() -> None:
     nodes = [cpu_node("c0", "3920m", "15Gi"), eks_node("g0", "us-west-2a", disk="500Gi")]
     result = admit_alone(spec(workers=1), nodes, [])
     assert (result.ok, result.reason) == (False, preflight.HEAD_FITS_NO_NODE), result
+
+
+def daemonset(
+    name: str, memory: str, cpu: str = "100m", tolerations: list[Any] | None = None, **pod: Any
+) -> preflight.DaemonSetDemand:
+    """A DaemonSet as the apiserver returns it, read as preflight reads it."""
+    return preflight.DaemonSetDemand.of(
+        {
+            "metadata": {"name": name, "namespace": "kube-system"},
+            "spec": {
+                "template": {
+                    "spec": {
+                        "containers": [{"resources": {"requests": {"cpu": cpu, "memory": memory}}}],
+                        "tolerations": tolerations or [],
+                        **pod,
+                    }
+                }
+            },
+        }
+    )
+
+
+def test_a_nodepool_adds_no_node_for_a_worker_that_does_not_fit_beside_the_daemonsets_it_would_get() -> None:
+    """Karpenter assumes 174.7Gi (178,933 MiB) for pods on a g6.12xlarge before one launched, and counts the
+    DaemonSets that would run there: a 174Gi worker fits alone, not beside a 2Gi agent. DaemonSets that
+    select other nodes, or do not tolerate the NodePool's taint, are not counted."""
+    gpu_taint = [{"key": "nvidia.com/gpu", "value": "", "effect": "NoSchedule"}]
+    gpu = nodepool("gpu", (FAMILY, "In", ["g6"]), taints=gpu_taint)
+    everywhere = [{"operator": "Exists"}]
+    elsewhere = [
+        daemonset("arm-agent", "100Gi", tolerations=everywhere, nodeSelector={"kubernetes.io/arch": "arm64"}),
+        daemonset("cpu-only-agent", "100Gi"),  # no toleration for the GPU taint
+        daemonset(
+            "not-g6",
+            "100Gi",
+            tolerations=everywhere,
+            affinity={
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": TYPE, "operator": "NotIn", "values": ["g6.12xlarge"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+        ),
+    ]
+    agent = daemonset("log-agent", "2Gi", tolerations=everywhere)
+    big = spec(memory="174Gi")
+    alone = preflight.Launchers(nodepools=(gpu,), node_groups=(), daemonsets=tuple(elsewhere))
+    assert preflight.check_instance_type(big, G6_ABC, alone).ok
+    beside = preflight.Launchers(nodepools=(gpu,), node_groups=(), daemonsets=(*elsewhere, agent))
+    result = preflight.check_instance_type(big, G6_ABC, beside)
+    assert (result.ok, result.reason) == (False, preflight.NOT_LAUNCHABLE), result
+    assert (
+        "NodePool gpu: a g6.12xlarge it adds leaves pods too little by Karpenter's estimate before one "
+        "launched: 174Gi memory for the worker and 2Gi memory for 1 DaemonSets' pods, of 174.7Gi memory"
+    ) in result.message, result.message
+    assert "largest DaemonSets: kube-system/log-agent" in result.message
+    assert preflight.check_instance_type(spec(), G6_ABC, beside).ok  # the default worker leaves them 4Gi
+
+
+def test_a_node_group_whose_template_taints_the_workers_do_not_tolerate_is_not_a_launcher() -> None:
+    dedicated = preflight.NodeGroup(
+        "eks-infra", ("us-west-2a",), ("g6.12xlarge",), taints=(("dedicated", "infra", "NoSchedule"),)
+    )
+    labelled = preflight.NodeGroup("eks-team-b", ("us-west-2b",), ("g6.12xlarge",), labels=(("team", "b"),))
+    launchers = preflight.Launchers(node_groups=(dedicated, labelled))
+    assert preflight.check_instance_type(spec(), G6_ABC, launchers).zone == "us-west-2b"
+    result = preflight.check_instance_type(spec(nodeSelector={"team": "a"}), G6_ABC, launchers)
+    assert (result.ok, result.reason) == (True, "InstanceTypeOffered")  # NodePools unseen: EC2 decides
+    assert "node group eks-infra taints its nodes dedicated=infra:NoSchedule" in result.message
+    assert "node group eks-team-b labels its nodes team=b (spec.cluster.nodeSelector)" in result.message
