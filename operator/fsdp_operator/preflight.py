@@ -182,9 +182,10 @@ class DaemonSetDemand:
                 )
                 for term in required
             ),
+            # Not validated: the apiserver did, and a platform's DaemonSet may tolerate what no run may ask.
             tolerations=tuple(
-                api.Toleration.model_validate(
-                    {k: t[k] for k in ("key", "operator", "value", "effect") if k in t}
+                api.Toleration.model_construct(
+                    **{k: t[k] for k in ("key", "operator", "value", "effect") if k in t}
                 )
                 for t in pod.get("tolerations") or ()
             ),
@@ -221,8 +222,8 @@ class Launchers:
 LABEL_ARCH = "kubernetes.io/arch"
 LABEL_OS = "kubernetes.io/os"
 LABEL_NODEPOOL = "karpenter.sh/nodepool"
-# Labels whose value Karpenter picks per node (capacity type, and AWS's finer instance facts this operator
-# does not model): a requirement on them does not rule an instance type out.
+# Labels Karpenter sets on every node it launches (capacity type, AWS's finer instance facts): a nodeSelector
+# on one needs no NodePool to define the label.
 _KARPENTER_LABEL_PREFIXES = ("karpenter.sh/", "karpenter.k8s.aws/")
 
 
