@@ -14,7 +14,7 @@ import pytest
 
 from tests.support.kube import apply, kubectl
 from tests.support.local_cluster import LocalCluster
-from tests.support.manifests import example
+from tests.support.manifests import DELETE, example
 from tests.support.operator_process import OperatorProcess
 from tests.support.runs import conditions_of, rayclusters, run_of
 from tests.support.waiting import wait_until
@@ -27,8 +27,9 @@ ZONE_LABEL = "topology.kubernetes.io/zone"
 def g6_node_group(local_cluster: LocalCluster) -> Iterator[str]:
     """An EKS-style node group of g6.12xlarge at zero nodes, in us-west-2c only (EC2 offers the type in
     us-west-2a too, which sorts first), tagged for cluster-autoscaler's auto-discovery."""
-    aws = {"endpoint_url": local_cluster.s3_endpoint, "region_name": REGION}
-    ec2, autoscaling = boto3.client("ec2", **aws), boto3.client("autoscaling", **aws)
+    endpoint = local_cluster.s3_endpoint
+    ec2 = boto3.client("ec2", endpoint_url=endpoint, region_name=REGION)
+    autoscaling = boto3.client("autoscaling", endpoint_url=endpoint, region_name=REGION)
     name = f"eks-g6-{uuid.uuid4().hex[:8]}"
     template = ec2.create_launch_template(
         LaunchTemplateName=name, LaunchTemplateData={"InstanceType": "g6.12xlarge"}
@@ -81,6 +82,57 @@ def test_scale_from_zero_workers_go_to_the_zone_their_node_group_launches_in(
         [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=30)
         worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
         assert worker["nodeSelector"][ZONE_LABEL] == f"{REGION}c", worker["nodeSelector"]
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        proc.stop()
+
+
+def test_a_type_the_operator_does_not_list_gets_a_worker_of_its_size_from_ec2(
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """g6e.24xlarge (96 vCPUs, 768 GiB, 4 L40S, 2 EFA interfaces) is not in instancetypes' table: its workers
+    were sized as g6.12xlarge's (44 CPU, 170Gi, 1 EFA). Now as EC2 describes it."""
+    proc = OperatorProcess(
+        namespace=namespace,
+        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
+        log=tmp_path / "operator.log",
+    ).start()
+    try:
+        unset = {"cluster.gpusPerWorker": DELETE, "cluster.efaPerWorker": DELETE}
+        manifest = example(
+            "aws-sample",
+            **{"preflight.scaleFromZero": True, "cluster.instanceType": "g6e.24xlarge", **unset},
+        )
+        apply(namespace, manifest)
+        [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=60)
+        worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+        limits = worker["resources"]["limits"]
+        assert limits == {"cpu": "92", "memory": "700Gi", "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "2"}
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        proc.stop()
+
+
+def test_a_head_larger_than_every_node_it_may_go_on_is_named_before_any_cluster_exists(
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """The local cluster's head node is an m6i.2xlarge (8 CPU): a 64-CPU head was admitted, its RayCluster
+    created and the GPUs held while the head waited for a node that never comes."""
+    proc = OperatorProcess(namespace=namespace, env={}, log=tmp_path / "operator.log").start()
+    try:
+        apply(namespace, example("aws-sample", **{"cluster.head.cpu": "64"}))
+
+        def refused() -> dict[str, Any] | None:
+            condition = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
+            return condition if condition and condition["status"] == "False" else None
+
+        condition = wait_until("the run refused by preflight", refused, timeout=60)
+        assert condition["reason"] == "HeadFitsNoNode", condition
+        assert (
+            "64 CPU, at most 8 CPU free of DaemonSets on a node (spec.cluster.head.cpu)"
+            in (condition["message"])
+        ), condition
+        assert rayclusters(namespace) == []
     finally:
         kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         proc.stop()
