@@ -19,6 +19,7 @@ from pydantic import ValidationError
 
 from fsdp_operator import api, builder, metrics, preflight
 from fsdp_operator.kube import Indexes, Kube
+from fsdp_operator.launchers import LauncherReader
 
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
@@ -38,6 +39,8 @@ class Admission:
         ec2: Callable[[], Any],
         efa_through_dra: bool = False,
         max_active_per_namespace: int = 0,
+        autoscaling: Callable[[], Any] = lambda: None,
+        platform: builder.Platform | None = None,
     ) -> None:
         self.watch_namespaces = watch_namespaces
         self.max_active_per_namespace = max_active_per_namespace  # 0: no limit
@@ -47,6 +50,8 @@ class Admission:
         self.kube = kube
         self.ec2 = ec2  # the EC2 client, built on first use
         self._ec2_facts: dict[str, tuple[float, preflight.InstanceTypeFacts]] = {}
+        self.launchers = LauncherReader(kube, ec2, autoscaling)  # what can add nodes: where workers may go
+        self.platform = platform or builder.Platform()  # where heads go (the operator's settings)
         self._lock = threading.Lock()
         self._admitted: dict[str, tuple[float, preflight.Competitor]] = {}  # uid -> when, what
         self._pods_view: tuple[float, list[dict[str, Any]]] | None = None
@@ -69,8 +74,16 @@ class Admission:
             limited = self._namespace_limit(run, indexes)
         if limited is not None:
             return limited
+        with self._lock:
+            nodes, pods = self._nodes_and_pods(indexes)
+        head = preflight.head_fits_no_node(
+            spec, self.platform, nodes, [p for p in pods if preflight.is_daemon(p)]
+        )
+        if head is not None:
+            return head
         if spec.preflight.scale_from_zero:
-            return preflight.check_instance_type(spec, self._instance_type_facts(spec.cluster.instance_type))
+            facts = self.instance_type_facts(spec.cluster.instance_type)
+            return preflight.check_instance_type(spec, facts, self.launchers.read())
         with self._lock:
             start = time.thread_time()
             try:
@@ -80,7 +93,7 @@ class Admission:
                 self.cpu_seconds += spent
                 metrics.ADMISSION_CPU.inc(spent)
 
-    def _instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
+    def instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
         now = time.monotonic()
         kept = self._ec2_facts.get(instance_type)
         if kept is None or now - kept[0] > EC2_FACTS_SECONDS:
@@ -151,7 +164,7 @@ class Admission:
         self._queues[instance_type] = queue
         result = queue.results[name]
         if not result.ok:
-            empty = self._free(preflight.placement_key(spec), spec, nodes, None)
+            empty = self._free(preflight.placement_key(spec), spec, nodes, pods, empty=True)
             return preflight.worker_fits_no_node(spec, list(empty)) or result
         self._admitted[run.uid] = (
             time.monotonic(),
@@ -203,13 +216,15 @@ class Admission:
         return found[1]
 
     def _free(
-        self, key: str, spec: api.FSDPTrainingRunSpec, nodes: list[Any], pods: list[Any] | None
+        self, key: str, spec: api.FSDPTrainingRunSpec, nodes: list[Any], pods: list[Any], empty: bool = False
     ) -> tuple[preflight.NodeFree, ...]:
-        """preflight.free_worker_nodes for a placement (None: on empty nodes), built again only when a node or
-        pod object changed: kopf's indexes hold each object until it changes, so identity tells."""
-        memo_key = (key, pods is not None)
+        """preflight.free_worker_nodes for a placement (empty: on nodes holding only their DaemonSets' pods),
+        built again only when a node or pod object changed: kopf's indexes hold each object until it changes,
+        so identity tells."""
+        memo_key = (key, not empty)
         found = self._free_nodes.get(memo_key)
-        pods = pods or []
+        if empty:
+            pods = [pod for pod in pods if preflight.is_daemon(pod)]
         if found is not None and _same_objects(found[0], nodes) and _same_objects(found[1], pods):
             return found[2]
         free = tuple(preflight.free_worker_nodes(spec, nodes, pods))
@@ -270,7 +285,7 @@ class Admission:
             key = self._placement_key(spec)
             if key not in free_now:
                 free_now[key] = self._free(key, spec, nodes, pods)
-                free_when_empty[key] = self._free(key, spec, nodes, None)
+                free_when_empty[key] = self._free(key, spec, nodes, pods, empty=True)
             cluster_spec = spec.cluster
             demand = (key, cluster_spec.workers, cluster_spec.gpus(), cluster_spec.efa(spec.network),
                       cluster_spec.zone)  # fmt: skip

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, builder, submission, tenancy
+from fsdp_operator import api, builder, instancetypes, preflight, submission, tenancy
 from fsdp_operator.admission import Admission
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kube import Kube
@@ -28,6 +28,7 @@ class Context:
     kube: Kube
     s3: Any
     ec2: Callable[[], Any]  # the EC2 client, built on first use
+    autoscaling: Callable[[], Any] = lambda: None  # the EC2 Auto Scaling client, built on first use
     package_sha256: str = field(default_factory=submission.package_sha256)
     runs: RunMemories = field(default_factory=RunMemories)
     admission: Admission = field(init=False)
@@ -45,7 +46,21 @@ class Context:
             self.ec2,
             efa_through_dra=self.settings.efa_device_class is not None,
             max_active_per_namespace=self.settings.max_active_runs_per_namespace,
+            autoscaling=self.autoscaling,
+            platform=self.platform,
         )
+
+    def sized(self, spec: api.FSDPTrainingRunSpec) -> api.FSDPTrainingRunSpec:
+        """The spec with the worker sizes it leaves unset from EC2's facts where its instance type is not in
+        instancetypes' table and the run asks EC2 anyway (scale-from-zero). The facts live in admission's
+        cache of EC2's answers, not in the builder: it stays a function of the spec. Every pass sizes the
+        spec again, so that the RayCluster compared for drift is the one created (EC2 unanswered: the pass
+        fails and is retried, never built with another shape)."""
+        kind = spec.cluster.instance_type
+        if not spec.preflight.scale_from_zero or kind in instancetypes.GPU_INSTANCE_TYPES:
+            return spec
+        shape = self.admission.instance_type_facts(kind).shape
+        return spec if shape is None else preflight.sized_by(spec, shape)
 
     @property
     def platform(self) -> builder.Platform:

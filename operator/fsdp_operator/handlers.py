@@ -44,6 +44,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         ec2=functools.cache(
             lambda: boto3.client("ec2", region_name=region, endpoint_url=endpoint, config=bounded)
         ),
+        autoscaling=functools.cache(
+            lambda: boto3.client("autoscaling", region_name=region, endpoint_url=endpoint, config=bounded)
+        ),
     )
     resource = (api.GROUP, api.VERSION, api.PLURAL)
     ray_clusters = (RAY_GROUP, RAY_VERSION, RAY_PLURAL)
@@ -131,7 +134,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
 
     @kopf.index(*pods, id="accelerator_pods", registry=registry)
     def accelerator_pods(body: kopf.Body, **_: Any) -> Any:
-        return {None: preflight.placement_of(body)} if preflight.holds_accelerators(body) else None
+        return {None: preflight.placement_of(body)} if preflight.counted_by_preflight(body) else None
 
     def indexes_of(kwargs: Mapping[str, Any]) -> Indexes:
         # kopf hands each index to handlers as a keyword argument named by the index's id.

@@ -4,13 +4,16 @@ and the CPU and memory a pod can have on such a node, below what Karpenter assum
 The facts are EC2's (DescribeInstanceTypes: DefaultVCpus, MemoryInfo, GpuInfo, EfaInfo.MaximumEfaInterfaces,
 InstanceStorageInfo.TotalSizeInGB, the default network card's MaximumNetworkInterfaces and
 Ipv4AddressesPerInterface); a unit test checks this table against that data as moto ships it. A type not
-listed keeps the defaults of the AWS sample's g6.12xlarge shape and its one EFA interface.
+listed takes its shape from EC2's answer where the operator asks EC2 (scale-from-zero runs: `from_ec2`), and
+otherwise keeps the defaults of the AWS sample's g6.12xlarge shape and its one EFA interface.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 # Karpenter's AWS provider sizes a node before any of its type has launched (karpenter-provider-aws,
 # pkg/providers/instancetype/types.go): memory less 7.5 % for the hypervisor, less kube-reserved (11 MiB per
@@ -94,3 +97,28 @@ UNKNOWN = GPU_INSTANCE_TYPES["g6.12xlarge"]
 
 def of(instance_type: str) -> InstanceType:
     return GPU_INSTANCE_TYPES.get(instance_type, UNKNOWN)
+
+
+def from_ec2(info: Mapping[str, Any]) -> InstanceType:
+    """A type's shape from its DescribeInstanceTypes entry: the facts the table holds of its types."""
+    network = info.get("NetworkInfo", {})
+    default_card = network.get("DefaultNetworkCardIndex", 0)
+    enis = next(
+        (
+            card["MaximumNetworkInterfaces"]
+            for card in network.get("NetworkCards") or ()
+            if card.get("NetworkCardIndex", 0) == default_card
+        ),
+        network.get("MaximumNetworkInterfaces", 1),
+    )
+    return InstanceType(
+        vcpus=info["VCpuInfo"]["DefaultVCpus"],
+        memory_gib=info["MemoryInfo"]["SizeInMiB"] // 1024,
+        gpus=sum(gpu.get("Count", 0) for gpu in info.get("GpuInfo", {}).get("Gpus", ())),
+        efa_interfaces=network.get("EfaInfo", {}).get("MaximumEfaInterfaces", 0)
+        if network.get("EfaSupported")
+        else 0,
+        instance_store_gb=info.get("InstanceStorageInfo", {}).get("TotalSizeInGB", 0),
+        enis=enis,
+        ipv4_per_eni=network.get("Ipv4AddressesPerInterface", 1),
+    )

@@ -15,6 +15,8 @@ from kubernetes.client.exceptions import ApiException
 from fsdp_operator import api, builder, kueue, preflight
 
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayclusters"
+NODEPOOLS_PATH = "/apis/karpenter.sh/v1/nodepools"  # Karpenter's NodePools: cluster-scoped
+DAEMONSETS_PATH = "/apis/apps/v1/daemonsets"  # every namespace's
 RAY_AUTH_KEY_FIELD = "key"
 API_TIMEOUT = (5.0, 20.0)  # (connect, read) seconds for every apiserver call the operator makes
 POD_LIST_PAGE = 250
@@ -197,6 +199,27 @@ class Kube:
             raise
         return cast(list[dict[str, Any]], cast(dict[str, Any], listed).get("items", []))
 
+    def nodepools(self) -> list[dict[str, Any]] | None:
+        """Karpenter's NodePools; None where they cannot be seen: no Karpenter (its CRD answers 404) or no
+        permission to list them (the chart grants it)."""
+        try:
+            found = self.request("GET", NODEPOOLS_PATH)
+        except ApiException as error:
+            if error.status in (403, 404):
+                return None
+            raise
+        return cast(list[dict[str, Any]], found.get("items") or [])
+
+    def daemonsets(self) -> list[dict[str, Any]] | None:
+        """Every namespace's DaemonSets; None where the operator may not list them."""
+        try:
+            found = self.request("GET", DAEMONSETS_PATH)
+        except ApiException as error:
+            if error.status == 403:
+                return None
+            raise
+        return cast(list[dict[str, Any]], found.get("items") or [])
+
     def pod_events(self, namespace: str, pod: str) -> list[dict[str, Any]]:
         """The Events about one pod (the scheduler's, an autoscaler's), at most EVENTS_PER_POD of them."""
         query: list[tuple[str, Any]] = [
@@ -207,9 +230,9 @@ class Kube:
         return cast(list[dict[str, Any]], found.get("items") or [])
 
     def accelerator_pods(self) -> list[dict[str, Any]]:
-        """Pods of every namespace that hold GPUs or EFA, reduced as the pod index reduces them. Read a page
-        at a time as plain JSON: a busy cluster's whole pod list decoded at once, as client models, is tens
-        of MB that the process keeps long after."""
+        """Pods of every namespace that preflight counts (GPUs, EFA, DaemonSets'), reduced as the pod index
+        reduces them. Read a page at a time as plain JSON: a busy cluster's whole pod list decoded at once, as
+        client models, is tens of MB that the process keeps long after."""
         found: list[dict[str, Any]] = []
         page_token = None
         while True:
@@ -221,7 +244,7 @@ class Kube:
                 query.append(("continue", page_token))
             response = self.request("GET", "/api/v1/pods", query=query, preload=False)
             page = json.loads(cast(Any, response).data)  # the raw urllib3 response: _preload_content=False
-            found += [preflight.placement_of(p) for p in page["items"] if preflight.holds_accelerators(p)]
+            found += [preflight.placement_of(p) for p in page["items"] if preflight.counted_by_preflight(p)]
             page_token = page["metadata"].get("continue")
             if not page_token:
                 return found
@@ -235,7 +258,8 @@ class Indexes:
     rayclusters: Any  # (namespace, cluster name) -> RayCluster body
     ray_pods: Any  # (namespace, cluster name) -> pod summaries
     nodes: Any = None  # None -> every node
-    accelerator_pods: Any = None  # None -> pods bound to a node that request GPUs or EFA (watched namespaces)
+    # None -> bound pods requesting GPUs or EFA, and DaemonSets' pods (watched namespaces): preflight's
+    accelerator_pods: Any = None
     active_runs: Any = None  # namespace -> uids of its runs whose status shows a cluster held (admission.py)
 
     @staticmethod

@@ -107,6 +107,7 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     except RefusedSpec as refused:
         refuse_spec(ctx, body, stored, str(refused))
         return Decision(api.FSDPTrainingRunStatus.model_validate(stored.get("status") or {}))
+    spec = ctx.sized(spec)
     config = submission.trainer_config(
         spec,
         run,

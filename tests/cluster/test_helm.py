@@ -114,6 +114,9 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
             assert can_i(verb, resource, namespace, sa), f"{sa} cannot {verb} {resource}"
         assert allowed("list", "kueue.x-k8s.io", "workloads", namespace, sa), f"{sa} cannot list workloads"
         assert can_i("list", "nodes", "default", sa)  # preflight reads capacity cluster-wide
+        # and, for scale-from-zero, what can add nodes and what every added node runs
+        assert allowed("list", "karpenter.sh", "nodepools", "", sa), f"{sa} cannot list NodePools"
+        assert allowed("list", "apps", "daemonsets", "", sa), f"{sa} cannot list DaemonSets"
         for verb in ("get", "create", "update"):
             assert can_i(verb, "leases.coordination.k8s.io", namespace, sa), f"{sa} cannot {verb} leases"
         assert not can_i("update", "leases.coordination.k8s.io", "default", sa)  # only its own namespace's

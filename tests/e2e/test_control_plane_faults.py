@@ -43,9 +43,14 @@ from tests.support.waiting import wait_until
 WATCH_SECONDS = 10  # the operator's watch_timeout_seconds here (60 by default)
 OUTAGE_SECONDS = 15  # longer than a watch lasts: the renewals made during the outage are swallowed too
 PENDING = {"cluster.workers": 5, "preflight.recheckSeconds": 5}  # more GPUs than the fake nodes have
-# Its head pod fits no node: Provisioning until deleted (not failed after the default 300 s of a head no node
-# takes, which a loaded machine's 300-step run outlasted).
-PROVISIONING = {**SMALL, "cluster.head.cpu": "1000", "recovery.podErrorTimeoutSeconds": 3600}
+# Its head pod selects a node that does not exist yet (as one an autoscaler would add): Provisioning until
+# deleted (not failed after the default 300 s of a head no node takes, which a loaded machine's 300-step run
+# outlasted). A head larger than every node preflight refuses before its RayCluster exists.
+PROVISIONING = {
+    **SMALL,
+    "cluster.head.nodeSelector": {"kubernetes.io/hostname": "no-such-node"},
+    "recovery.podErrorTimeoutSeconds": 3600,
+}
 RESTART_BACKOFF_SECONDS = 40  # longer than it takes to kill etcd once the run is seen Restarting
 
 

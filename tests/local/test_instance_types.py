@@ -11,7 +11,7 @@ from typing import Any
 import moto
 import pytest
 
-from fsdp_operator import api, builder, instancetypes
+from fsdp_operator import api, builder, instancetypes, preflight
 
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
 IMAGE = "public.ecr.aws/deep-learning-containers/ray:train-ml-cuda-v1.1"
@@ -66,29 +66,47 @@ def test_a_default_worker_fits_the_node_karpenter_assumes_with_room_for_daemonse
     assert int(limits["cpu"]) * 1000 + 500 <= shape.estimated_allocatable_millicores, limits
 
 
-@pytest.mark.parametrize("name", sorted(instancetypes.GPU_INSTANCE_TYPES))
-def test_the_table_says_what_ec2_says(name: str) -> None:
-    """Against DescribeInstanceTypes' data as moto ships it (real EC2 data)."""
+def ec2_data(name: str) -> dict[str, Any]:
+    """The type's DescribeInstanceTypes entry as moto ships it (real EC2 data)."""
     data = json.loads(
         gzip.decompress((Path(moto.__file__).parent / "ec2/resources/instance_types.json.gz").read_bytes())
     )
-    ec2 = data[name] if isinstance(data, dict) else next(t for t in data if t["InstanceType"] == name)
-    ours = instancetypes.GPU_INSTANCE_TYPES[name]
-    assert ours.vcpus == ec2["VCpuInfo"]["DefaultVCpus"]
-    assert ours.memory_gib * 1024 == ec2["MemoryInfo"]["SizeInMiB"]
-    assert ours.gpus == sum(g["Count"] for g in ec2["GpuInfo"]["Gpus"])
-    assert ours.efa_interfaces == ec2["NetworkInfo"]["EfaInfo"]["MaximumEfaInterfaces"]
-    assert ours.instance_store_gb == ec2["InstanceStorageInfo"]["TotalSizeInGB"]
-    network = ec2["NetworkInfo"]
-    [default_card] = [
-        card
-        for card in network["NetworkCards"]
-        if card["NetworkCardIndex"] == network.get("DefaultNetworkCardIndex", 0)
-    ]
-    assert (ours.enis, ours.ipv4_per_eni) == (
-        default_card["MaximumNetworkInterfaces"],
-        network["Ipv4AddressesPerInterface"],
+    return dict(data[name] if isinstance(data, dict) else next(t for t in data if t["InstanceType"] == name))
+
+
+@pytest.mark.parametrize("name", sorted(instancetypes.GPU_INSTANCE_TYPES))
+def test_the_table_says_what_ec2_says(name: str) -> None:
+    assert instancetypes.from_ec2(ec2_data(name)) == instancetypes.GPU_INSTANCE_TYPES[name]
+
+
+def test_a_type_the_table_does_not_list_is_sized_by_ec2s_facts_not_the_samples_shape() -> None:
+    """g6e.24xlarge (96 vCPUs, 768 GiB, 4 L40S, 2 EFA interfaces) is not in the table: its default worker
+    was g6.12xlarge's (44 CPU, 170Gi, 1 EFA), a quarter of its memory. Sized by EC2's answer it gets 92 CPU
+    and 700Gi (Karpenter's estimate of 721,682 MiB for 492 ENI-limited pods, less 4Gi for DaemonSets)."""
+    assert "g6e.24xlarge" not in instancetypes.GPU_INSTANCE_TYPES
+    shape = instancetypes.from_ec2(ec2_data("g6e.24xlarge"))
+    assert shape.estimated_allocatable_mib == 721_682
+    cluster: dict[str, Any] = {"instanceType": "g6e.24xlarge"}
+    assert worker_resources(cluster) == {"cpu": "44", "memory": "170Gi", builder.GPU: "4", builder.EFA: "1"}
+    spec = api.FSDPTrainingRunSpec.model_validate({**BASE, "cluster": cluster})
+    sized = builder.build_raycluster(preflight.sized_by(spec, shape), RUN, IMAGE, zone="us-west-2a")
+    limits = sized["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"cpu": "92", "memory": "700Gi", builder.GPU: "4", builder.EFA: "2"}
+    by_hand = {**cluster, "cpu": "50", "gpusPerWorker": 2, "efaPerWorker": 0}
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {**BASE, "cluster": by_hand, "network": {"efa": "preferred"}}
     )
+    kept = preflight.sized_by(spec, shape).cluster
+    assert (kept.worker_cpu(), kept.worker_memory(), kept.gpus(), kept.efa(spec.network)) == (
+        "50",
+        "700Gi",
+        2,
+        0,
+    )
+    no_efa = api.FSDPTrainingRunSpec.model_validate(
+        {**BASE, "cluster": cluster, "network": {"efa": "disabled"}}
+    )
+    assert preflight.sized_by(no_efa, shape).cluster.efa(no_efa.network) == 0
 
 
 def test_where_nodes_expose_efa_through_dra_workers_claim_it_from_the_device_class() -> None:

@@ -92,7 +92,10 @@ class CountingEc2:
     def describe_instance_types(self, InstanceTypes: list[str]) -> dict[str, Any]:
         self.calls += 1
         gpus = {"Gpus": [{"Count": 4}]}
-        return {"InstanceTypes": [{"InstanceType": InstanceTypes[0], "GpuInfo": gpus, "NetworkInfo": {}}]}
+        sizes = {"VCpuInfo": {"DefaultVCpus": 48}, "MemoryInfo": {"SizeInMiB": 196_608}}
+        return {
+            "InstanceTypes": [{"InstanceType": InstanceTypes[0], "GpuInfo": gpus, "NetworkInfo": {}, **sizes}]
+        }
 
     def describe_instance_type_offerings(self, **_: Any) -> dict[str, Any]:
         self.calls += 1

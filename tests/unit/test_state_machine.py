@@ -413,9 +413,13 @@ def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
             "status": {"phase": phase},
         }
 
-    assert preflight.holds_accelerators(pod("gpu-1", "3"))
+    assert preflight.counted_by_preflight(pod("gpu-1", "3"))
+    daemon = pod("gpu-1", None)
+    daemon["metadata"]["ownerReferences"] = [{"kind": "DaemonSet", "name": "ds", "uid": "u"}]
+    assert preflight.counted_by_preflight(daemon)
+    assert preflight.placement_of(daemon)["metadata"]["ownerReferences"] == [{"kind": "DaemonSet"}]
     for ignored in (pod(None, "3"), pod("gpu-1", None), pod("gpu-1", "3", "Succeeded")):
-        assert not preflight.holds_accelerators(ignored)
+        assert not preflight.counted_by_preflight(ignored)
     node = {
         "metadata": {
             "name": "gpu-1",
