@@ -34,7 +34,7 @@ packages: ## the Debian packages the tools, images and tests need (a no-op when 
 	@hack/packages.sh
 
 .PHONY: tools
-tools: packages ## build the control plane, kwok, helm, KubeRay and Argo CD from the Go module proxy (cached)
+tools: packages ## build the control plane, kwok, helm, KubeRay, Kueue, Argo CD, Karpenter (KWOK provider) and the EKS pod identity webhook from the Go module proxy (cached)
 	@hack/build-tools.sh
 
 .PHONY: cluster-tools

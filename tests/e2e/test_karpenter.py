@@ -13,7 +13,14 @@ from typing import Any
 
 from fsdp_operator import builder, quantity
 from tests.support.demo import demo_manifest
-from tests.support.karpenter import GPU_POOL, HEAD_POOL, LABEL_NODEPOOL, Karpenter, node_claims
+from tests.support.karpenter import (
+    GPU_POOL,
+    HEAD_POOL,
+    LABEL_NODEPOOL,
+    ZONE_WITHOUT_SUBNET,
+    Karpenter,
+    node_claims,
+)
 from tests.support.kube import apply, kubectl_json
 from tests.support.operator_process import OperatorProcess
 from tests.support.runs import conditions_of, run_of, run_summary, wait_for_phase
@@ -159,37 +166,42 @@ def test_the_default_g6_worker_scales_from_zero_through_karpenter(
 def test_a_worker_no_node_pool_can_fit_fails_at_once_naming_karpenters_reason(
     namespace: str, s3: Any, karpenter: Karpenter, lifecycle_operator: OperatorProcess
 ) -> None:
-    """Two runs whose worker Karpenter can make no node for: one asks for spot capacity, which the GPU
-    NodePool does not offer; one for every vCPU of a g6.12xlarge, more than its node offers. Each fails
-    within REFUSAL_BOUND s of Karpenter's refusal, with its reason, and no node is made."""
+    """Three runs whose worker Karpenter can make no node for. Two preflight foresees from the NodePools
+    before any pod exists: one asks for spot capacity, which the GPU NodePool does not offer, one for every
+    vCPU of a g6.12xlarge, more than Karpenter assumes its node offers; they fail at once, holding nothing.
+    The third is pinned to a zone the node class has no subnet in, which only Karpenter knows: it fails within
+    REFUSAL_BOUND s of Karpenter's refusal, with Karpenter's reason. No node is made for any."""
     common: dict[str, Any] = {
         "preflight.scaleFromZero": True,
         "cluster.workers": 1,
         "cluster.memory": "160Gi",  # under the type's estimate: only the named cause is left
-        "cluster.head.cpu": "1",  # both heads on the fixed system node
+        "cluster.head.cpu": "1",  # the heads on the fixed system node
         "cluster.head.memory": "4Gi",
     }
-    runs: dict[str, tuple[dict[str, Any], str]] = {
+    foreseen: dict[str, tuple[dict[str, Any], str]] = {
         "wants-spot": (
             {"cluster.nodeSelector": {LABEL_NODEPOOL: GPU_POOL, "karpenter.sh/capacity-type": "spot"}},
             "karpenter.sh/capacity-type",
         ),
-        "whole-cpu": (
-            {"cluster.nodeSelector": {LABEL_NODEPOOL: GPU_POOL}, "cluster.cpu": "48"},
-            "no instance type which had enough resources",
-        ),
+        "whole-cpu": ({"cluster.nodeSelector": {LABEL_NODEPOOL: GPU_POOL}, "cluster.cpu": "48"}, "cpu"),
     }
-    for name, (changes, _) in runs.items():
+    for name, (changes, _) in foreseen.items():
         apply(namespace, demo_manifest(name, **common, **changes))
-    took = {}
-    for name, (_, named) in runs.items():
+    unseen = {"cluster.nodeSelector": {LABEL_NODEPOOL: GPU_POOL}, "cluster.zone": ZONE_WITHOUT_SUBNET}
+    apply(namespace, demo_manifest("no-subnet", **common, **unseen))
+    for name, (_, named) in foreseen.items():
         failed = wait_for_phase(namespace, name, "Failed", timeout=CREATION_TO_REFUSAL_BOUND)
         reason = conditions_of(failed)["Failed"]
-        assert reason["reason"] == "NoNodePoolFits", reason
-        assert "Failed to schedule pod" in reason["message"] and named in reason["message"], reason
-        took[name] = (
-            _stamp(reason["lastTransitionTime"]) - karpenter_refused_at(namespace, name)
-        ).total_seconds()
-        assert took[name] <= REFUSAL_BOUND, (name, took[name])
+        assert reason["reason"] == "NoNodePoolOrNodeGroupCanLaunch", reason
+        assert GPU_POOL in reason["message"] and named in reason["message"], reason
+        assert not failed["status"].get("rayClusterName"), "preflight refused it before any RayCluster"
+    failed = wait_for_phase(namespace, "no-subnet", "Failed", timeout=CREATION_TO_REFUSAL_BOUND)
+    reason = conditions_of(failed)["Failed"]
+    assert reason["reason"] == "NoNodePoolFits", reason
+    assert "Failed to schedule pod" in reason["message"], reason
+    took = (
+        _stamp(reason["lastTransitionTime"]) - karpenter_refused_at(namespace, "no-subnet")
+    ).total_seconds()
+    assert took <= REFUSAL_BOUND, took
     assert not node_claims(), "Karpenter made no node for them"
     print(f"seconds from Karpenter's FailedScheduling to the run's Failed: {took}")

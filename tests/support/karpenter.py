@@ -48,6 +48,10 @@ HEAD_TYPES = ("m6i.2xlarge",)
 # On-demand prices in us-west-2, $/hour: Karpenter launches the cheapest type that fits.
 PRICES = {"g6.12xlarge": 4.6016, "g6.48xlarge": 13.3504, "p5.48xlarge": 55.04, "m6i.2xlarge": 0.384}
 REGION = "us-west-2"
+# A zone EC2 offers the types in where the node class has no subnet, as an EC2NodeClass's subnetSelectorTerms
+# often cover some of a region's zones only: Karpenter offers no type there, which preflight cannot see (it
+# reads NodePools and EC2's offerings, not node classes), so a run pinned to it meets Karpenter's own refusal.
+ZONE_WITHOUT_SUBNET = "us-west-2d"
 # Seconds from a NodeClaim's launch to its node's registration: a GPU instance boots in minutes; this is long
 # enough for a run to be seen waiting on Karpenter's nomination, short enough for a test.
 REGISTRATION_DELAY = "15s"
@@ -173,7 +177,8 @@ def ec2_instance_types(local_cluster: LocalCluster, names: tuple[str, ...]) -> l
             LocationType="availability-zone",
             Filters=[{"Name": "instance-type", "Values": [info["InstanceType"]]}],
         )["InstanceTypeOfferings"]
-        entries.append(kwok_instance_type(Ec2Facts.of(info), sorted(o["Location"] for o in offerings)))
+        zones = sorted(o["Location"] for o in offerings if o["Location"] != ZONE_WITHOUT_SUBNET)
+        entries.append(kwok_instance_type(Ec2Facts.of(info), zones))
     return entries
 
 

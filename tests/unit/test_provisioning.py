@@ -7,6 +7,7 @@ import datetime as dt
 
 from fsdp_operator import api, conditions
 from fsdp_operator.observe import pull_under_way
+from fsdp_operator.preflight import NOT_LAUNCHABLE, PreflightResult
 from fsdp_operator.reconcile import ClusterObservation, PodProblem, PodsProgress, reconcile
 from tests.support.decision_inputs import NOW, job, observe, record, spec, status
 
@@ -116,3 +117,16 @@ def test_a_pull_is_under_way_from_the_kubelets_pulling_event_until_it_pulled() -
     assert pull_under_way([pulling]) == ("2026-12-06T10:00:00Z", image)
     assert pull_under_way([pulled, pulling]) is None
     assert pull_under_way([]) is None
+
+
+def test_no_nodepool_or_node_group_that_can_launch_the_type_fails_before_any_cluster() -> None:
+    """Preflight read every NodePool and node group and none can make the workers' node: Karpenter would
+    refuse the pods the same way once they exist (NoNodePoolFits), so the run fails now, holding nothing."""
+    why = "NodePool gpu makes no node labelled karpenter.sh/capacity-type=spot"
+    refused = PreflightResult(
+        False, NOT_LAUNCHABLE, f"no NodePool or node group can launch g6.12xlarge: {why}"
+    )
+    decision = reconcile(spec(), api.FSDPTrainingRunStatus(), observe(cluster=None, preflight=refused))
+    failed = conditions.condition(decision.status.conditions, conditions.FAILED)
+    assert decision.status.phase == api.Phase.FAILED and not decision.create_cluster
+    assert failed is not None and failed.reason == NOT_LAUNCHABLE and why in failed.message

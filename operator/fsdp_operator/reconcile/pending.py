@@ -7,7 +7,12 @@ import datetime as dt
 
 from fsdp_operator import api, conditions
 from fsdp_operator.api import Phase
-from fsdp_operator.preflight import NAMESPACE_RUN_LIMIT, WAITING_FOR_EARLIER_RUN, WORKER_FITS_NO_NODE
+from fsdp_operator.preflight import (
+    NAMESPACE_RUN_LIMIT,
+    NOT_LAUNCHABLE,
+    WAITING_FOR_EARLIER_RUN,
+    WORKER_FITS_NO_NODE,
+)
 from fsdp_operator.reconcile.provisioning import pods_healthy
 from fsdp_operator.reconcile.queueing import enqueue
 from fsdp_operator.reconcile.state import PassState
@@ -45,7 +50,9 @@ def pending(state: PassState) -> None:
     if previous is None or previous.reason != result.reason or previous.status != "False":
         state.event(True, result.reason, result.message)
     state.condition(conditions.PREFLIGHT, False, result.reason, result.message)
-    if result.reason == WORKER_FITS_NO_NODE:  # nodes the group adds have the same shape: no waiting
+    # Nodes the group adds have the same shape; no NodePool or node group can make one (as Karpenter's own
+    # refusal, found before any pod): no waiting.
+    if result.reason in (WORKER_FITS_NO_NODE, NOT_LAUNCHABLE):
         state.finish(Phase.FAILED, result.reason, result.message)
         return
     if (
