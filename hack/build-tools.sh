@@ -16,6 +16,7 @@ KUBERAY_VERSION=v1.6.2
 KUEUE_VERSION=v0.17.0
 COREDNS_VERSION=v1.15.0
 KUBE_ROUTER_VERSION=v2.1.0 # the only v2 the module proxy serves (v2.6.1 answers 403)
+POD_IDENTITY_WEBHOOK_VERSION=v0.6.17 # the only version the module proxy lists
 
 k8s_minor=${K8S_VERSION#v1.}
 k8s_minor=${k8s_minor%%.*}
@@ -41,6 +42,7 @@ components=(
   "ray-operator|kuberay|github.com/ray-project/kuberay/ray-operator|$KUBERAY_VERSION|"
   "kueue|kueue|sigs.k8s.io/kueue/cmd/kueue|$KUEUE_VERSION|-X sigs.k8s.io/kueue/pkg/version.GitVersion=$KUEUE_VERSION -X sigs.k8s.io/kueue/pkg/version.BuildDate=1970-01-01T00:00:00Z"
   "argocd-health-test|argocd-health|fsdp-operator.dev/hack/argocd-health|local|"
+  "pod-identity-webhook|pod-identity-webhook|github.com/aws/amazon-eks-pod-identity-webhook|$POD_IDENTITY_WEBHOOK_VERSION|-X main.webhookVersion=$POD_IDENTITY_WEBHOOK_VERSION"
   "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 
