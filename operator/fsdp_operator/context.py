@@ -45,6 +45,7 @@ class Context:
             self.ec2,
             efa_through_dra=self.settings.efa_device_class is not None,
             max_active_per_namespace=self.settings.max_active_runs_per_namespace,
+            ray_pod_env=self.settings.ray_pod_env,
         )
 
     @property
