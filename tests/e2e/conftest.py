@@ -71,12 +71,20 @@ def real_node(local_cluster: LocalCluster) -> RealNode:
 
 
 @pytest.fixture
+def ray_pod_env(real_node: RealNode) -> dict[str, str]:
+    """The operator's ray-pod-env for proxied_operator's runs (a module overrides it to change what pods
+    get)."""
+    return real_node.pod_env
+
+
+@pytest.fixture
 def proxied_operator(
     namespace: str,
     crd_installed: None,
     s3: Any,
     local_cluster: LocalCluster,
     real_node: RealNode,
+    ray_pod_env: dict[str, str],
     tmp_path: Path,
 ) -> Iterator[OperatorProcess]:
     """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
@@ -90,7 +98,7 @@ def proxied_operator(
         "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
         "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
         "FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY": "IfNotPresent",  # the node has the image; no registry here
-        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
+        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(ray_pod_env),
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
         "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
