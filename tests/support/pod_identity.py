@@ -33,7 +33,6 @@ from tests.support.tls import self_signed_cert
 from tests.support.waiting import wait_until
 
 WEBHOOK_BIN = REPO / "bin" / "pod-identity-webhook"
-ROLE_ARN_ANNOTATION = "eks.amazonaws.com/role-arn"
 TOKEN_AUDIENCE = "sts.amazonaws.com"
 REGION = "us-west-2"
 
@@ -125,13 +124,3 @@ def _healthy(port: int, certificate: Path) -> bool:
             return True
     except OSError:
         return False
-
-
-def irsa_service_account(namespace: str, name: str, role_arn: str) -> None:
-    """A ServiceAccount whose pods the webhook gives `role_arn` (IRSA's annotation, as eksctl writes it)."""
-    account = {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": {"name": name, "namespace": namespace, "annotations": {ROLE_ARN_ANNOTATION: role_arn}},
-    }
-    kubectl("apply", "-f", "-", input=yaml.safe_dump(account))
