@@ -19,6 +19,7 @@ KUEUE_VERSION=v0.17.0
 KARPENTER_VERSION=v1.14.1
 COREDNS_VERSION=v1.15.0
 KUBE_ROUTER_VERSION=v2.1.0 # the only v2 the module proxy serves (v2.6.1 answers 403)
+POD_IDENTITY_WEBHOOK_VERSION=v0.6.17 # the only version the module proxy lists
 
 k8s_minor=${K8S_VERSION#v1.}
 k8s_minor=${k8s_minor%%.*}
@@ -46,6 +47,7 @@ components=(
   # Karpenter's KWOK cloud provider (main package sigs.k8s.io/karpenter/kwok), named so as not to shadow kwok.
   "karpenter-kwok|karpenter|sigs.k8s.io/karpenter/kwok|$KARPENTER_VERSION|-X sigs.k8s.io/karpenter/pkg/operator.Version=$KARPENTER_VERSION"
   "argocd-health-test|argocd-health|fsdp-operator.dev/hack/argocd-health|local|"
+  "pod-identity-webhook|pod-identity-webhook|github.com/aws/amazon-eks-pod-identity-webhook|$POD_IDENTITY_WEBHOOK_VERSION|-X main.webhookVersion=$POD_IDENTITY_WEBHOOK_VERSION"
   "argocd|argocd|github.com/argoproj/argo-cd/v2/cmd|v2.14.21|-X github.com/argoproj/argo-cd/v2/common.version=2.14.21 -X github.com/argoproj/argo-cd/v2/common.gitTreeState=clean"
 )
 

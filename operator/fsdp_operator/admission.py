@@ -3,23 +3,28 @@
 `Admission.admit` is the one entry point. It owns the queue's placement (preflight.Queue, placed again only
 when the view changes), its memory (runs it admitted that the index does not show yet, parsed specs, free
 nodes per placement) and its lock: one decision at a time, so two runs never split the same nodes. The
-decisions themselves are preflight's pure functions.
+decisions themselves are preflight's pure functions. Before its first decision on a run it also warns, once,
+when the run's pods would have no AWS credentials (credentials.py): before any GPU is held.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
+import kopf
 from pydantic import ValidationError
 
-from fsdp_operator import api, builder, metrics, preflight
+from fsdp_operator import api, builder, conditions, credentials, metrics, preflight
 from fsdp_operator.kube import Indexes, Kube
 from fsdp_operator.launchers import LauncherReader
+
+log = logging.getLogger("fsdp_operator")
 
 # A namespaced operator cannot watch other teams' pods: all pending runs' preflights share one LIST this long.
 PODS_SNAPSHOT_SECONDS = 10.0
@@ -41,8 +46,10 @@ class Admission:
         max_active_per_namespace: int = 0,
         autoscaling: Callable[[], Any] = lambda: None,
         platform: builder.Platform | None = None,
+        ray_pod_env: Mapping[str, str] | None = None,
     ) -> None:
         self.watch_namespaces = watch_namespaces
+        self.ray_pod_env = dict(ray_pod_env or {})  # what every Ray container gets: static keys, if any
         self.max_active_per_namespace = max_active_per_namespace  # 0: no limit
         # Nodes that expose EFA through DRA advertise no vpc.amazonaws.com/efa: the scheduler allocates the
         # interfaces with the pod, and admission counts GPUs, CPU, memory and disk only.
@@ -63,6 +70,9 @@ class Admission:
         self._placement_keys: dict[int, tuple[api.FSDPTrainingRunSpec, str]] = {}
         # run uid -> (generation, its spec as parsed then)
         self._specs: dict[str, tuple[int | None, api.FSDPTrainingRunSpec | None]] = {}
+        self._credentials_checked: dict[
+            str, str
+        ] = {}  # run uid -> the service account its pods were checked as
         self.queue_placements = 0  # how many times a whole queue was placed
         self.cpu_seconds = 0.0  # thread CPU time spent deciding admissions
 
@@ -70,6 +80,7 @@ class Admission:
         self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
     ) -> preflight.PreflightResult:
         """May `run` (created at `created`) create its RayCluster now, and in which zone?"""
+        self._warn_of_missing_credentials(run, spec)
         with self._lock:
             limited = self._namespace_limit(run, indexes)
         if limited is not None:
@@ -92,6 +103,34 @@ class Admission:
                 spent = time.thread_time() - start
                 self.cpu_seconds += spent
                 metrics.ADMISSION_CPU.inc(spent)
+
+    def _warn_of_missing_credentials(self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec) -> None:
+        """A Warning event on the run, once per service account it names, when its pods would have no AWS
+        credentials: a warning, not a refusal (keys may come from where the operator cannot see)."""
+        account = credentials.service_account_of(spec)
+        if self.kube is None or self._credentials_checked.get(run.uid) == account:
+            return
+        try:
+            found = self.kube.service_account(run.namespace, account)
+        except (
+            Exception
+        ) as error:  # no grant to read it, the apiserver's hiccup: no warning, the next pass asks
+            log.info("%s/%s: service account %s unreadable: %s", run.namespace, run.name, account, error)
+            return
+        self._credentials_checked[run.uid] = account
+        warning = credentials.missing_credentials(run.namespace, spec, found, self.ray_pod_env)
+        if warning is None:
+            return
+        body = {
+            "apiVersion": api.API_VERSION,
+            "kind": api.KIND,
+            "metadata": {"name": run.name, "namespace": run.namespace, "uid": run.uid},
+        }
+        reason = credentials.NO_POD_CREDENTIALS
+        kopf.event(
+            kopf.Body(cast(Any, body)), type="Warning", reason=reason, message=conditions.bounded(warning)
+        )
+        log.warning("%s/%s %s: %s", run.namespace, run.name, reason, warning)
 
     def instance_type_facts(self, instance_type: str) -> preflight.InstanceTypeFacts:
         now = time.monotonic()
@@ -137,6 +176,7 @@ class Admission:
         with self._lock:
             self._admitted.pop(uid, None)
             self._specs.pop(uid, None)
+            self._credentials_checked.pop(uid, None)
 
     def remembers(self, uid: str) -> bool:
         return uid in self._specs or uid in self._admitted

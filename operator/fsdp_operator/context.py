@@ -48,6 +48,7 @@ class Context:
             max_active_per_namespace=self.settings.max_active_runs_per_namespace,
             autoscaling=self.autoscaling,
             platform=self.platform,
+            ray_pod_env=self.settings.ray_pod_env,
         )
 
     def sized(self, spec: api.FSDPTrainingRunSpec) -> api.FSDPTrainingRunSpec:

@@ -154,6 +154,17 @@ class Kube:
         found = self.request("GET", f"/api/v1/namespaces/{namespace}")
         return dict((found.get("metadata") or {}).get("annotations") or {})
 
+    def service_account(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """A ServiceAccount (its annotations name the IAM role of the pods running as it); None if absent."""
+        try:
+            return cast(
+                dict[str, Any], self.request("GET", f"/api/v1/namespaces/{namespace}/serviceaccounts/{name}")
+            )
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
     def get_run(self, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             found = self.custom.get_namespaced_custom_object(

@@ -17,6 +17,8 @@ MAX_BACKOFF_SECONDS = 3600
 # Driver-log signatures of failures that no restart can fix: (pattern, reason).
 PERMANENT_LOG_SIGNATURES: list[tuple[re.Pattern[str], str]] = [
     (re.compile(r"invalid configuration \(error kind config\)"), "InvalidConfig"),
+    # The trainer's first act (fsdp_trainer.access); a pod with no S3 access cannot write its progress record.
+    (re.compile(r"storage access refused \(error kind storage-access\)"), "StorageAccessDenied"),
     (re.compile(r"\b(ModuleNotFoundError|ImportError|SyntaxError)\b"), "ImportError"),
     (
         re.compile(r"runtime_env setup failed|Failed to set up runtime environment", re.I),
@@ -31,6 +33,7 @@ REASON_BY_KIND = {
     ErrorKind.TRANSPORT: "TransportPolicyViolated",
     ErrorKind.NON_FINITE_LOSS: "NonFiniteLoss",
     ErrorKind.FABRIC: "FabricBelowThreshold",
+    ErrorKind.STORAGE_ACCESS: "StorageAccessDenied",
 }
 
 

@@ -82,9 +82,16 @@ def real_node(local_cluster: LocalCluster) -> RealNode:
     )
 
 
+@pytest.fixture
+def ray_pod_env(real_node: RealNode) -> dict[str, str]:
+    """The operator's ray-pod-env for proxied_operator's runs (a module overrides it to change what pods
+    get)."""
+    return real_node.pod_env
+
+
 @contextlib.contextmanager
 def proxied_operator_for(
-    namespace: str, local_cluster: LocalCluster, real_node: RealNode, into: Path
+    namespace: str, local_cluster: LocalCluster, real_node: RealNode, into: Path, ray_pod_env: dict[str, str]
 ) -> Iterator[OperatorProcess]:
     """The operator outside the cluster, in service-proxy mode, holding only the chart's RBAC."""
     identity = chart_identity(namespace, into / "chart", local_cluster)
@@ -97,7 +104,7 @@ def proxied_operator_for(
         "FSDP_OPERATOR_LEASE_NAMESPACE": OPERATOR_NAMESPACE,
         "FSDP_OPERATOR_DEFAULT_IMAGE": real_node.image,
         "FSDP_OPERATOR_RAY_IMAGE_PULL_POLICY": "IfNotPresent",  # the node has the image; no registry here
-        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(real_node.pod_env),
+        "FSDP_OPERATOR_RAY_POD_ENV": json.dumps(ray_pod_env),
         "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
         "FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint,
         "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "3",
@@ -121,9 +128,10 @@ def proxied_operator(
     s3: Any,
     local_cluster: LocalCluster,
     real_node: RealNode,
+    ray_pod_env: dict[str, str],
     tmp_path: Path,
 ) -> Iterator[OperatorProcess]:
-    with proxied_operator_for(namespace, local_cluster, real_node, tmp_path) as proc:
+    with proxied_operator_for(namespace, local_cluster, real_node, tmp_path, ray_pod_env) as proc:
         yield proc
 
 
@@ -150,5 +158,5 @@ def shared_proxied_operator(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[OperatorProcess]:
     into = tmp_path_factory.mktemp("shared-operator")
-    with proxied_operator_for(shared_namespace, local_cluster, real_node, into) as proc:
+    with proxied_operator_for(shared_namespace, local_cluster, real_node, into, real_node.pod_env) as proc:
         yield proc

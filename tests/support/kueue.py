@@ -20,8 +20,6 @@ queues with the helpers below and labels its RayClusters with `kueue.x-k8s.io/qu
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -43,6 +41,7 @@ from tests.support.local_cluster import LocalCluster
 from tests.support.net import free_port
 from tests.support.paths import REPO
 from tests.support.processes import stop_process
+from tests.support.tls import self_signed_cert
 from tests.support.waiting import wait_until
 
 KUEUE_BIN = REPO / "bin" / "kueue"
@@ -94,41 +93,6 @@ def install_crds() -> None:
     wait_established(*names)
 
 
-def _self_signed_cert(directory: Path) -> None:
-    """tls.crt / tls.key for 127.0.0.1 and localhost, valid for a day."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kueue-local")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName(
-                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-            ),
-            critical=False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "tls.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (directory / "tls.key").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-
-
 @dataclass
 class KueueProcess:
     """The Kueue manager out of cluster, started in a session of its own and stopped by pid."""
@@ -170,7 +134,7 @@ class KueueProcess:
 
     def start(self) -> KueueProcess:
         (self.workdir / "ns").mkdir(parents=True, exist_ok=True)
-        _self_signed_cert(self.workdir / "certs")
+        self_signed_cert(self.workdir / "certs", "kueue-local")
         config = self.workdir / "config.yaml"
         config.write_text(yaml.safe_dump(self.configuration()))
         unshare = ["unshare", "--mount", "--propagation", "private"]

@@ -33,11 +33,20 @@ class RealNode:
 
     @property
     def pod_env(self) -> dict[str, str]:
-        """What every Ray container gets (operator setting ray-pod-env): the local S3, no model hub."""
+        """What every Ray container gets (operator setting ray-pod-env): the local S3 and static keys for it,
+        no model hub."""
         return {
-            "AWS_ENDPOINT_URL": self.pod_s3_endpoint,
+            **self.pod_env_without_credentials,
             "AWS_ACCESS_KEY_ID": "testing",
             "AWS_SECRET_ACCESS_KEY": "testing",
+        }
+
+    @property
+    def pod_env_without_credentials(self) -> dict[str, str]:
+        """ray-pod-env as on an EKS platform that gives pods credentials through their service account (IRSA,
+        Pod Identity): where AWS is (the local S3 and STS), no keys."""
+        return {
+            "AWS_ENDPOINT_URL": self.pod_s3_endpoint,
             "AWS_DEFAULT_REGION": "us-west-2",
             "HF_HUB_OFFLINE": "1",
             # The node is shared by the whole suite: give the dashboard's modules time to start.

@@ -8,7 +8,7 @@ import sys
 
 from pydantic import ValidationError
 
-from fsdp_trainer import cli
+from fsdp_trainer import access, cli
 from fsdp_trainer.contract import ErrorKind
 from fsdp_trainer.errors import ConfigError
 
@@ -35,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(config.to_json())
         return 0
+    try:
+        access.check_storage_access(config)
+    except access.StorageAccessRefused as refused:
+        print(f"storage access refused (error kind {ErrorKind.STORAGE_ACCESS}): {refused}", file=sys.stderr)
+        return 2
     direct = args.launcher == "direct" or (args.launcher == "auto" and "TORCHELASTIC_RUN_ID" in os.environ)
     if direct:
         from fsdp_trainer.launch import LoopInput

@@ -579,6 +579,7 @@ class ErrorKind(StrEnum):
     TRANSPORT = "transport"  # the network policy was violated (e.g. EFA required, socket used)
     NON_FINITE_LOSS = "non-finite-loss"  # the loss or gradient norm stayed inf/NaN (maxNonFiniteSteps)
     FABRIC = "fabric"  # the fabric check found the network below network.minBusBandwidthGbps
+    STORAGE_ACCESS = "storage-access"  # the pod's AWS identity (or none) may not read/write a run's S3 prefix
     RUNTIME = "runtime"  # anything else (lost workers, storage hiccups, collective timeouts): retryable
 
 
