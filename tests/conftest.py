@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -15,9 +14,8 @@ from typing import Any
 import boto3
 import pytest
 
-from fsdp_operator import tenancy
 from tests.support import reliability as reliability_table
-from tests.support.kube import REAL_NODE_TOLERATION, apply_crd, delete_namespace, grant, kubectl
+from tests.support.kube import apply_crd, fresh_namespace
 from tests.support.local_cluster import LocalCluster
 from tests.support.mlflow import MlflowServer, mlflow_server
 from tests.support.net import answers, free_port
@@ -122,13 +120,8 @@ def local_cluster() -> Iterator[LocalCluster]:
 @pytest.fixture
 def namespace(local_cluster: LocalCluster) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards with everything in it."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    grant(name, tenancy.TOLERATIONS, json.dumps([REAL_NODE_TOLERATION]))
-    try:
+    with fresh_namespace() as name:
         yield name
-    finally:
-        delete_namespace(name)
 
 
 @pytest.fixture(scope="session")

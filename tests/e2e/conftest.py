@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,10 +11,9 @@ from typing import Any
 import boto3
 import pytest
 
-from fsdp_operator import tenancy
 from tests.support.demo import BUCKET, CORPUS, lifecycle_env
 from tests.support.karpenter import Karpenter, running_karpenter
-from tests.support.kube import REAL_NODE_TOLERATION, delete_namespace, grant, kubectl, kubectl_json
+from tests.support.kube import delete_namespace, fresh_namespace, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
 from tests.support.operator_process import OperatorProcess
 from tests.support.paths import REPO, cluster_settings
@@ -139,13 +137,8 @@ def proxied_operator(
 def shared_namespace(local_cluster: LocalCluster) -> Iterator[str]:
     """A namespace for the tests of a module that share one run (each RayCluster start on the real node costs
     minutes of its 2 CPUs), made as each test's own is."""
-    name = f"t-{uuid.uuid4().hex[:8]}"
-    kubectl("create", "namespace", name)
-    grant(name, tenancy.TOLERATIONS, json.dumps([REAL_NODE_TOLERATION]))
-    try:
+    with fresh_namespace() as name:
         yield name
-    finally:
-        delete_namespace(name)
 
 
 @pytest.fixture(scope="module")

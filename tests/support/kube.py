@@ -7,12 +7,15 @@ import functools
 import json
 import os
 import subprocess
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from fsdp_operator import tenancy
 from tests.support.paths import REPO
 from tests.support.waiting import wait_until
 
@@ -122,3 +125,16 @@ def get_custom(what: str, call: Callable[[Any], Any]) -> Any:
         return call(_custom_objects(Path(os.environ["KUBECONFIG"]).read_text()))
     except ApiException as error:
         raise AssertionError(f"GET {what}: {error.status} {error.reason}: {error.body}") from None
+
+
+@contextmanager
+def fresh_namespace() -> Iterator[str]:
+    """A namespace of its own, granted the real node's toleration as a platform grants a team its node pool's,
+    deleted afterwards with everything in it."""
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    kubectl("create", "namespace", name)
+    grant(name, tenancy.TOLERATIONS, json.dumps([REAL_NODE_TOLERATION]))
+    try:
+        yield name
+    finally:
+        delete_namespace(name)
