@@ -44,6 +44,10 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("", "events", "list"): "an autoscaler's events about a Ray pod that waits for a node (none waits here)",
     # Used under the chart's RBAC by test_real_pods' slowed-link test, whose fabric check finds a slow node.
     ("", "nodes", "patch"): "the fabric check's label on a node it found slow (none is slow here)",
+    # Read by scale-from-zero runs' preflight (test_karpenter, test_preflight_launchers); test_helm asks
+    # the apiserver whether the chart's account may.
+    ("karpenter.sh", "nodepools", "list"): "scale-from-zero preflight (the demo's nodes exist)",
+    ("apps", "daemonsets", "list"): "scale-from-zero preflight: what a node to be added runs beside a worker",
 }
 # Granted, and used by a demo run only when a race happens, so a run may or may not use them.
 USED_BY_A_DEMO_RUN_ONLY_IN_A_RACE: dict[Grant, str] = {

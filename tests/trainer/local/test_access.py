@@ -198,7 +198,9 @@ def test_a_role_that_may_read_and_write_passes_and_leaves_nothing_behind(
     use(monkeypatch, {**pod_env(endpoint, tmp_path), **role})
     identity = check_storage_access(TrainerConfig.model_validate(CONFIG))
     assert identity is not None and identity.endswith(f":assumed-role/{ROLE}/pod"), identity
-    left = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="runs/").get("Contents") or []
+    # A session of its own: boto3's default one keeps the credentials of whichever test made it first.
+    s3 = boto3.session.Session().client("s3")
+    left = s3.list_objects_v2(Bucket=BUCKET, Prefix="runs/").get("Contents") or []
     assert left == [], left
 
 
