@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import kopf
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from fsdp_operator import actions, api, builder, conditions, metrics, submission
 from fsdp_operator.context import Context
@@ -71,11 +72,13 @@ def parse(
     try:
         return api.FSDPTrainingRunSpec.model_validate(run["spec"]), status
     except ValidationError as error:
-        raise RefusedSpec(
-            "; ".join(
-                f"spec.{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()[:5]
-            )
-        ) from error
+        raise RefusedSpec("; ".join(_refusal(e) for e in error.errors()[:5])) from error
+
+
+def _refusal(error: ErrorDetails) -> str:
+    """"spec.<field>: <why>", or "spec: <why>" where a check spans fields (its message names them)."""
+    where = ".".join(["spec", *(str(part) for part in error["loc"])])
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}"
 
 
 def refuse_spec(ctx: Context, body: kopf.Body, stored: Mapping[str, Any], message: str) -> None:

@@ -29,6 +29,21 @@ def test_min_workers_above_workers_is_refused_naming_both_fields() -> None:
         parse({}, {"spec": {**SPEC, "cluster": {"workers": 2, "minWorkers": 3}}})
 
 
+def test_an_elastic_range_with_a_size_that_cannot_train_is_refused_when_the_run_is_first_seen() -> None:
+    """Ray Train may start on any size in the range: g6.12xlarge's 4 GPUs x 1..2 workers is 4 to 8 processes,
+    and 24 sequences divide among 4, 6 and 8 but not 5 or 7. Refused before any GPU is held, naming the
+    fields, not at the resize that reaches such a size."""
+    elastic = {**SPEC, "cluster": {"workers": 2, "minWorkers": 1}, "training": {"globalBatchSize": 24}}
+    with pytest.raises(
+        RefusedSpec, match=r"^spec: cluster\.minWorkers 1: the run may train on 4 to 8 processes"
+    ) as refusal:
+        parse({}, {"spec": elastic})
+    assert "5 (training.globalBatchSize 24 is not divisible" in str(refusal.value)
+    assert "7 (" in str(refusal.value) and "6 (" not in str(refusal.value)
+    whole_range = {**elastic, "training": {"globalBatchSize": 840}}  # 4, 5, 6, 7 and 8 all divide 840
+    assert parse({}, {"spec": whole_range})[0].cluster.min_workers == 1
+
+
 def test_the_trainer_is_told_the_elastic_range() -> None:
     run = RunRef("r", "team-a", "uid-r")
     config = submission.trainer_config(spec(workers=4, minWorkers=2), run, cpu_only=False)
