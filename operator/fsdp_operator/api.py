@@ -31,7 +31,6 @@ from fsdp_trainer.contract import (
     TrainingSpec,
     TransportReport,
     Versions,
-    unusable_world_sizes,
 )
 
 GROUP = "fsdp.training.dev"
@@ -541,20 +540,6 @@ class FSDPTrainingRunSpec(ContractModel):
     def worker_ephemeral_storage(self) -> str:
         """The disk each worker requests: as set, or what it writes at its peak."""
         return self.cluster.ephemeral_storage or self.worker_disk().quantity
-
-    @model_validator(mode="after")
-    def _every_elastic_size_can_train(self) -> FSDPTrainingRunSpec:
-        # Checked where the GPUs per worker are known before a node exists (set, or a type of the table);
-        # otherwise the trainer checks again before any worker starts.
-        cluster = self.cluster
-        known = cluster.gpus_per_worker or instancetypes.GPU_INSTANCE_TYPES.get(cluster.instance_type)
-        if known:
-            unusable = unusable_world_sizes(
-                cluster.workers, cluster.min_workers, cluster.gpus(), self.training, self.fsdp.sharding
-            )
-            if unusable is not None:
-                raise ValueError(unusable)
-        return self
 
     @model_validator(mode="after")
     def _mlflow_credentials_in_one_place(self) -> FSDPTrainingRunSpec:

@@ -76,7 +76,7 @@ def parse(
 
 
 def _refusal(error: ErrorDetails) -> str:
-    """"spec.<field>: <why>", or "spec: <why>" where a check spans fields (its message names them)."""
+    """ "spec.<field>: <why>", or "spec: <why>" where a check spans fields (its message names them)."""
     where = ".".join(["spec", *(str(part) for part in error["loc"])])
     return f"{where}: {error['msg'].removeprefix('Value error, ')}"
 
@@ -117,6 +117,12 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
         cpu_only=ctx.settings.trainer_device == "cpu",
         min_bus_bandwidth_gbps=ctx.settings.fabric_min_bus_bandwidth_gbps,
     )
+    # Every size Ray Train may start on, as the trainer will be told (processes per worker: the GPUs, one
+    # where the platform trains on CPU): refused now, not at the resize that reaches a size that cannot train.
+    unusable = config.unusable_world_sizes()
+    if unusable is not None:
+        refuse_spec(ctx, body, stored, f"spec: {unusable}")
+        return Decision(status)
     obs = observe(ctx, run, stored, spec, status, config, indexes)
     if creates_cluster_next(spec, status, obs.cluster is not None):
         obs = dataclasses.replace(obs, refusals=ctx.refusals(run.namespace, spec))

@@ -29,19 +29,19 @@ def test_min_workers_above_workers_is_refused_naming_both_fields() -> None:
         parse({}, {"spec": {**SPEC, "cluster": {"workers": 2, "minWorkers": 3}}})
 
 
-def test_an_elastic_range_with_a_size_that_cannot_train_is_refused_when_the_run_is_first_seen() -> None:
+def test_the_elastic_range_is_checked_as_the_trainer_will_be_told_it() -> None:
     """Ray Train may start on any size in the range: g6.12xlarge's 4 GPUs x 1..2 workers is 4 to 8 processes,
-    and 24 sequences divide among 4, 6 and 8 but not 5 or 7. Refused before any GPU is held, naming the
-    fields, not at the resize that reaches such a size."""
-    elastic = {**SPEC, "cluster": {"workers": 2, "minWorkers": 1}, "training": {"globalBatchSize": 24}}
-    with pytest.raises(
-        RefusedSpec, match=r"^spec: cluster\.minWorkers 1: the run may train on 4 to 8 processes"
-    ) as refusal:
-        parse({}, {"spec": elastic})
-    assert "5 (training.globalBatchSize 24 is not divisible" in str(refusal.value)
-    assert "7 (" in str(refusal.value) and "6 (" not in str(refusal.value)
-    whole_range = {**elastic, "training": {"globalBatchSize": 840}}  # 4, 5, 6, 7 and 8 all divide 840
-    assert parse({}, {"spec": whole_range})[0].cluster.min_workers == 1
+    and 24 sequences divide among 4, 6 and 8 but not 5 or 7. Where the platform trains on CPU (one process
+    per worker) the same spec's range is 1 to 2, which 24 divides."""
+    run = RunRef(name="r", namespace="ns", uid="u")
+    elastic = spec(workers=2, minWorkers=1).model_copy(
+        update={"training": api.TrainingSpec(global_batch_size=24)}
+    )
+    refusal = submission.trainer_config(elastic, run, cpu_only=False).unusable_world_sizes()
+    assert refusal is not None and refusal.startswith("cluster.minWorkers 1: the run may train on 4 to 8")
+    assert "5 (training.globalBatchSize 24 is not divisible" in refusal and "7 (" in refusal
+    assert "6 (" not in refusal
+    assert submission.trainer_config(elastic, run, cpu_only=True).unusable_world_sizes() is None
 
 
 def test_the_trainer_is_told_the_elastic_range() -> None:
