@@ -47,7 +47,7 @@ class TrainingRun:
 
     @property
     def checkpoints(self) -> list[CheckpointRef]:
-        """The last few complete checkpoints, oldest first (run.json keeps every one)."""
+        """The last few complete checkpoints, newest first (run.json keeps every one)."""
         return list(self.status.checkpoints.recent)
 
     @property
