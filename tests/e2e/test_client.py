@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +61,12 @@ def test_the_example_notebook_fine_tunes_compares_and_fine_tunes_again_from_the_
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
 
     notebook = nbformat.read(NOTEBOOK, as_version=4)
+    # A cell's bound is above the notebook's waits (timeout=RUN_TIMEOUT): their error says where a run was.
     NotebookClient(
-        notebook, timeout=RUN_TIMEOUT, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
+        notebook,
+        timeout=RUN_TIMEOUT + 60,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
     ).execute()
 
     client = Client(namespace)
@@ -95,3 +100,7 @@ def test_the_example_notebook_fine_tunes_compares_and_fine_tunes_again_from_the_
     assert first.exported_model_uri and again.spec.model.source == first.exported_model_uri
     assert client.metrics(again)["loss"].iloc[0] < metrics["loss"].iloc[0] - 0.5
     assert [checkpoint.step for checkpoint in first.checkpoints] == [12, 6] and first.latest_checkpoint
+
+    # What the run held and cost, at the operator's price for its instance type (lifecycle_env).
+    assert first.goodput.gpu_hours_held > 0 and first.cost_usd is not None and first.cost_usd > 0
+    assert re.search(r"GPU-hours held [0-9.]+, cost [0-9.]+ USD", printed(notebook)), printed(notebook)
