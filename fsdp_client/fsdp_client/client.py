@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 import re
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
@@ -193,7 +193,6 @@ class Client:
         condition: str | None = None,
         timeout: float = 3600,
         namespace: str | None = None,
-        sleep: Callable[[float], None] = time.sleep,
     ) -> TrainingRun:
         """Waits until the run is in `phase` (one or several) or its `condition` is True (default: until it
         has finished, condition Finished) and returns it. A run that fails first raises RunFailed with the
@@ -231,7 +230,7 @@ class Client:
                         else f"it is {current.phase}: {current.status.message or ''}".rstrip(": ")
                     )
                 )
-            sleep(WAIT_POLL_SECONDS)
+            time.sleep(WAIT_POLL_SECONDS)
 
     # -- what the run leaves in S3 --------------------------------------------------------------------------
 
