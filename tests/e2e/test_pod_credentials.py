@@ -24,7 +24,7 @@ from tests.support.moto_recorder import recorded_requests
 from tests.support.operator_process import OperatorProcess
 from tests.support.pod_identity import ROLE_ANNOTATION, irsa_pod_env, pod_identity_webhook
 from tests.support.real_node import RUN_TIMEOUT, RealNode, real_pods_run
-from tests.support.runs import conditions_of, run_of, wait_for_phase
+from tests.support.runs import conditions_of, run_of, run_summary, wait_for_phase
 from tests.support.waiting import wait_until
 
 # A run refused for its credentials: its RayCluster's start on the real node (about 2 min on its 2 CPUs,
@@ -32,6 +32,7 @@ from tests.support.waiting import wait_until
 REFUSED_WITHIN = 420
 
 
+ENDED = ("Succeeded", "Failed")
 # aws-c-auth (pyarrow's AWS SDK) names its web-identity sessions with a bare UUID; botocore's are
 # "botocore-session-<time>".
 PYARROW_SESSION = re.compile(r"[0-9A-Fa-f]{8}(-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}")
@@ -108,10 +109,15 @@ def test_a_run_with_an_iam_role_trains_on_web_identity_credentials_from_sts(
             lambda: found if len(found := pods_of(namespace, run)) == 2 else None,
             timeout=180,
         )
-        succeeded = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
-        print(f"Succeeded {time.monotonic() - started:.1f}s after apply")
+        ended = wait_until(
+            f"run {run} to succeed or fail",
+            lambda: r if (r := run_of(namespace, run)).get("status", {}).get("phase") in ENDED else None,
+            timeout=RUN_TIMEOUT,
+        )
+        print(f"{ended['status']['phase']} {time.monotonic() - started:.1f}s after apply")
         recorded = requests_so_far()
-    assert (succeeded["status"].get("restarts") or {}).get("count", 0) == 0, succeeded["status"]
+    assert ended["status"]["phase"] == "Succeeded", run_summary(ended)
+    assert (ended["status"].get("restarts") or {}).get("count", 0) == 0, run_summary(ended)
     for pod in pods:  # the webhook's role and token, no keys
         for container in pod["spec"]["containers"]:
             env = {e["name"]: e.get("value") for e in container.get("env", [])}
