@@ -24,6 +24,7 @@ apiserver_port=$1 apiserver_socket=$2 served_port=$3 served_socket=$4; shift 4
 ip link set lo up
 socat "TCP-LISTEN:$apiserver_port,bind=127.0.0.1,fork,reuseaddr" "UNIX-CONNECT:$apiserver_socket" &
 socat "UNIX-LISTEN:$served_socket,fork,mode=600" "TCP:127.0.0.1:$served_port" &
+for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$apiserver_port") 2>/dev/null && break; sleep 0.1; done
 exec "$@"
 """
 
