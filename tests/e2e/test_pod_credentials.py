@@ -30,8 +30,6 @@ from tests.support.waiting import wait_until
 # A run refused for its credentials: its RayCluster's start on the real node (about 2 min on its 2 CPUs,
 # measured 100-150 s) and one job whose access check fails in seconds.
 REFUSED_WITHIN = 420
-
-
 ENDED = ("Succeeded", "Failed")
 # aws-c-auth (pyarrow's AWS SDK) names its web-identity sessions with a bare UUID; botocore's are
 # "botocore-session-<time>".
@@ -92,7 +90,7 @@ def pods_of(namespace: str, run: str) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(RUN_TIMEOUT + 300)
 def test_a_run_with_an_iam_role_trains_on_web_identity_credentials_from_sts(
-    namespace: str, webhook: None, proxied_operator: OperatorProcess, local_cluster: LocalCluster, s3: Any
+    namespace: str, webhook: None, proxied_operator: OperatorProcess, local_cluster: LocalCluster
 ) -> None:
     role = f"arn:aws:iam::123456789012:role/{namespace}-trainer"
     kubectl("create", "serviceaccount", "trainer", "-n", namespace)
