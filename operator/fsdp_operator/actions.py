@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from fsdp_operator import api, builder, conditions, fabric, metrics, submission
+from fsdp_operator import api, builder, conditions, fabric, metrics, submission, tenancy
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.reconcile import Decision, DriverLog
@@ -192,8 +192,9 @@ def write_run_record(
     status: api.FSDPTrainingRunStatus,
 ) -> None:
     """run.json next to the checkpoints: the evidence outlives the custom resource. It keeps every restart
-    (the status keeps the last few), carried over from the run.json this run wrote before."""
-    if status.phase in (None, api.Phase.PENDING):
+    (the status keeps the last few), carried over from the run.json this run wrote before. Nothing for a run
+    refused its namespace's grants: its paths are what was refused, and may be another run's."""
+    if status.phase in (None, api.Phase.PENDING) or refused_grants(status):
         return
     storage = ctx.storage(spec, run)
     memory = ctx.runs.of(run.uid)
@@ -231,6 +232,11 @@ def write_run_record(
         readable = conditions.condition(status.conditions, conditions.STORAGE_READABLE)
         level = logging.DEBUG if readable is not None and readable.status == "False" else logging.WARNING
         log.log(level, "%s/%s: cannot write run.json to %s: %s", run.namespace, run.name, storage.uri, error)
+
+
+def refused_grants(status: api.FSDPTrainingRunStatus) -> bool:
+    failed = conditions.condition(status.conditions, conditions.FAILED)
+    return failed is not None and failed.status == "True" and failed.reason == tenancy.NOT_ALLOWED
 
 
 def delete_run(ctx: Context, body: kopf.Body) -> None:

@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase, ProvisioningStatus
+from fsdp_operator.api import (
+    FINISHED_PHASES,
+    FSDPTrainingRunSpec,
+    FSDPTrainingRunStatus,
+    Phase,
+    ProvisioningStatus,
+)
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import PreflightResult
@@ -182,9 +188,10 @@ def _replica_failure(condition: dict[str, Any]) -> str:
 def creates_cluster_next(
     spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster_exists: bool
 ) -> bool:
-    """A run whose next step is a RayCluster (through preflight or Kueue): what it asks of its namespace is
-    checked first (tenancy.py), every time: a grant the platform withdraws holds from the next cluster on."""
-    return not spec.suspend and status.phase in (None, Phase.PENDING, Phase.SUSPENDED) and not cluster_exists
+    """A run that may build a RayCluster this pass: its first (through preflight or Kueue) or one rebuilt
+    after a loss. What it asks of its namespace is checked first (tenancy.py), every time: a grant the
+    platform withdraws holds from the next cluster on, the first or a rebuilt one."""
+    return not spec.suspend and status.phase not in FINISHED_PHASES and not cluster_exists
 
 
 def needs_preflight(

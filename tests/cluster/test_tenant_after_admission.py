@@ -1,0 +1,178 @@
+"""What a tenant with one namespace tries after its run is admitted, and through the paths and names it writes
+(issue 46): edits that would need a grant while the run is active, a grant withdrawn before the cluster is
+rebuilt, a refused run's paths, and names that libraries read differently. Each is refused naming the field,
+and nothing ungranted is built or written. docs/security.md's table of them is written here when they pass."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+from bench.doc_section import write_section
+
+from fsdp_operator import tenancy
+from fsdp_operator.context import POLICY_SECONDS
+from tests.support.kube import apply, grant, kubectl, kubectl_json
+from tests.support.manifests import example
+from tests.support.operator_process import OperatorProcess
+from tests.support.paths import REPO
+from tests.support.runs import conditions_of, rayclusters, wait_for_phase
+from tests.support.waiting import wait_until
+
+SECRET = {"HF_TOKEN": {"name": "hf", "key": "token"}}
+MLFLOW = {"trackingUri": "https://collector.example", "credentials": {"token": {"name": "hf", "key": "t"}}}
+
+# (what the tenant writes, as dotted spec fields, the field the apiserver's refusal must name)
+REFUSED_AT_ADMISSION: list[tuple[dict[str, Any], str]] = [
+    ({"checkpoint.storagePath": "s3://fsdp-e2e/team-a/team-a/train-a#"}, "spec.checkpoint.storagePath"),
+    ({"checkpoint.storagePath": "s3://fsdp-e2e/team-b?versionId=1"}, "spec.checkpoint.storagePath"),
+    ({"checkpoint.storagePath": "s3://fsdp-e2e/team-b//x"}, "spec.checkpoint.storagePath"),
+    ({"checkpoint.resume": "s3://fsdp-e2e/team-b/%2e%2e/team-a/run/checkpoints/step_10"},
+     "spec.checkpoint.resume"),
+    ({"data.source": "s3://fsdp-e2e/team-a/*.jsonl"}, "spec.data.source"),
+    ({"runtimeEnv.env": {"XDG_CONFIG_HOME": "/tmp/x"}}, "spec.runtimeEnv.env"),
+    ({"runtimeEnv.env": {"XDG_CONFIG_DIRS": "/tmp/x"}}, "spec.runtimeEnv.env"),
+    ({"runtimeEnv.env": {"OPENSSL_CONF": "/tmp/openssl.cnf"}}, "spec.runtimeEnv.env"),
+    ({"runtimeEnv.env": {"OPENSSL_MODULES": "/tmp"}}, "spec.runtimeEnv.env"),
+    ({"runtimeEnv.env": {"NETRC": "/tmp/netrc"}}, "spec.runtimeEnv.env"),
+    ({"runtimeEnv.secretEnv": {"NVIDIA_VISIBLE_DEVICES": {"name": "gpus", "key": "all"}}},
+     "spec.runtimeEnv.secretEnv"),
+    ({"network.ncclEnv": {"NCCL_NET_PLUGIN": "/tmp/x.so"}}, "spec.network.ncclEnv"),
+    ({"network.ncclEnv": {"NCCL_TUNER_PLUGIN": "/tmp/x.so"}}, "spec.network.ncclEnv"),
+    ({"network.ncclEnv": {"FI_PROVIDER_PATH": "/tmp"}}, "spec.network.ncclEnv"),
+]  # fmt: skip
+
+# (an edit to an active run that would need a grant, the field the refusal names)
+REFUSED_WHILE_ACTIVE: list[tuple[dict[str, Any], str]] = [
+    ({"runtimeEnv.secretEnv": SECRET}, "spec.runtimeEnv.secretEnv"),
+    ({"tracking.mlflow": MLFLOW}, "spec.tracking"),
+]
+
+ROWS: dict[str, list[str]] = {}  # test -> its rows of docs/security.md's table, once it passes
+
+
+def manifest(name: str, **changes: Any) -> dict[str, Any]:
+    """The demo run with whole fields replaced (dotted paths), not merged into the example's."""
+    run = example("cpu-demo")
+    run["metadata"]["name"] = name
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split(".")
+        target = run["spec"]
+        for key in parents:
+            target = target.setdefault(key, {})
+        target[leaf] = value
+    return run
+
+
+def apply_json(namespace: str, run: dict[str, Any], check: bool = True) -> Any:
+    return kubectl("apply", "-n", namespace, "-f", "-", input=json.dumps(run), check=check)
+
+
+def row(asked: dict[str, Any], refused: str, said: str, namespace: str) -> str:
+    shown = json.dumps(asked, sort_keys=True).replace("|", "\\|")
+    said = said.replace(namespace, "<namespace>").replace("|", "\\|")
+    return f"| `{shown}` | {refused} | {said} |"
+
+
+def test_names_libraries_read_differently_are_refused_at_admission_naming_the_field(
+    namespace: str, crd_installed: None
+) -> None:
+    rows = []
+    for changes, field in REFUSED_AT_ADMISSION:
+        refused = apply_json(namespace, manifest("hostile", **changes), check=False)
+        assert refused.returncode != 0, f"{changes} was admitted"
+        assert field in refused.stderr, f"{changes}: the refusal does not name {field}: {refused.stderr}"
+        said = refused.stderr.strip().splitlines()[-1]
+        rows.append(row(changes, "at creation, by the apiserver (CRD rule)", said, namespace))
+    assert kubectl_json("get", "fsdptrainingruns", "-n", namespace)["items"] == []
+    ROWS["admission"] = rows
+
+
+def set_phase(namespace: str, name: str, phase: str) -> None:
+    """Plays the operator: writes a phase through the status subresource."""
+    patch = json.dumps({"status": {"phase": phase}})
+    kubectl("patch", "fsdptrainingrun", name, "-n", namespace, "--subresource=status", "--type=merge", "-p",
+            patch)  # fmt: skip
+
+
+def test_edits_that_would_need_a_grant_are_refused_while_the_run_is_active(
+    namespace: str, crd_installed: None
+) -> None:
+    """The issue's exploit, first half: a Secret added to a running run's secretEnv was accepted."""
+    apply_json(namespace, manifest("active"))
+    set_phase(namespace, "active", "Running")
+    rows = []
+    for changes, field in REFUSED_WHILE_ACTIVE:
+        refused = apply_json(namespace, manifest("active", **changes), check=False)
+        assert refused.returncode != 0, f"{changes} was accepted while the run is active"
+        assert f"{field} cannot change while the run is active" in refused.stderr, refused.stderr
+        said = refused.stderr.strip().splitlines()[-1]
+        rows.append(row(changes, "while active, by the apiserver (CRD rule)", said, namespace))
+    # What needs no grant still may change: the next attempt's environment.
+    apply_json(namespace, manifest("active", **{"runtimeEnv.env": {"MODE": "fast"}}))
+    ROWS["active"] = rows
+
+
+def test_a_grant_withdrawn_before_the_cluster_is_rebuilt_fails_the_run_and_nothing_is_built(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """The issue's exploit, second half: the RayCluster rebuilt after a loss was made from the spec as it was
+    then, unchecked. A grant the platform withdraws while the run holds a cluster holds from the rebuild."""
+    grant(namespace, tenancy.SECRETS, "hf")
+    kubectl("create", "secret", "generic", "hf", "-n", namespace, "--from-literal=token=x")
+    apply(namespace, example("aws-sample", **{"runtimeEnv.secretEnv": SECRET}))
+    wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+    kubectl("annotate", "namespace", namespace, f"{tenancy.SECRETS}-")
+    time.sleep(POLICY_SECONDS)  # the operator reads a namespace's grants at most once per POLICY_SECONDS
+    [cluster] = rayclusters(namespace)
+    kubectl("delete", "raycluster", cluster["metadata"]["name"], "-n", namespace, "--wait=false")
+
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=60)
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == tenancy.NOT_ALLOWED, failed
+    assert failed["message"].startswith("spec.runtimeEnv.secretEnv.HF_TOKEN.name: Secret 'hf' is not granted")
+    wait_until("the lost RayCluster to be gone", lambda: rayclusters(namespace) == [], timeout=30)
+    rebuilt = [c for c in rayclusters(namespace) if c["metadata"]["uid"] != cluster["metadata"]["uid"]]
+    assert rebuilt == [], "a RayCluster was rebuilt with a Secret no longer granted"
+    asked = {"runtimeEnv.secretEnv": SECRET, "(grant withdrawn, then the cluster lost)": True}
+    ROWS["rebuilt"] = [row(asked, "at the rebuild: Failed, NotAllowed", failed["message"], namespace)]
+
+
+def test_a_refused_run_writes_nothing_under_its_paths(
+    namespace: str, operator: OperatorProcess, s3_storage: str
+) -> None:
+    """A run failed NotAllowed wrote run.json under its storagePath with the operator's own S3 role: a path
+    outside the namespace's grant, perhaps another team's run's."""
+    apply(namespace, example("aws-sample", **{"checkpoint.storagePath": s3_storage}))
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=60)
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == tenancy.NOT_ALLOWED and "spec.checkpoint.storagePath" in failed["message"]
+    time.sleep(2)  # the pass that wrote Failed acts right after its status write; one more pass after it
+    bucket = s3_storage.removeprefix("s3://").split("/")[0]
+    written = boto3.client("s3").list_objects_v2(Bucket=bucket).get("Contents", [])
+    assert written == [], f"the operator wrote under a refused run's path: {[o['Key'] for o in written]}"
+    asked = {"checkpoint.storagePath": "s3://<another team's bucket>/runs"}
+    said = "Failed, NotAllowed; nothing written under the path"
+    ROWS["refused-writes"] = [row(asked, "at creation, by the operator", said, namespace)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def security_table() -> Any:
+    """docs/security.md's table of these cases, written when every one of them passed."""
+    yield
+    order = ["admission", "active", "rebuilt", "refused-writes"]
+    if not all(key in ROWS for key in order):
+        return
+    lines = [
+        f"Written by `{Path(__file__).relative_to(REPO)}` when it passes: what a tenant tried after "
+        "admission or through the names it writes, and what it was told.",
+        "",
+        "| the tenant writes | refused | what it is told |",
+        "|---|---|---|",
+        *(line for key in order for line in ROWS[key]),
+    ]
+    write_section("hostile-after-admission", "\n".join(lines), REPO / "docs" / "security.md")
