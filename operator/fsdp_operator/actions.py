@@ -61,7 +61,8 @@ def act(
                 )
         if decision.avoid_node is not None:  # before the cluster goes: its replacement's pods avoid the node
             node = decision.avoid_node
-            ctx.kube.patch_node(node.node, fabric.label_patch(node.why, node.labelled_at))
+            ctx.kube.patch_node(node.node, fabric.label_patch(node.why, node.labelled_at, run.namespace))
+            metrics.NODES_LABELLED.labels(run.namespace).inc()
             log.warning(
                 "%s/%s: labelled node %s %s", run.namespace, run.name, node.node, fabric.DEGRADED_LABEL
             )

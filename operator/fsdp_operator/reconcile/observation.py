@@ -16,6 +16,7 @@ from fsdp_operator.api import (
     Phase,
     ProvisioningStatus,
 )
+from fsdp_operator.fabric import LabelBudget
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import PreflightResult
@@ -94,6 +95,8 @@ class Observation:
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
     pod_nodes: Mapping[str, str] = field(default_factory=dict)  # the run's Ray pods' nodes, by pod name
+    # How many nodes a failed fabric check may still label (fabric.py); None: the platform turned it off.
+    fabric_labels: LabelBudget | None = None
     unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
     scale_up: str | None = None  # an autoscaler adding a node for one of them (or held back), in its words
     scale_up_delayed: bool = False  # held back for now (a group at its maximum, in backoff, a pool's limits)
