@@ -67,7 +67,7 @@ def act(
                 "%s/%s: labelled node %s %s", run.namespace, run.name, node.node, fabric.DEGRADED_LABEL
             )
         if decision.delete_cluster:
-            ctx.kube.delete_raycluster(run.namespace, cluster_name)
+            ctx.kube.delete_raycluster(run.namespace, cluster_name, run.uid)
             memory.created = None
         attempt = decision.status.attempt
         created = memory.created
@@ -254,5 +254,5 @@ def delete_run(ctx: Context, body: kopf.Body) -> None:
                 ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
             except Exception as error:  # a dead head has no job to stop; the cluster goes either way
                 log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
-        ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
+        ctx.kube.delete_raycluster(meta["namespace"], cluster_name, meta["uid"])
     ctx.disruptions.pop((meta["namespace"], cluster_name), None)

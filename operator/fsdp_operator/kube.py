@@ -130,19 +130,25 @@ class Kube:
                     raise
         raise RuntimeError(f"Secret {namespace}/{name} was created and is gone again")
 
-    def delete_raycluster(self, namespace: str, name: str) -> None:
+    def delete_raycluster(self, namespace: str, name: str, run_uid: str) -> None:
+        """Deletes the run's RayCluster: only one the run owns, and only the object read (a UID
+        precondition). Cluster names are hashed: another run's, or a tenant's of that name, stays."""
+        path = (RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
         try:
-            self.custom.delete_namespaced_custom_object(
-                RAY_GROUP,
-                RAY_VERSION,
-                namespace,
-                RAY_PLURAL,
-                name,
-                propagation_policy="Foreground",
-                _request_timeout=API_TIMEOUT,
+            found = cast(
+                dict[str, Any],
+                self.custom.get_namespaced_custom_object(*path, _request_timeout=API_TIMEOUT),
             )
+            owners = found["metadata"].get("ownerReferences") or []
+            if not any(owner.get("uid") == run_uid for owner in owners):
+                return
+            options = client.V1DeleteOptions(
+                propagation_policy="Foreground",
+                preconditions=client.V1Preconditions(uid=found["metadata"]["uid"]),
+            )
+            self.custom.delete_namespaced_custom_object(*path, body=options, _request_timeout=API_TIMEOUT)
         except ApiException as error:
-            if error.status != 404:
+            if error.status not in (404, 409):  # gone, or replaced by another object since it was read
                 raise
 
     def patch_node(self, name: str, patch: dict[str, Any]) -> None:

@@ -98,10 +98,10 @@ class Settings(BaseSettings):
         "tracking.mlflow.credentials), comma-separated; empty: none.",
     )
     max_active_runs_per_namespace: int = Field(
-        default=0,
+        default=16,
         ge=0,
         description="Runs of one namespace that may hold a cluster at once; more wait in Pending "
-        "(NamespaceRunLimit). 0: no limit.",
+        "(NamespaceRunLimit). 0: no limit (one team could then take every node of a shared cluster).",
     )
     instance_hour_prices: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,

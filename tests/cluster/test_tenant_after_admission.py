@@ -160,11 +160,50 @@ def test_a_refused_run_writes_nothing_under_its_paths(
     ROWS["refused-writes"] = [row(asked, "at creation, by the operator", said, namespace)]
 
 
+def test_deleting_a_run_never_deletes_a_raycluster_it_does_not_own(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """Cluster names are hashed from run names and may collide within a namespace; deleting a run deleted
+    whatever RayCluster had its cluster's name, by name alone."""
+    others = {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayCluster",
+        "metadata": {"name": "victim"},
+        "spec": {
+            "suspend": True,  # no pods: only whether it survives matters
+            "headGroupSpec": {
+                "rayStartParams": {},
+                "template": {"spec": {"containers": [{"name": "ray-head", "image": "ray:x"}]}},
+            },
+        },
+    }
+    apply_json(namespace, others)
+    kept = kubectl_json("get", "raycluster", "victim", "-n", namespace)
+    run = example("aws-sample")
+    run["metadata"]["name"] = "victim"  # its RayCluster's name too
+    apply(namespace, run)
+    wait_until(
+        "the operator to take up the run (its finalizer)",
+        lambda: kubectl_json("get", "fsdptrainingrun", "victim", "-n", namespace)["metadata"].get(
+            "finalizers"
+        ),
+        timeout=30,
+    )
+    kubectl("delete", "fsdptrainingrun", "victim", "-n", namespace, "--timeout=60s")
+    after = kubectl_json("get", "raycluster", "victim", "-n", namespace)
+    assert (
+        after["metadata"]["uid"] == kept["metadata"]["uid"] and "deletionTimestamp" not in after["metadata"]
+    )
+    asked = {"metadata.name": "<the name of another's RayCluster>", "(then deleted)": True}
+    said = "the run is deleted; the RayCluster it does not own stays"
+    ROWS["delete"] = [row(asked, "at deletion, by the operator (UID precondition)", said, namespace)]
+
+
 @pytest.fixture(scope="module", autouse=True)
 def security_table() -> Any:
     """docs/security.md's table of these cases, written when every one of them passed."""
     yield
-    order = ["admission", "active", "rebuilt", "refused-writes"]
+    order = ["admission", "active", "rebuilt", "refused-writes", "delete"]
     if not all(key in ROWS for key in order):
         return
     lines = [

@@ -8,6 +8,7 @@ same reads against a real S3 API and the dashboard's HTTP are in tests/cluster/t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Iterator
@@ -400,3 +401,33 @@ def test_logs_and_errors_reach_the_terminal_escaped(capsys: pytest.CaptureFixtur
         "\tindented",
         "progress 50%",
     ]
+
+
+def test_status_messages_and_events_quoting_tenant_text_are_inert() -> None:
+    """Issue 46: a run's message kept ESC (and C1 CSI) from Ray's job message, so `kubectl get trainingruns`
+    printed the tenant's terminal escapes."""
+    from tests.support.decision_inputs import job, observe, spec, status
+
+    failed = dataclasses.replace(job("FAILED"), message=f"boom{ESCAPES}\tat step 3")
+    decision = reconcile(spec(recovery={"maxRestarts": 0}), status(), observe(job=failed))
+    texts = [decision.status.message or "", *(c.message for c in decision.status.conditions)]
+    texts += [conditions.bounded(event.message) for event in decision.events]  # as runpass.py sends them
+    assert any("boom" in text for text in texts), texts
+    for text in texts:
+        assert not any(control in text for control in ("\x1b", "\x07", "\x9b", "\u202e", "\t")), text
+
+
+def test_a_hung_ranks_names_in_status_forensics_are_bounded_and_inert() -> None:
+    from fsdp_operator import hangs
+    from fsdp_trainer.contract import RankStacks
+
+    def rank(number: int, step: int) -> RankStacks:
+        return RankStacks(
+            rank=number, world_size=2, pod="p" * 100_000 + ESCAPES, node="n" * 100_000 + ESCAPES,
+            step=step, in_collective=False, training_thread_top=f"frame{ESCAPES}" * 1000, written_at=NOW,
+        )  # fmt: skip
+
+    found = hangs.suspect([rank(0, 5), rank(1, 4)], world_size=2)
+    assert found is not None and found.rank == 1
+    for text in (found.pod or "", found.node or "", found.why):
+        assert len(text) <= 1000 and "\x1b" not in text and "\u202e" not in text, text[-80:]
