@@ -100,6 +100,30 @@ class Kube:
             if error.status != 409:
                 raise
 
+    def put_back(self, manifest: dict[str, Any], owner_uid: str) -> str | None:
+        """Creates the run's object, or puts back one of its name that the run does not own (made first by
+        someone else) or whose spec differs (edited): the run relies on its content, not on its name. What
+        was put back, or None when it was as the run needs it."""
+        meta = manifest["metadata"]
+        path = CREATED_KINDS[manifest["kind"]].format(namespace=meta["namespace"])
+        try:
+            self.request("POST", path, cast(Any, manifest))
+            return None
+        except ApiException as error:
+            if error.status != 409:
+                raise
+        found = self.request("GET", f"{path}/{meta['name']}")
+        wrong = []
+        if not any(o.get("uid") == owner_uid for o in found["metadata"].get("ownerReferences") or []):
+            wrong.append("it was not the run's")
+        if found.get("spec") != manifest.get("spec"):
+            wrong.append("its rules were changed")
+        if not wrong:
+            return None
+        replaced = {**manifest, "metadata": {**meta, "resourceVersion": found["metadata"]["resourceVersion"]}}
+        self.request("PUT", f"{path}/{meta['name']}", cast(Any, replaced))
+        return " and ".join(wrong)
+
     def ray_auth_key(self, namespace: str, name: str) -> bytes:
         """The key of every run's Ray token, from the operator's own Secret, made on first start. Two replicas
         starting at once: the second create fails (409) and reads the first one's."""

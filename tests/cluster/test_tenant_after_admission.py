@@ -20,7 +20,7 @@ from tests.support.kube import apply, grant, kubectl, kubectl_json
 from tests.support.manifests import example
 from tests.support.operator_process import OperatorProcess
 from tests.support.paths import REPO
-from tests.support.runs import conditions_of, rayclusters, wait_for_phase
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
 from tests.support.waiting import wait_until
 
 SECRET = {"HF_TOKEN": {"name": "hf", "key": "token"}}
@@ -199,11 +199,55 @@ def test_deleting_a_run_never_deletes_a_raycluster_it_does_not_own(
     ROWS["delete"] = [row(asked, "at deletion, by the operator (UID precondition)", said, namespace)]
 
 
+IMDS_EXCEPTED = {"ipBlock": {"cidr": "0.0.0.0/0", "except": ["169.254.169.254/32"]}}
+OPEN = {"podSelector": {}, "policyTypes": ["Ingress", "Egress"], "ingress": [{}], "egress": [{}]}
+
+
+def test_the_runs_network_policy_made_first_or_edited_by_the_tenant_is_put_back(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """A tenant who could write NetworkPolicies pre-created one under the run's cluster name (the operator
+    took it as its own) or edited it (only deletion was undone), reopening the metadata service and the
+    dashboard."""
+    name = "qwen25-sample"  # the run's RayCluster's, and its NetworkPolicy's
+    policy = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": name}}
+    apply_json(namespace, {**policy, "spec": OPEN})
+    apply(namespace, example("aws-sample"))
+    run = wait_for_phase(namespace, name, "ClusterReady")
+
+    def as_the_run_needs() -> dict[str, Any] | None:
+        found = kubectl_json("get", "networkpolicy", name, "-n", namespace)
+        owners = [o["uid"] for o in found["metadata"].get("ownerReferences") or []]
+        egress = [peer for rule in found["spec"].get("egress") or [] for peer in rule.get("to") or []]
+        return found if run["metadata"]["uid"] in owners and IMDS_EXCEPTED in egress else None
+
+    made_first = wait_until("the pre-created NetworkPolicy to be put back", as_the_run_needs, timeout=10)
+    opened = {**made_first["spec"], "egress": [{}]}
+    patch = json.dumps({"metadata": {"ownerReferences": None}, "spec": opened})
+    kubectl("patch", "networkpolicy", name, "-n", namespace, "--type=merge", "-p", patch)
+    again = wait_until("the edited NetworkPolicy to be put back", as_the_run_needs, timeout=10)
+    assert again["spec"] == made_first["spec"]
+    warnings = kubectl_json(
+        "get", "events", "-n", namespace, "--field-selector", "reason=NetworkPolicyRestored"
+    )["items"]
+    said = sorted(e["message"] for e in warnings)
+    assert len(said) == 2 and all(e["involvedObject"]["name"] == name for e in warnings), said
+    # The RayCluster as KubeRay keeps it is what the run built: its pod templates are no drift.
+    reasons = {e["reason"] for e in kubectl_json("get", "events", "-n", namespace)["items"]}
+    assert "ClusterModified" not in reasons and run_of(namespace, name)["status"]["phase"] == "ClusterReady"
+    ROWS["network-policy"] = [
+        row({"NetworkPolicy": "<the run's cluster name>, made first, open"}, "before the RayCluster, by the "
+            "operator", next(m for m in said if "not the run's" in m and "rules" in m), namespace),
+        row({"NetworkPolicy": "egress: [{}], ownerReferences removed"}, "at once, by the operator", said[-1],
+            namespace),
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module", autouse=True)
 def security_table() -> Any:
     """docs/security.md's table of these cases, written when every one of them passed."""
     yield
-    order = ["admission", "active", "rebuilt", "refused-writes", "delete"]
+    order = ["admission", "active", "rebuilt", "refused-writes", "delete", "network-policy"]
     if not all(key in ROWS for key in order):
         return
     lines = [
