@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -135,6 +136,18 @@ class HostileHandler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(body)
             return
+        if self.path.startswith("/api/jobs/trickle-"):  # a byte every 0.2 s, each well within a read timeout
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n"
+            answer = (head if "headers" in self.path else head + b"\r\n") + b"x" * 100_000
+            try:
+                for byte in answer:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    self.server.sent += 1
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
         endless = self.path.startswith("/api/jobs/") or self.path.startswith("/api/v0/logs/file")
         assert endless, self.path
         self.send_response(200)
@@ -193,6 +206,21 @@ def test_a_job_status_within_the_cap_is_kept_to_what_a_status_holds(head: Hostil
     assert chatty.driver_node_id is not None and len(chatty.driver_node_id) == MAX_JOB_FIELD
     with pytest.raises(ValueError, match="not a JSON object"):
         jobs.observe("odd-1")
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_head_answering_a_byte_at_a_time_holds_a_call_no_longer_than_its_deadline(
+    head: HostileHead, part: str
+) -> None:
+    """Issue 46: the read timeout was per socket read, so tenant code on the head answering one byte every
+    few seconds held a handler thread (and the run's lock) for ever."""
+    client = jobclient.JobClient(head.url, timeout=(5.0, 2.0), deadline=3.0)
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"longer than 3\.0s in all|timed out"):
+        client.job_info(f"trickle-{part}-1")
+    took = time.monotonic() - started
+    assert took < 4.5, f"the call took {took:.1f}s against a deadline of 3 s"
+    assert head.sent < 40, head.sent  # a byte every 0.2 s: 15 in the 3 s
 
 
 def deep_run(name: str, depth: int) -> str:
