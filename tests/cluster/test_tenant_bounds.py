@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -21,10 +22,10 @@ from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
 from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
 from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
-from tests.support.kube import kubectl
+from tests.support.kube import apply, kubectl
 from tests.support.manifests import example
 from tests.support.operator_process import OperatorProcess
-from tests.support.runs import rayclusters
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
 from tests.support.waiting import wait_until
 
 MIB = 1 << 20
@@ -286,3 +287,47 @@ def test_a_1500_deep_from_config_fails_its_own_run_and_every_other_run_goes_on(
     )
     assert operator.process is not None and operator.process.poll() is None, "the operator exited"
     assert "RecursionError" not in operator.log.read_text()
+
+
+def peak_rss_mib(proc: OperatorProcess) -> float:
+    assert proc.process is not None
+    status = Path(f"/proc/{proc.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def test_a_hundred_near_cap_manifests_cost_the_operator_a_bounded_peak_rss(
+    namespace: str, crd_installed: None, s3_storage: str, tmp_path: Path
+) -> None:
+    """Issue 46: every manifest read was kept, parsed, for the run's life: a hundred just-under-1-MiB
+    manifests of checkpoints that never complete took the operator past its memory limit. Now a pass reads
+    them within its budget, the run's storage is refused (RecordTooLarge) and nothing is kept."""
+    bucket = s3_storage.removeprefix("s3://").split("/")[0]
+    proc = OperatorProcess(
+        namespace, {"FSDP_OPERATOR_S3_PREFIXES": f"s3://{bucket}/"}, tmp_path / "operator.log"
+    ).start()
+    try:
+        apply(namespace, example("aws-sample", **{"checkpoint.storagePath": s3_storage}))
+        wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+        before = peak_rss_mib(proc)
+        s3 = boto3.client("s3")
+        prefix = f"runs/{namespace}/qwen25-sample/"
+        files = {f"shard-{i:07d}.distcp": i for i in range(33_000)}  # just under 1 MiB of JSON
+        manifest = {"runName": "qwen25-sample", "step": 1, "tokensSeen": 0, "worldSize": 1,
+                    "createdAt": "2026-12-06T08:00:00Z", "files": files}  # fmt: skip
+        body = json.dumps(manifest).encode()
+        assert len(body) < MAX_RECORD_BYTES[MANIFEST_FILE]
+        for i in range(100):  # no DCP metadata beside them: never complete
+            s3.put_object(Bucket=bucket, Key=f"{prefix}checkpoint_{i:06d}/{MANIFEST_FILE}", Body=body)
+
+        def storage_refused() -> dict[str, Any] | None:
+            said = conditions_of(run_of(namespace, "qwen25-sample")).get("StorageReadable")
+            return said if said and said["reason"] == "RecordTooLarge" else None
+
+        refused = wait_until("StorageReadable=False RecordTooLarge on the run", storage_refused, timeout=60)
+        assert "add up to more than the operator reads in a pass" in refused["message"]
+        time.sleep(6)  # three more passes (observe interval 2 s) over the same manifests
+        after = peak_rss_mib(proc)
+        print(f"operator peak RSS {before:.0f} MiB before the manifests, {after:.0f} MiB after")
+        assert after - before < 64, f"peak RSS grew {after - before:.0f} MiB ({before:.0f} -> {after:.0f})"
+    finally:
+        proc.stop()
