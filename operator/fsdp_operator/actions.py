@@ -161,7 +161,7 @@ def restore_network_policy(
         ctx.kube.create_if_absent(ctx.network_policy(ref))
         policy_put_back(found, meta["name"], "it was deleted while the RayCluster runs")
         return
-    put_back = ctx.kube.put_back(ctx.network_policy(ref), ref.uid)
+    put_back = ctx.kube.put_back(ctx.network_policy(ref), ref.uid, policy)
     if put_back is not None:
         policy_put_back(found, meta["name"], put_back)
 

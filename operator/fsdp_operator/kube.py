@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -100,19 +101,24 @@ class Kube:
             if error.status != 409:
                 raise
 
-    def put_back(self, manifest: dict[str, Any], owner_uid: str) -> str | None:
-        """Creates the run's object, or puts back one of its name that the run does not own (made first by
-        someone else) or whose spec differs (edited): the run relies on its content, not on its name. What
-        was put back, or None when it was as the run needs it."""
+    def put_back(
+        self, manifest: dict[str, Any], owner_uid: str, found: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Creates the run's object, or puts back one of its name (`found`, as a watch event showed it, or
+        as read after a create that found the name taken) that the run does not own (made first by someone
+        else) or whose spec differs (edited): the run relies on its content, not on its name. What was put
+        back, or None when it was as the run needs it (no request then, given `found`)."""
         meta = manifest["metadata"]
         path = CREATED_KINDS[manifest["kind"]].format(namespace=meta["namespace"])
-        try:
-            self.request("POST", path, cast(Any, manifest))
-            return None
-        except ApiException as error:
-            if error.status != 409:
-                raise
-        found = self.request("GET", f"{path}/{meta['name']}")
+        if found is None:
+            try:
+                self.request("POST", path, cast(Any, manifest))
+                return None
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+            found = self.request("GET", f"{path}/{meta['name']}")
+        assert found is not None
         wrong = []
         if not any(o.get("uid") == owner_uid for o in found["metadata"].get("ownerReferences") or []):
             wrong.append("it was not the run's")
