@@ -29,7 +29,7 @@ from fsdp_operator.reconcile import (
     ready_for_elastic,
 )
 from fsdp_operator.records import RecordTooLarge, RunStorage
-from fsdp_trainer.contract import CheckpointRef, RankStacks, SlowFabricPolicy, TrainerConfig
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, SlowFabricPolicy, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
 AUTOSCALER_MESSAGE_CHARS = 600  # of an autoscaler's event message, kept in a run's status
@@ -152,7 +152,7 @@ def observe(
         storage_error_reason=storage_error_reason,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
         pod_nodes={pod["name"]: pod["node"] for pod in pods if pod.get("node")},
-        fabric_labels=fabric_label_budget(ctx, run, spec, status, indexes, now),
+        fabric_labels=fabric_label_budget(ctx, run, spec, progress, indexes, now),
         pod_problems=scheduling.problems,
         unschedulable=scheduling.waiting,
         scale_up=scheduling.scale_up,
@@ -198,17 +198,19 @@ def fabric_label_budget(
     ctx: Context,
     run: builder.RunRef,
     spec: api.FSDPTrainingRunSpec,
-    status: api.FSDPTrainingRunStatus,
+    progress: ProgressRecord | None,
     indexes: Indexes,
     now: dt.datetime,
 ) -> fabric.LabelBudget | None:
-    """What a failed fabric check may still label (counted from the nodes' labels only for runs that may
-    label one); None where the platform turned labelling off."""
+    """What a failed fabric check may still label (the namespace's labels counted from the nodes only when
+    the progress record read this pass holds one that may label); None where the platform turned labelling
+    off."""
     settings = ctx.settings
     if not settings.fabric_label_nodes:
         return None
     window = settings.fabric_label_window_seconds
-    may_label = spec.network.slow_fabric == SlowFabricPolicy.AVOID_NODE and status.fabric is not None
+    failed_check = progress is not None and progress.fabric is not None and not progress.fabric.passed
+    may_label = spec.network.slow_fabric == SlowFabricPolicy.AVOID_NODE and failed_check
     since = now - dt.timedelta(seconds=window)
     labelled = fabric.labelled_by(Indexes.all(indexes.nodes), run.namespace, since) if may_label else 0
     return fabric.LabelBudget(

@@ -299,3 +299,25 @@ def test_the_pods_that_fell_back_to_sockets_are_named_in_the_status_bounded() ->
     )
     degraded = conditions.condition(new.conditions, conditions.TRANSPORT_DEGRADED)
     assert degraded is not None and degraded.status == "True" and "(on w1, " in degraded.message
+
+
+def test_a_runs_first_failing_check_meets_its_namespaces_labels_as_the_nodes_show_them() -> None:
+    """Each run's first failed check counts the namespace's labels too: a namespace of many runs, each
+    failing once, labels no more nodes than the limit."""
+    from typing import cast
+
+    from fsdp_operator.context import Context
+    from fsdp_operator.observe import fabric_label_budget
+    from fsdp_operator.settings import Settings
+
+    ctx = Context(settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x")
+    marked = {fabric.DEGRADED_LABEL: "20261204T170000Z", fabric.DEGRADED_BY_LABEL: "team-a"}
+    nodes = [{"metadata": {"name": f"n{i}", "labels": marked}} for i in range(4)]
+    indexes = Indexes(runs={}, rayclusters={}, ray_pods={}, nodes={None: nodes})
+    record = ProgressRecord(
+        run_name="run", phase="failed", max_steps=100, submission_id=SUBMISSION, fabric=slow_into_w1(),
+        updated_at=NOW,
+    )  # fmt: skip
+    budget = fabric_label_budget(ctx, RUN, spec(), record, indexes, NOW)
+    assert budget is not None and budget.namespace_labelled == 4
+    assert budget.refusal([], NOW) is not None, "a fifth node of the namespace would be labelled"
