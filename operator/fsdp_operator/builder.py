@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, fabric
+from fsdp_operator import api, fabric, quantity
 from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_operator.settings import Settings
 from fsdp_trainer.contract import NODE_NAME_ENV, EfaPolicy
@@ -556,8 +556,28 @@ POD_FIELDS = (
     "nodeName",
 )
 POD_LISTS = ("volumes", "tolerations")
-CONTAINER_FIELDS = ("securityContext", "resources")
+CONTAINER_FIELDS = ("securityContext",)
 CONTAINER_LISTS = ("env", "envFrom", "volumeMounts")
+
+
+def _devices_gained(built: dict[str, Any], observed: dict[str, Any]) -> list[str]:
+    """The devices (extended resources: GPUs, EFA interfaces) a container requests or limits above what was
+    built, which admission shares out among runs. CPU, memory and disk are left out: their defaults move
+    between operator versions (Karpenter's estimate lowered the default worker memory), and an upgrade must
+    not restart every running run; the namespace's ResourceQuota bounds them."""
+    gained = []
+    for kind in ("requests", "limits"):
+        want = (built.get("resources") or {}).get(kind) or {}
+        for name, value in ((observed.get("resources") or {}).get(kind) or {}).items():
+            if "/" not in name:  # not an extended resource
+                continue
+            try:
+                more = name not in want or quantity.parse(value) > quantity.parse(want[name])
+            except ValueError:
+                more = True
+            if more:
+                gained.append(f"{kind}.{name} {str(value)[:32]}")
+    return gained
 
 
 def _template_drift(group: str, want: dict[str, Any], have: dict[str, Any], queued: bool) -> list[str]:
@@ -580,6 +600,7 @@ def _template_drift(group: str, want: dict[str, Any], have: dict[str, Any], queu
                 changed.append(f"{where} added")
                 continue
             changed += [f"{where} {key}" for key in CONTAINER_FIELDS if built.get(key) != container.get(key)]
+            changed += [f"{where} {gained}" for gained in _devices_gained(built, container)]
             for key in CONTAINER_LISTS:
                 if any(item not in (built.get(key) or []) for item in container.get(key) or []):
                     changed.append(f"{where} {key}")

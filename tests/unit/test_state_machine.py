@@ -226,8 +226,11 @@ def edited(desired: dict[str, Any], group: int, change: Callable[[dict[str, Any]
          "gpu-workers container ray-worker env"),
         (1, lambda pod: pod["containers"].append({"name": "sidecar", "image": "x"}),
          "gpu-workers container sidecar added"),
+        (1, lambda pod: pod["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": "8"}),
+         "gpu-workers container ray-worker limits.nvidia.com/gpu 8"),
     ],
-    ids=["service-account", "host-network", "toleration", "host-path", "privileged", "secret-env", "sidecar"],
+    ids=["service-account", "host-network", "toleration", "host-path", "privileged", "secret-env", "sidecar",
+         "more-gpus"],
 )  # fmt: skip
 def test_a_pod_template_edited_past_what_the_run_was_granted_is_drift(
     group: int, change: Callable[[dict[str, Any]], None], named: str
@@ -238,6 +241,19 @@ def test_a_pod_template_edited_past_what_the_run_was_granted_is_drift(
     desired = builder.build_raycluster(spec(), run, "img@sha256:" + "a" * 64, "us-west-2a")
     drift = builder.cluster_drift(desired, edited(desired, group, change))
     assert drift is not None and named in drift, drift
+
+
+def test_an_operator_upgrade_with_other_default_sizes_is_not_drift() -> None:
+    """A cluster made by an operator whose default worker memory and CPU were others (176Gi before Karpenter's
+    estimate, 170Gi now) is not restarted by the upgrade; only devices beyond what was built are drift."""
+    run = builder.RunRef("run", "ns", "uid-1")
+    desired = builder.build_raycluster(spec(), run, "img@sha256:" + "a" * 64, "us-west-2a")
+
+    def older_defaults(pod: dict[str, Any]) -> None:
+        for kind in ("requests", "limits"):
+            pod["containers"][0]["resources"][kind].update(memory="176Gi", cpu="47")
+
+    assert builder.cluster_drift(desired, edited(desired, 1, older_defaults)) is None
 
 
 def test_kueues_tolerations_on_a_queued_runs_templates_are_not_drift() -> None:
