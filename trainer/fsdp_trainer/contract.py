@@ -274,19 +274,101 @@ class TrainingSpec(ContractModel):
         return global_batch // per_micro_step
 
 
+class DataFormat(StrEnum):
+    """How a row becomes tokens (spec.data.format)."""
+
+    TEXT = "text"  # one document per row: continued pre-training, every token learned
+    MESSAGES = "messages"  # a conversation (role/content turns) rendered with the chat template
+    PROMPT_COMPLETION = "promptCompletion"  # a prompt and its completion, tokenised one after the other
+
+
+class LossOn(StrEnum):
+    """Which tokens of a messages or promptCompletion row the loss is computed on."""
+
+    ANSWERS = "answers"  # the assistant turns, or the completion (TRL's and torchtune's default)
+    ALL = "all"  # every token, the prompts too
+
+
+class OverLength(StrEnum):
+    """What happens to a row longer than training.sequenceLength once tokenised."""
+
+    TRUNCATE = "truncate"  # its first sequenceLength tokens are kept
+    DROP = "drop"  # it is left out
+
+
+# A chat template is Jinja: lines and indentation are part of it, other control characters are not.
+TEMPLATE_TEXT = r"^[^\x00-\x08\x0b-\x1f\x7f\x{202a}-\x{202e}\x{2066}-\x{2069}]*$"
+FIELD_NAME = r"^[A-Za-z0-9_.-]+$"
+# What, besides the source, decides the samples a run trains on (its resume fingerprint holds them).
+FORMATTING_FIELDS = (
+    "format",
+    "messages_field",
+    "prompt_field",
+    "completion_field",
+    "loss_on",
+    "chat_template",
+    "over_length",
+    "packing",
+)
+
+
 class DataSpec(ContractModel):
     source: str = Field(
         default="synthetic",
         max_length=MAX_URI,
         pattern=PLAIN_TEXT,
         description="'synthetic' for random tokens (the AWS sample), or a jsonl/parquet file or directory "
-        "(local path, s3:// or hf://datasets/... URI) with one text document per row.",
+        "(local path, s3:// or hf://datasets/... URI) with one example per row (see format).",
+    )
+    format: DataFormat = Field(
+        default=DataFormat.TEXT,
+        description="text: a document per row (textField), every token learned; messages: a conversation per "
+        "row (messagesField: a list of {role, content}) rendered with the tokenizer's chat template (or "
+        "chatTemplate); promptCompletion: promptField then completionField, then EOS.",
     )
     text_field: str = Field(
-        default="text",
+        default="text", max_length=128, pattern=FIELD_NAME, description="Column or key holding the text."
+    )
+    messages_field: str = Field(
+        default="messages",
         max_length=128,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="Column or key holding the text.",
+        pattern=FIELD_NAME,
+        description="Column or key holding the conversation (format messages).",
+    )
+    prompt_field: str = Field(
+        default="prompt",
+        max_length=128,
+        pattern=FIELD_NAME,
+        description="Column or key holding the prompt (format promptCompletion).",
+    )
+    completion_field: str = Field(
+        default="completion",
+        max_length=128,
+        pattern=FIELD_NAME,
+        description="Column or key holding the completion (format promptCompletion).",
+    )
+    loss_on: LossOn = Field(
+        default=LossOn.ANSWERS,
+        description="answers: the loss is on the assistant turns (messages) or the completion "
+        "(promptCompletion) only; all: on every token. Text rows always learn every token.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        max_length=16 << 10,
+        pattern=TEMPLATE_TEXT,
+        description="Jinja chat template for format messages, replacing the tokenizer's; a tokenizer without "
+        "a template needs it.",
+    )
+    over_length: OverLength = Field(
+        default=OverLength.TRUNCATE,
+        description="A row longer than training.sequenceLength once tokenised: truncate keeps its first "
+        "sequenceLength tokens, drop leaves it out. Either way it is counted and reported, as are rows that "
+        "do not parse.",
+    )
+    packing: bool = Field(
+        default=True,
+        description="Pack several examples into each sequence, each attending only to itself (positions "
+        "restart at each example); off: one example per sequence, padded.",
     )
     eval_source: str | None = Field(
         default=None,
@@ -303,6 +385,20 @@ class DataSpec(ContractModel):
     )
     eval_every: int = Field(default=0, ge=0, description="Steps between evaluations; 0 evaluates at the end.")
     eval_batches: int = Field(default=8, ge=1, description="Batches per evaluation.")
+
+    def fields(self) -> list[str]:
+        """The columns this format reads."""
+        if self.format == DataFormat.MESSAGES:
+            return [self.messages_field]
+        if self.format == DataFormat.PROMPT_COMPLETION:
+            return [self.prompt_field, self.completion_field]
+        return [self.text_field]
+
+    def learned_tokens(self) -> str:
+        """What the loss is computed on, in words (the run record and describe say it)."""
+        if self.format == DataFormat.TEXT or self.loss_on == LossOn.ALL:
+            return "all tokens"
+        return "assistant turns" if self.format == DataFormat.MESSAGES else "completions"
 
 
 class CheckpointSpec(ContractModel):
@@ -486,6 +582,11 @@ class TrainerConfig(ContractModel):
             "seed": self.training.seed,
             "data": [data.source, data.text_field, data.eval_source, data.eval_fraction],
         }
+        formatting = data.model_dump(
+            mode="json", by_alias=True, exclude_defaults=True, include=set(FORMATTING_FIELDS)
+        )
+        if formatting:  # only what a non-default format sets: a text run's fingerprint stays what it was
+            relevant["dataFormat"] = formatting
         canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

@@ -366,7 +366,7 @@ class Trainer:
         the norm is not finite), all three device tensors, the same on every rank. Queued without a host
         sync: reading them is the metrics processor's and StepOutcome's."""
         # All of the step's micro-batches first: the loss is divided by their target count.
-        micro_batches = [optim.MicroBatch.packed(tokens) for tokens in session.batches.next_step()]
+        micro_batches = list(session.batches.next_step())
         loss_share = optim.accumulate_gradients(
             session.lm, session.root, micro_batches, self.config.fsdp.reduce_every_micro_step
         )
