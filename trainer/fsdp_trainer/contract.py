@@ -176,6 +176,27 @@ def _nesting_exceeds(value: Any, depth: int) -> bool:
     return False
 
 
+class AdapterSpec(ContractModel):
+    """LoRA (Hu et al. 2021, through peft): the pretrained weights stay frozen and only low-rank updates of
+    the target modules are trained, checkpointed and exported."""
+
+    rank: int = Field(default=16, ge=1, le=1024, description="The rank r of each update B @ A.")
+    alpha: int = Field(default=32, ge=1, description="Scale: the update is multiplied by alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input in training.")
+    target_modules: list[Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        max_length=64,
+        description="Names (or name suffixes) of the linear layers to adapt; default: every projection of a "
+        "Llama/Qwen decoder layer.",
+    )
+    export_merged: bool = Field(
+        default=False,
+        description="At the end, also export the base model with the adapter merged into it (safetensors "
+        "under model/); the adapter alone is always exported (under adapter/, in peft's format).",
+    )
+
+
 class FsdpSpec(ContractModel):
     sharding: ShardingStrategy = Field(
         default=ShardingStrategy.FULL_SHARD,
@@ -200,6 +221,11 @@ class FsdpSpec(ContractModel):
         "accumulates only its shard of the gradients. false reduces once, after the last micro-step of a "
         "step, for fewer collectives, but keeps every rank's full unsharded fp32 gradients between "
         "micro-steps (about 4 bytes per parameter: 28 GB for a 7B model).",
+    )
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Train a LoRA adapter instead of every weight (needs model.source: the pretrained model "
+        "it adapts). Checkpoints hold the adapter and its optimizer state only.",
     )
 
 
@@ -576,7 +602,7 @@ class TrainerConfig(ContractModel):
         """What must match for a checkpoint to be resumed: the model and tokenizer, the sequence length, the
         data and its order (seed). A checkpoint with another fingerprint is never loaded."""
         data = self.data
-        relevant = {
+        relevant: dict[str, Any] = {
             "model": self.model.model_dump(mode="json", by_alias=True, exclude_none=True),
             "sequenceLength": self.training.sequence_length,
             "seed": self.training.seed,
@@ -587,6 +613,10 @@ class TrainerConfig(ContractModel):
         )
         if formatting:  # only what a non-default format sets: a text run's fingerprint stays what it was
             relevant["dataFormat"] = formatting
+        if self.fsdp.adapter is not None:  # its checkpoints hold an adapter of this shape only
+            relevant["adapter"] = self.fsdp.adapter.model_dump(
+                mode="json", by_alias=True, exclude={"export_merged"}
+            )
         canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -698,6 +728,19 @@ class SetupStage(StrEnum):
     COMPILING = "compiling"
 
 
+class TrainingData(ContractModel):
+    """What a run learns from: its data format, the tokens the loss is on, and what became of the rows read
+    so far (by rank 0: the held-out shards and its own training streams' shards)."""
+
+    format: DataFormat
+    learned: str = Field(description="The tokens the loss is on: all tokens, assistant turns or completions.")
+    packed: bool
+    rows: int = 0
+    unparsable: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+
 class ProgressRecord(ContractModel):
     schema_version: int = SCHEMA_VERSION
     run_name: str
@@ -737,6 +780,12 @@ class ProgressRecord(ContractModel):
     fabric: FabricReport | None = None
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None
+    training_data: TrainingData | None = None
+    adapter_bytes: int | None = Field(
+        default=None,
+        description="A LoRA run's trainable weights in bytes (fp32): what its export holds, and a third of "
+        "what its checkpoints hold (with the optimizer's two moments).",
+    )
     error: str | None = None
     error_kind: ErrorKind | None = None
     updated_at: dt.datetime
