@@ -68,6 +68,43 @@ def initialise(lm: torch.nn.Module) -> None:
                 layer.reset_lora_parameters(ADAPTER_NAME, init_lora_weights=True)
 
 
+def load_exported(lm: torch.nn.Module, spec: AdapterSpec, directory: str) -> None:
+    """Replaces the new adapter's weights with those of an adapter exported by export_adapter (peft's
+    format) in `directory`; each rank keeps its shard of them."""
+    from safetensors.torch import load_file
+
+    source = f"fsdp.adapter.initFrom {spec.init_from}"
+    try:
+        with open(os.path.join(directory, "adapter_config.json"), encoding="utf-8") as file:
+            saved = json.load(file)
+        weights = load_file(os.path.join(directory, ADAPTER_WEIGHTS))
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{source}: not an exported adapter: {error}") from error
+    if (saved.get("r"), saved.get("lora_alpha")) != (spec.rank, spec.alpha):
+        raise ConfigError(
+            f"{source} has rank {saved.get('r')} and alpha {saved.get('lora_alpha')}; this run's adapter "
+            f"{spec.rank} and {spec.alpha}"
+        )
+    with torch.no_grad():
+        for name, parameter in lm.named_parameters():
+            if not is_adapter_weight(name):
+                continue
+            full = weights.get(peft_name(name))
+            if full is None or tuple(full.shape) != tuple(parameter.shape):
+                raise ConfigError(
+                    f"{source} has no weight {peft_name(name)} of shape {tuple(parameter.shape)}"
+                )
+            value = full.to(parameter.device, parameter.dtype)
+            if isinstance(parameter, DTensor):
+                value = distribute_tensor(value, parameter.device_mesh, parameter.placements)
+            parameter.copy_(value)
+
+
+def peft_name(name: str) -> str:
+    """An adapter weight's name in peft's files."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", ".")
+
+
 def is_adapter_weight(name: str) -> bool:
     return ".lora_" in name
 
@@ -89,7 +126,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def adapter_state(lm: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The adapter's full weights under peft's names (a collective: every rank calls it)."""
     return {
-        PEFT_PREFIX + name.replace(f".{ADAPTER_NAME}.", "."): _full(parameter.detach()).cpu().contiguous()
+        peft_name(name): _full(parameter.detach()).cpu().contiguous()
         for name, parameter in lm.named_parameters()
         if is_adapter_weight(name)
     }

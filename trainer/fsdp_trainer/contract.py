@@ -195,6 +195,13 @@ class AdapterSpec(ContractModel):
         description="At the end, also export the base model with the adapter merged into it (safetensors "
         "under model/); the adapter alone is always exported (under adapter/, in peft's format).",
     )
+    init_from: str | None = Field(
+        default=None,
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
+        description="An adapter exported by an earlier run (its adapter/ directory: local path or s3:// "
+        "URI) to start from instead of a new one; its rank and alpha must be these.",
+    )
 
 
 class FsdpSpec(ContractModel):
@@ -615,7 +622,7 @@ class TrainerConfig(ContractModel):
             relevant["dataFormat"] = formatting
         if self.fsdp.adapter is not None:  # its checkpoints hold an adapter of this shape only
             relevant["adapter"] = self.fsdp.adapter.model_dump(
-                mode="json", by_alias=True, exclude={"export_merged"}
+                mode="json", by_alias=True, exclude={"export_merged"}, exclude_none=True
             )
         canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]

@@ -69,4 +69,7 @@ def build_sharded_model(
         shard = parallelize.shard_index(mesh)
         with model.seeded_for_shards(runtime.device, config.fsdp.cpu_offload, training.seed, shard):
             adapter.initialise(lm)
+        if lora.init_from is not None:
+            directory = model.resolve(lora.init_from, runtime.local_rank, dist.barrier)
+            adapter.load_exported(lm, lora, directory)
     return ShardedModel(lm, root, dtype, shape, mesh)

@@ -1,7 +1,8 @@
 """LoRA (issue 48 item 4), the trainer's loop in one CPU process on a chat corpus: only the adapter trains
 (the pretrained weights stay bit-identical), its checkpoints hold the adapter and its optimizer state only
 (under 1 % of a full fine-tune's for the tiny model), a resumed run trains exactly as an uninterrupted one,
-and the merged export loads in transformers with the logits of base + adapter (peft)."""
+the merged export loads in transformers with the logits of base + adapter (peft), and a new run can start
+from the exported adapter."""
 
 from __future__ import annotations
 
@@ -112,6 +113,16 @@ def test_a_lora_run_checkpoints_resumes_and_exports_only_the_adapter(
         expected = with_adapter(input_ids=tokens).logits
         assert not torch.allclose(expected, base_logits), "the adapter changes the logits"
         torch.testing.assert_close(merged(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
+
+    # A fine-tune from the exported adapter starts from it: one step at a negligible learning rate exports
+    # the same merged model.
+    follow = chat_run(tmp_path / "follow", pretrained, corpus, max_steps=1).model_dump(by_alias=True)
+    follow["fsdp"]["adapter"]["initFrom"] = str(run / "adapter")
+    follow["training"]["learningRate"] = 1e-12
+    train(TrainerConfig.model_validate(follow), "job-1")
+    followed = AutoModelForCausalLM.from_pretrained(tmp_path / "follow" / "team-a" / "tiny" / "model").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(followed(input_ids=tokens).logits, expected, rtol=1e-4, atol=1e-5)
 
 
 def test_training_an_adapter_leaves_the_pretrained_weights_bit_identical(
