@@ -54,6 +54,7 @@ def chat_run(
         "chatTemplate": CHATML,
         "evalFraction": 0.1,
         "evalBatches": 2,
+        "evalEvery": 2,
     }
     trainer["training"].update(sequenceLength=128, schedule="constant", warmupSteps=0, learningRate=1e-2)
     trainer["checkpoint"].update(exportModel=True)
@@ -87,6 +88,8 @@ def test_a_lora_run_checkpoints_resumes_and_exports_only_the_adapter(
     assert resumed[-1].phase == "finished" and resumed[-1].resumed_from_step == 4
     assert losses(first) | losses(resumed) == pytest.approx(losses(straight), abs=1e-6), "resumed exactly"
     assert losses(straight)[6] < losses(straight)[1], "the adapter learns"
+    evaluated = [r.eval_loss for r in straight if r.eval_loss is not None]
+    assert len(evaluated) >= 3 and evaluated[-1] < evaluated[0], "the held-out loss on the answers falls"
     finished = straight[-1]
     adapter_weights = 2 * (64 * 1 + 1 * 64) + 2 * (
         64 * 1 + 1 * 32
