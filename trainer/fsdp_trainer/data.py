@@ -1,4 +1,12 @@
-"""Training and evaluation data: shards -> tokens -> packed fixed-length samples -> per-rank batches.
+"""Training and evaluation data: shards -> rows -> examples (formats.py: the tokens and those the loss is
+on) -> fixed-length samples -> per-rank micro-batches.
+
+Samples. A sample is three rows of sequence_length: token ids, labels (IGNORE_INDEX where there is no
+target: prompts unless data.lossOn is all, padding, each example's first token) and position ids, which
+restart at each example so that packed examples neither attend to nor predict each other (see
+optim.model_inputs for how each attention implementation is kept apart). Text documents are packed end to
+end and cut at the sequence length (pre-training); messages and promptCompletion examples are never cut:
+they are packed whole by best-fit decreasing, or one to a sample when data.packing is off.
 
 Layout. The corpus is cut into shards that depend on the files alone, never on the world size: byte ranges
 of each jsonl file (a shard holds the lines that begin in its range) and the row groups of each parquet
