@@ -75,6 +75,11 @@ class Encoder:
                     "data.format messages: the tokenizer has no chat template; set data.chatTemplate (Jinja) "
                     "or use a tokenizer that has one"
                 )
+            if not getattr(tokenizer, "is_fast", False):  # only fast tokenizers map tokens to characters
+                raise ConfigError(
+                    "data.format messages needs a fast tokenizer (tokenizer.json) to find the assistant "
+                    "turns' tokens; this one is not"
+                )
 
     def encode(self, rows: Sequence[Any]) -> tuple[list[Example], RowCounts]:
         """`rows`: non-empty texts for the text format, else each row's mapping of field -> value (None: a
