@@ -58,13 +58,14 @@ cluster-down: ## stop everything cluster-up started
 	@hack/cluster-down.sh
 
 .PHONY: lint
-lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator and the kubectl plugin in the operator's environment, the trainer in the DLC's, with torch) and the import layers (import-linter)
-	$(VENV)/bin/ruff check operator trainer kubectl_trainingrun tests bench
-	$(VENV)/bin/ruff format --check operator trainer kubectl_trainingrun tests bench
+lint: venv-operator venv-dlc ## ruff, mypy (strict: the operator, the kubectl plugin and the client in the operator's environment, the trainer in the DLC's, with torch) and the import layers (import-linter)
+	$(VENV)/bin/ruff check operator trainer kubectl_trainingrun fsdp_client tests bench
+	$(VENV)/bin/ruff format --check operator trainer kubectl_trainingrun fsdp_client tests bench
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p fsdp_operator
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p kubectl_trainingrun
+	MYPY_CACHE_DIR=$(CACHE)/mypy-cache $(VENV)/bin/mypy -p fsdp_client
 	MYPY_CACHE_DIR=$(CACHE)/mypy-cache-dlc $(DLC_VENV)/bin/mypy -p fsdp_trainer
-	PYTHONPATH=operator:trainer:kubectl_trainingrun $(VENV)/bin/lint-imports
+	PYTHONPATH=operator:trainer:kubectl_trainingrun:fsdp_client $(VENV)/bin/lint-imports
 
 .PHONY: test
 test: venv tools lint image dlc-image ## the whole suite: unit, cluster and e2e, on TEST_WORKERS local clusters side by side
@@ -81,7 +82,7 @@ demo: $(DEMO_PREREQUISITES) ## the main job end to end (local cluster, or the cl
 	@hack/demo.sh
 
 # Benchmarks import the packages and tests/support as the tests do (pyproject's pytest pythonpath).
-BENCH_PYTHONPATH := $(CURDIR):$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/kubectl_trainingrun
+BENCH_PYTHONPATH := $(CURDIR):$(CURDIR)/operator:$(CURDIR)/trainer:$(CURDIR)/kubectl_trainingrun:$(CURDIR)/fsdp_client
 bench bench-load: export PYTHONPATH := $(BENCH_PYTHONPATH)
 
 .PHONY: bench

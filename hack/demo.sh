@@ -98,7 +98,7 @@ echo
 kubectl get trainingruns -n "$NAMESPACE" "$RUN" -o wide
 echo
 # The plugin's summary (installed as `kubectl trainingrun`; here from the source tree), then rank 0's log tail.
-plugin=(env PYTHONPATH="$root/kubectl_trainingrun:$root/trainer" "$PY" -m kubectl_trainingrun)
+plugin=(env PYTHONPATH="$root/kubectl_trainingrun:$root/fsdp_client:$root/operator:$root/trainer" "$PY" -m kubectl_trainingrun)
 "${plugin[@]}" describe -n "$NAMESPACE" "$RUN"
 echo
 log "the last lines of rank 0's log, from S3 (kubectl trainingrun logs -n $NAMESPACE $RUN)"

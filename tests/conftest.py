@@ -23,6 +23,9 @@ from tests.support.operator_process import OperatorProcess
 from tests.support.paths import INSTANCE, REPO, dlc_python
 from tests.support.waiting import wait_until
 
+# FSDP_CPU_PROFILE=DIR: each test's CPU-seconds, by whom (tests/support/cpu_profile.py).
+pytest_plugins = ["tests.support.cpu_profile"]
+
 TIERS = ("unit", "local", "cluster", "e2e")
 # The longest files go first, each to a worker of its own, so that the many short ones fill the end of the
 # run: the real pods' (about 17 minutes of one worker under load) and the cluster tier's longest (5.5

@@ -18,31 +18,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
+from fsdp_client import logs as run_logs
+from fsdp_client import plot, rundiff
+from fsdp_client.errors import ClientError, NotRecordedYet
+from fsdp_client.storage import RunObjects, metric_histories, s3_client, storage_prefix
+from fsdp_trainer.contract import METRICS_DIR, DataSpec, RankStacks, forensics_dir
 
-from fsdp_trainer.contract import (
-    METRICS_DIR,
-    RUN_RECORD_FILE,
-    DataSpec,
-    ProgressRecord,
-    RankStacks,
-    RunRecord,
-    driver_log_name,
-    forensics_dir,
-    rank_log_name,
-    run_prefix,
-    split_s3_uri,
-)
-from kubectl_trainingrun import plot, rundiff
-
-# The FSDPTrainingRun API as every kubectl user sees it: its resource name and the phases a run ends in (the
-# operator's api.PLURAL, api.GROUP and api.FINISHED_PHASES; tests/unit/test_crd.py holds them equal).
+# The FSDPTrainingRun API as every kubectl user sees it: its resource name (the operator's api.PLURAL and
+# api.GROUP; tests/unit/test_crd.py holds them equal).
 RESOURCE = "fsdptrainingruns.fsdp.training.dev"
-FINISHED_PHASES = ("Succeeded", "Failed")
 KUBECTL_TIMEOUT_SECONDS = 30
-S3_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 3}}
-FOLLOW_POLL_SECONDS = 2.0  # S3 reads while following; the trainer stores a rank's log every 15 s
-FOLLOW_RUN_POLL_SECONDS = 10.0  # kubectl reads of the run while following: is it still active?
 # What the plugin prints is the tenant's text (logs, the trainer's records, status fields it fed). In a
 # terminal, control characters (C0 but newline and tab, DEL, C1, whose \x9b is a CSI) act rather than read:
 # they move the cursor, rewrite lines, set the title or the clipboard; bidirectional overrides make text read
@@ -108,71 +93,6 @@ def get_run(options: argparse.Namespace) -> dict[str, Any]:
     return run
 
 
-def storage_prefix(run: dict[str, Any]) -> str:
-    """The run's prefix in S3, from its spec: known before the operator has written any status."""
-    storage = run["spec"]["checkpoint"]["storagePath"]
-    return run_prefix(storage, run["metadata"]["namespace"], run["metadata"]["name"])
-
-
-def s3_client() -> Any:
-    import boto3
-    from botocore.config import Config
-
-    bounded = Config(**S3_TIMEOUTS)  # type: ignore[arg-type]
-    return boto3.client("s3", config=bounded)
-
-
-class RunObjects:
-    """Objects below one run's prefix."""
-
-    def __init__(self, s3: Any, prefix: str) -> None:
-        self.s3 = s3
-        try:
-            self.bucket, key_prefix = split_s3_uri(prefix)
-        except ValueError as error:
-            raise PluginError(str(error)) from error
-        self.prefix = key_prefix.rstrip("/") + "/"
-
-    def text(self, name: str) -> str | None:
-        try:
-            body = self.s3.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
-        except self.s3.exceptions.NoSuchKey:
-            return None
-        return str(body.decode(errors="replace"))
-
-    def names(self, below: str) -> list[str]:
-        """Object names (relative to the run) below a directory of the run, in name order."""
-        found = []
-        paginator = self.s3.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=f"{self.prefix}{below.rstrip('/')}/"):
-            found += [obj["Key"][len(self.prefix) :] for obj in page.get("Contents", [])]
-        return sorted(found)
-
-
-# -- logs -------------------------------------------------------------------------------------------------
-
-
-def new_output(printed: str, current: str) -> str:
-    """What of `current` (the log as stored now) follows what has been printed. A capped log drops lines
-    from its middle, so the continuation is found after the last line printed."""
-    if current.startswith(printed):
-        return current[len(printed) :]
-    last_line = printed.rstrip("\n").rsplit("\n", 1)[-1]
-    at = current.rfind(last_line) if last_line else -1
-    if at < 0:
-        return current
-    return current[at + len(last_line) :].lstrip("\n")
-
-
-def log_name(run: dict[str, Any], options: argparse.Namespace) -> str:
-    attempt = options.attempt or (run.get("status") or {}).get("attempt") or 1
-    return driver_log_name(attempt) if options.driver else rank_log_name(attempt, options.rank)
-
-
-def run_is_active(run: dict[str, Any]) -> bool:
-    return (run.get("status") or {}).get("phase") not in FINISHED_PHASES
-
-
 def logs(
     options: argparse.Namespace,
     run: dict[str, Any],
@@ -181,31 +101,18 @@ def logs(
     refresh_run: Callable[[], dict[str, Any]],
     sleep: Callable[[float], None] = time.sleep,
 ) -> None:
-    """Prints the log; with --follow, prints what is added until the run has ended and its last lines are
-    read. Without --attempt, following moves on to the next attempt's log when the run restarts."""
-    name = log_name(run, options)
-    text = objects.text(name)
-    if text is None and not options.follow:
-        raise PluginError(f"no log at {objects.bucket}/{objects.prefix}{name} (yet)")
-    printed = text or ""
-    write(printed)
-    checked = time.monotonic()
-    while options.follow:
-        ended = not run_is_active(run)
-        sleep(FOLLOW_POLL_SECONDS)
-        if time.monotonic() - checked >= FOLLOW_RUN_POLL_SECONDS or ended:
-            run, checked = refresh_run(), time.monotonic()
-        current_name = log_name(run, options)
-        if current_name != name:  # a restart: the old attempt's last lines, then the new one's log
-            write(new_output(printed, objects.text(name) or printed))
-            write(f"\n[--- {current_name} ---]\n")
-            name, printed = current_name, ""
-        current = objects.text(name)
-        if current is not None:  # not stored yet (a new attempt's first 15 s): nothing to print
-            write(new_output(printed, current))
-            printed = current
-        if ended:
-            return
+    """Prints the log; with --follow, what is added until the run has ended and its last lines are read."""
+    for piece in run_logs.follow(
+        objects,
+        run,
+        refresh_run,
+        rank=options.rank,
+        attempt=options.attempt,
+        driver=options.driver,
+        keep_following=options.follow,
+        sleep=sleep,
+    ):
+        write(piece)
 
 
 # -- describe ---------------------------------------------------------------------------------------------
@@ -334,19 +241,10 @@ def _duration(seconds: int) -> str:
 # -- plot -------------------------------------------------------------------------------------------------
 
 
-def metric_histories(objects: RunObjects) -> list[list[ProgressRecord]]:
-    """Each trainer attempt's records, in the order the attempts ran (their files are named by start time)."""
-    histories = []
-    for name in objects.names(METRICS_DIR):
-        text = objects.text(name) or ""
-        histories.append([ProgressRecord.model_validate_json(line) for line in text.splitlines() if line])
-    return [history for history in histories if history]
-
-
 def plot_command(options: argparse.Namespace, objects: RunObjects, write: Callable[[str], None]) -> None:
     curves = plot.curves(metric_histories(objects))
     if not curves.loss:
-        raise PluginError(f"no training metrics in {objects.bucket}/{objects.prefix}{METRICS_DIR}/ yet")
+        raise NotRecordedYet(f"no training metrics in {objects.bucket}/{objects.prefix}{METRICS_DIR}/ yet")
     if options.output:
         with open(options.output, "wb") as file:
             file.write(plot.png(curves))
@@ -358,13 +256,6 @@ def plot_command(options: argparse.Namespace, objects: RunObjects, write: Callab
 # -- diff -------------------------------------------------------------------------------------------------
 
 
-def run_record(objects: RunObjects) -> RunRecord:
-    text = objects.text(RUN_RECORD_FILE)
-    if text is None:
-        raise PluginError(f"no {RUN_RECORD_FILE} in s3://{objects.bucket}/{objects.prefix} yet")
-    return RunRecord.model_validate_json(text)
-
-
 def diff_command(options: argparse.Namespace, write: Callable[[str], None]) -> None:
     """Reads both runs through kubectl (the other in --other-namespace, if given), their records from S3."""
     other = argparse.Namespace(**vars(options))
@@ -372,13 +263,12 @@ def diff_command(options: argparse.Namespace, write: Callable[[str], None]) -> N
     if options.other_namespace:
         other.namespace = options.other_namespace
     s3 = s3_client()
-    sides = []
-    for side in (options, other):
-        objects = RunObjects(s3, storage_prefix(get_run(side)))
-        sides.append((run_record(objects), metric_histories(objects)))
-    (a, a_histories), (b, b_histories) = sides
-    rows = rundiff.differences(a, b, a_histories, b_histories, everything=options.all)
-    write(rundiff.table(rows, f"{a.namespace}/{a.run_name}", f"{b.namespace}/{b.run_name}"))
+    compared = rundiff.compare(
+        RunObjects(s3, storage_prefix(get_run(options))),
+        RunObjects(s3, storage_prefix(get_run(other))),
+        everything=options.all,
+    )
+    write(str(compared))
 
 
 # -- forensics --------------------------------------------------------------------------------------------
@@ -493,7 +383,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             forensics_command(options, run, objects, to_terminal)
         else:
             plot_command(options, objects, to_terminal)
-    except (PluginError, BotoCoreError, ClientError) as error:
+    except (PluginError, ClientError) as error:
         print(f"error: {printable(str(error))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -312,6 +312,9 @@ def _tolerations(tolerations: list[api.Toleration]) -> list[dict[str, Any]]:
     return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
 
 
+# A Ray container that exits with an error leaves its log's tail in its status (lastState.terminated.message):
+# the operator names a crash loop's cause from the pod it watches, reading no logs.
+CRASH_LOG_IN_STATUS = "FallbackToLogsOnError"
 # Ray pods run the tenant's code: no way up to more privilege than the container starts with, no Linux
 # capability (Ray, PyTorch and NCCL need none; EFA's pinned memory needs RLIMIT_MEMLOCK raised, which the EKS
 # accelerated AMIs' container runtime does, not CAP_IPC_LOCK), the runtime's default seccomp filter.
@@ -362,6 +365,7 @@ def _head_group(
                 "securityContext": copy.deepcopy(RAY_CONTAINER_SECURITY),
                 "command": RAY_START_COMMAND,
                 "args": RAY_START_ARGS,
+                "terminationMessagePolicy": CRASH_LOG_IN_STATUS,
                 "env": env,
                 # No CPU limit: Ray's start and the job driver's imports come in bursts, and throttled at
                 # the request Ray's own start-up timeouts fire (a head in a crash loop on a busy node); a
@@ -446,6 +450,7 @@ def _worker_group(
         "securityContext": copy.deepcopy(RAY_CONTAINER_SECURITY),
         "command": RAY_START_COMMAND,
         "args": RAY_START_ARGS,
+        "terminationMessagePolicy": CRASH_LOG_IN_STATUS,
         "resources": {
             "requests": {**resources, "ephemeral-storage": disk},
             "limits": dict(resources),

@@ -132,7 +132,10 @@ def observe(
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
     scheduling = observe_scheduling(ctx, run.namespace, pods, cluster, spec)
-    provisioning = status.phase == api.Phase.PROVISIONING and cluster is not None
+    # The cluster of the next attempt on its way to ready: the first, or one recreated while Restarting.
+    provisioning = cluster is not None and (
+        status.phase == api.Phase.PROVISIONING or (status.phase == api.Phase.RESTARTING and not cluster.ready)
+    )
     memory = ctx.runs.of(run.uid)
     return Observation(
         now=now,

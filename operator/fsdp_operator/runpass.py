@@ -20,6 +20,7 @@ from typing import Any, cast
 
 import kopf
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from fsdp_operator import actions, api, builder, conditions, metrics, submission
 from fsdp_operator.context import Context
@@ -71,11 +72,13 @@ def parse(
     try:
         return api.FSDPTrainingRunSpec.model_validate(run["spec"]), status
     except ValidationError as error:
-        raise RefusedSpec(
-            "; ".join(
-                f"spec.{'.'.join(str(part) for part in e['loc'])}: {e['msg']}" for e in error.errors()[:5]
-            )
-        ) from error
+        raise RefusedSpec("; ".join(_refusal(e) for e in error.errors()[:5])) from error
+
+
+def _refusal(error: ErrorDetails) -> str:
+    """ "spec.<field>: <why>", or "spec: <why>" where a check spans fields (its message names them)."""
+    where = ".".join(["spec", *(str(part) for part in error["loc"])])
+    return f"{where}: {error['msg'].removeprefix('Value error, ')}"
 
 
 def refuse_spec(ctx: Context, body: kopf.Body, stored: Mapping[str, Any], message: str) -> None:
@@ -114,6 +117,12 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
         cpu_only=ctx.settings.trainer_device == "cpu",
         min_bus_bandwidth_gbps=ctx.settings.fabric_min_bus_bandwidth_gbps,
     )
+    # Every size Ray Train may start on, as the trainer will be told (processes per worker: the GPUs, one
+    # where the platform trains on CPU): refused now, not at the resize that reaches a size that cannot train.
+    unusable = config.unusable_world_sizes()
+    if unusable is not None:
+        refuse_spec(ctx, body, stored, f"spec: {unusable}")
+        return Decision(status)
     obs = observe(ctx, run, stored, spec, status, config, indexes)
     if creates_cluster_next(spec, status, obs.cluster is not None):
         obs = dataclasses.replace(obs, refusals=ctx.refusals(run.namespace, spec))

@@ -21,6 +21,10 @@ POD_START_ERRORS = (
 # A container that has crashed this often and waits in CrashLoopBackOff is not coming up by itself (one crash
 # and a restart is what a killed process looks like, and KubeRay's pods are restarted in place).
 CRASH_LOOP_RESTARTS = 3
+# Of a crashed container's last log lines (the kubelet keeps its log's tail in the container's status: the
+# Ray containers' terminationMessagePolicy is FallbackToLogsOnError), those named with its crash loop.
+CRASH_LOG_LINES = 3
+CRASH_LOG_CHARS = 400
 RAY_CONTAINERS = ("ray-head", "ray-worker")
 
 
@@ -60,6 +64,24 @@ def _memory_limit(body: Mapping[str, Any], container: str) -> str | None:
     return None
 
 
+def _has_words(line: str) -> bool:
+    return any(c.isalnum() for c in line)
+
+
+def last_exit(status: Mapping[str, Any]) -> str:
+    """How a container's previous run ended: its exit code and, where the kubelet kept them, its last log
+    lines (a traceback's last lines name the cause: CUDA compatibility, EFA, `ray start`)."""
+    ended = (status.get("lastState") or {}).get("terminated") or {}
+    if not ended:
+        return ""
+    # Lines with words only: a traceback's closing brackets say nothing.
+    lines = [line.strip() for line in str(ended.get("message") or "").splitlines() if _has_words(line)]
+    said = f"exit code {ended.get('exitCode')}"
+    if lines:
+        said += ", last log lines: " + " | ".join(lines[-CRASH_LOG_LINES:])[-CRASH_LOG_CHARS:]
+    return said
+
+
 def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
     """What a pass needs of a Ray pod: the digests its Ray container ran, why it cannot start (a container or
     init container that cannot, such as KubeRay's wait-gcs-ready with a missing Secret or an image that does
@@ -91,8 +113,11 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         if looping and kill is not None:  # Ray itself does not fit: the reason is the memory limit
             problems.append(("OOMKilled", f"{kill[1]}, {status['restartCount']} times"))
         elif (ray or init) and (reason in POD_START_ERRORS or looping):
-            message = f"{where}: {reason}: {waiting.get('message', '')}"
-            problems.append((reason, message.strip()))
+            message = f"{where}: {reason}: {waiting.get('message', '')}".strip()
+            if looping:  # where it crashed and how: a node's fault (its driver, its EFA) or the run's
+                node = (body.get("spec") or {}).get("nodeName")
+                message = f"{message}; on node {node}, {last_exit(status)}".rstrip(", ")
+            problems.append((reason, message))
     head = (body["metadata"].get("labels") or {}).get("ray.io/node-type") == "head"
     unschedulable = None
     for condition in status_of.get("conditions") or []:

@@ -17,11 +17,14 @@ from typing import Any
 import boto3
 import pytest
 
+from fsdp_client import logs as run_logs
+from fsdp_client import plot
+from fsdp_client.storage import RunObjects, storage_prefix
 from fsdp_operator import api
 from fsdp_trainer import runlog
 from fsdp_trainer.contract import MlflowRunRef, ProgressRecord, RunRecord, TrainerConfig, rank_log_name
 from fsdp_trainer.storage import Location
-from kubectl_trainingrun import cli, plot
+from kubectl_trainingrun import cli
 
 NOW = dt.datetime(2026, 12, 1, 12, 0, tzinfo=dt.UTC)
 
@@ -103,7 +106,7 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
 
     def trainer_steps_meanwhile(seconds: float) -> None:
         nonlocal polls
-        assert seconds == cli.FOLLOW_POLL_SECONDS
+        assert seconds == run_logs.FOLLOW_POLL_SECONDS
         polls += 1
         assert polls <= 20, "still following long after the run ended"
         if polls <= 8:
@@ -115,7 +118,7 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
             writer.close()
             run["status"]["phase"] = "Succeeded"
 
-    objects = cli.RunObjects(boto3.client("s3"), cli.storage_prefix(run))
+    objects = RunObjects(boto3.client("s3"), storage_prefix(run))
     cli.logs(
         options("logs", "tiny", "-f", "--rank", "1"),
         run,
@@ -134,8 +137,8 @@ def test_following_prints_every_line_once_while_the_trainer_streams_and_stops_wh
 def test_following_a_capped_log_continues_after_the_last_line_printed() -> None:
     printed = "a 1\na 2\na 3\n"
     capped = "a 1\n[... 1 lines left out ...]\na 3\na 4\n"
-    assert cli.new_output(printed, capped) == "a 4\n"
-    assert cli.new_output(printed, printed + "a 4\n") == "a 4\n"
+    assert run_logs.new_output(printed, capped) == "a 4\n"
+    assert run_logs.new_output(printed, printed + "a 4\n") == "a 4\n"
 
 
 def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
@@ -292,7 +295,7 @@ def test_following_across_a_restart_prints_the_end_of_one_attempt_then_the_next(
         elif polls == 4:
             run["status"]["phase"] = "Succeeded"
 
-    objects = cli.RunObjects(s3, cli.storage_prefix(run))
+    objects = RunObjects(s3, storage_prefix(run))
     cli.logs(
         options("logs", "tiny", "-f"), run, objects, printed.append, lambda: run, sleep=restart_meanwhile
     )

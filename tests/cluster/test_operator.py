@@ -166,6 +166,21 @@ def test_a_worker_larger_than_every_node_fails_at_once_naming_the_resource(
     assert rayclusters(namespace) == []
 
 
+def test_an_elastic_range_with_a_size_that_cannot_train_fails_at_once_naming_the_fields(
+    namespace: str, operator: OperatorProcess
+) -> None:
+    """minWorkers 1 of 2 workers of 4 GPUs: Ray Train may start on 4 to 8 processes, and a global batch of 24
+    cannot be split among 5 or 7. Refused before any GPU is held, not at the resize that reaches such a size
+    (the trainer would end the run there with a permanent error)."""
+    apply(namespace, example("aws-sample", **{"cluster.minWorkers": 1, "training.globalBatchSize": 24}))
+    run = wait_for_phase(namespace, "qwen25-sample", "Failed", timeout=60)
+    failed = conditions_of(run)["Failed"]
+    assert failed["reason"] == "InvalidSpec", failed
+    assert failed["message"].startswith("spec: cluster.minWorkers 1: the run may train on 4 to 8 processes")
+    assert "5 (training.globalBatchSize 24 is not divisible" in failed["message"], failed
+    assert rayclusters(namespace) == []
+
+
 def test_a_run_on_a_node_group_left_at_eks_default_disk_fails_saying_what_to_change(
     namespace: str, operator: OperatorProcess
 ) -> None:

@@ -15,7 +15,7 @@ from tests.support.demo import BUCKET, CORPUS, lifecycle_env
 from tests.support.karpenter import Karpenter, running_karpenter
 from tests.support.kube import delete_namespace, fresh_namespace, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
-from tests.support.operator_process import OperatorProcess
+from tests.support.operator_process import OperatorProcess, operator_watching
 from tests.support.paths import REPO, cluster_settings
 from tests.support.real_node import OPERATOR_NAMESPACE, RealNode, chart_identity
 
@@ -34,15 +34,19 @@ def lifecycle_operator(
     namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
 ) -> Iterator[OperatorProcess]:
     """The operator as the demo runs it, observing every 2 s."""
-    proc = OperatorProcess(
-        namespace=namespace, env=lifecycle_env(local_cluster), log=tmp_path / "operator.log"
-    ).start()
-    try:
+    with operator_watching(namespace, lifecycle_env(local_cluster), tmp_path / "operator.log") as proc:
         yield proc
-    finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
-        proc.stop()
-        print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
+
+
+@pytest.fixture
+def ec2_operator(
+    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+) -> Iterator[OperatorProcess]:
+    """The operator with the local EC2 and Auto Scaling APIs (moto), for scale-from-zero preflight, and not
+    the local Ray head: these runs are never meant to train (their jobs would take the shared head's CPUs)."""
+    endpoint = {"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint}
+    with operator_watching(namespace, endpoint, tmp_path / "operator.log") as proc:
+        yield proc
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ local cluster's fixed g6.12xlarge node groups would take them otherwise.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import time
 from typing import Any
 
@@ -21,9 +22,10 @@ from tests.support.karpenter import (
     Karpenter,
     node_claims,
 )
-from tests.support.kube import apply, kubectl_json
+from tests.support.kube import apply, kubectl, kubectl_json
 from tests.support.operator_process import OperatorProcess
-from tests.support.runs import conditions_of, run_of, run_summary, wait_for_phase
+from tests.support.reliability import Recorder
+from tests.support.runs import conditions_of, rayclusters, run_of, run_summary, wait_for_phase
 from tests.support.waiting import wait_until
 
 # From Karpenter's FailedScheduling on a worker to the run's Failed condition (both stamped by this machine's
@@ -37,6 +39,9 @@ CREATION_TO_REFUSAL_BOUND = 120
 # From Karpenter's nomination to the cluster ready: the node class's 15 s registration delay (a GPU instance
 # booting), KWOK making the node Ready, Karpenter registering it, the workers bound and started.
 SCALE_UP_BOUND = 120
+# A restarted operator's podErrorTimeoutSeconds for the head's HeadUnschedulable (300 s by default): the head
+# must be seen waiting on its nomination for this long, and a few passes more, after the restart.
+RESTART_POD_ERROR_TIMEOUT = 10
 
 
 def ray_pods(namespace: str, run: str, node_type: str) -> list[dict[str, Any]]:
@@ -58,6 +63,16 @@ def karpenter_says(namespace: str, pod: str) -> tuple[str, str] | None:
         said, key=lambda e: e.get("lastTimestamp") or e["metadata"]["creationTimestamp"], default=None
     )
     return (newest["reason"], newest["message"]) if newest else None
+
+
+def karpenter_verdicts(namespace: str, run: str) -> dict[str, tuple[str, str] | None]:
+    """Karpenter's newest word on each of the run's Ray pods, by pod name."""
+    found = ray_pods(namespace, run, "worker") + ray_pods(namespace, run, "head")
+    return {p["metadata"]["name"]: karpenter_says(namespace, p["metadata"]["name"]) for p in found}
+
+
+def all_nominated(verdicts: dict[str, tuple[str, str] | None], pods: int) -> bool:
+    return len(verdicts) == pods and all(v and v[0] == "Nominated" for v in verdicts.values())
 
 
 def _stamp(value: str) -> dt.datetime:
@@ -113,12 +128,9 @@ def test_the_default_g6_worker_scales_from_zero_through_karpenter(
 
     def nominated() -> bool:
         run_now()
-        pods = ray_pods(namespace, name, "worker") + ray_pods(namespace, name, "head")
         verdicts.clear()
-        verdicts.update(
-            (p["metadata"]["name"], karpenter_says(namespace, p["metadata"]["name"])) for p in pods
-        )
-        return len(pods) == 3 and all(v and v[0] == "Nominated" for v in verdicts.values())
+        verdicts.update(karpenter_verdicts(namespace, name))
+        return all_nominated(verdicts, 3)
 
     try:
         wait_until("Karpenter's Nominated event on both workers and the head", nominated, timeout=90)
@@ -205,3 +217,88 @@ def test_a_worker_no_node_pool_can_fit_fails_at_once_naming_karpenters_reason(
     assert took <= REFUSAL_BOUND, took
     assert not node_claims(), "Karpenter made no node for them"
     print(f"seconds from Karpenter's FailedScheduling to the run's Failed: {took}")
+
+
+def test_the_heads_scale_up_is_seen_after_an_operator_restart(
+    namespace: str, s3: Any, karpenter: Karpenter, lifecycle_operator: OperatorProcess, reliability: Recorder
+) -> None:
+    """A run whose head and three workers wait on nodes Karpenter is adding (GPU instances that boot for
+    minutes) across an operator restart: the operator is killed once it has created the RayCluster and
+    started again once Karpenter has nominated every pod. The restarted operator lists the pods by name,
+    workers before the head, and must still read the head's Nominated event: without it the head is
+    HeadUnschedulable, a pod that cannot start, and the run fails after podErrorTimeoutSeconds though its node
+    is on the way. The run's spec is edited while no operator runs (a shorter podErrorTimeoutSeconds), so
+    that what the restarted operator wrote carries the new generation."""
+    slow_boot = {"spec": {"nodeRegistrationDelay": "10m"}}  # no node registers while the test looks
+    kubectl("patch", "kwoknodeclass", "default", "--type=merge", "-p", json.dumps(slow_boot))
+    name = "restarted"
+    # Three workers, listed before the head by name: the operator once read the events of only the first
+    # three waiting pods, in its index's order.
+    changes: dict[str, Any] = {
+        "preflight.scaleFromZero": True,
+        "cluster.workers": 3,
+        "cluster.memory": "160Gi",  # under Karpenter's estimate of a g6.12xlarge
+        "cluster.nodeSelector": {LABEL_NODEPOOL: GPU_POOL},
+        "cluster.head.nodeSelector": {LABEL_NODEPOOL: HEAD_POOL},
+    }
+    apply(namespace, demo_manifest(name, **changes))
+    wait_until("the operator to create the run's RayCluster", lambda: rayclusters(namespace), timeout=90)
+    lifecycle_operator.kill()  # at once, as an OOM kill or a drained node ends it
+    shorter = {"spec": {"recovery": {"podErrorTimeoutSeconds": RESTART_POD_ERROR_TIMEOUT}}}
+    kubectl("patch", "fsdptrainingrun", name, "-n", namespace, "--type=merge", "-p", json.dumps(shorter))
+    generation = run_of(namespace, name)["metadata"]["generation"]
+    verdicts: dict[str, tuple[str, str] | None] = {}
+
+    def nominated() -> bool:
+        verdicts.clear()
+        verdicts.update(karpenter_verdicts(namespace, name))
+        return all_nominated(verdicts, 4)
+
+    try:
+        wait_until("Karpenter's Nominated event on the three workers and the head", nominated, timeout=90)
+    except AssertionError as waited:
+        raise AssertionError(f"{waited}; Karpenter said: {verdicts}") from None
+    [head] = [pod["metadata"]["name"] for pod in ray_pods(namespace, name, "head")]
+    assert max(verdicts) == head, "the head's name sorts after the workers': a relisted index has it last"
+
+    restarted = time.monotonic()
+    lifecycle_operator.start()
+
+    def restarted_wrote(run: dict[str, Any], condition: str) -> dict[str, Any]:
+        found = conditions_of(run).get(condition) or {}
+        return found if found.get("observedGeneration") == generation else {}
+
+    def not_failed() -> dict[str, Any]:
+        run = run_of(namespace, name)
+        unhealthy = restarted_wrote(run, "PodsHealthy").get("status") == "False"
+        if run["status"].get("phase") != "Provisioning" or unhealthy:
+            raise AssertionError(f"the head's scale-up was missed: {run_summary(run)}")
+        return run
+
+    def head_seen_waiting() -> dict[str, Any] | None:
+        scheduled = restarted_wrote(not_failed(), "PodsScheduled")
+        return scheduled if f"pod {head}:" in scheduled.get("message", "") else None
+
+    seen = wait_until("the restarted operator's PodsScheduled naming the head", head_seen_waiting, 90)
+    took = time.monotonic() - restarted
+    assert (seen["status"], seen["reason"]) == ("False", "WaitingForScaleUp"), seen
+    head_wait = seen["message"].split(f"pod {head}:", 1)[1]
+    assert "Nominated: Pod should schedule on: nodeclaim/" in head_wait.split("; pod ", 1)[0], seen
+    # Past the restarted operator's podErrorTimeoutSeconds, and three of its 2 s passes more.
+    deadline = time.monotonic() + RESTART_POD_ERROR_TIMEOUT + 6
+    while time.monotonic() < deadline:
+        not_failed()
+        time.sleep(1)
+    held = time.monotonic() - restarted
+    measured = (
+        f"the head's scale-up shown {took:.0f} s after the restart (the operator's start "
+        f"included); still waiting at {held:.0f} s"
+    )
+    reliability.record(
+        "The operator SIGKILLed and started again while a run's head and three workers wait on nodes "
+        "Karpenter is adding (Nominated); its pod index relisted by name, workers before the head",
+        "the head's Nominated read: PodsScheduled WaitingForScaleUp naming it, the run still provisioning "
+        f"past podErrorTimeoutSeconds ({RESTART_POD_ERROR_TIMEOUT} s here; HeadUnschedulable before)",
+        measured,
+    )
+    print(measured)

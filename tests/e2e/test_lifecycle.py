@@ -137,7 +137,9 @@ def trainingrun(*args: str) -> str:
         env={
             **os.environ,
             "PATH": path,
-            "PYTHONPATH": f"{REPO / 'kubectl_trainingrun'}{os.pathsep}{REPO / 'trainer'}",
+            "PYTHONPATH": os.pathsep.join(
+                str(REPO / folder) for folder in ("kubectl_trainingrun", "fsdp_client", "operator", "trainer")
+            ),
         },
         cwd=REPO,
         capture_output=True,

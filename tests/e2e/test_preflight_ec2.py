@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -45,33 +44,25 @@ def test_instance_type_facts_come_from_the_ec2_api(local_cluster: LocalCluster) 
 
 
 def test_operator_uses_ec2_when_gpu_nodes_scale_from_zero(
-    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+    namespace: str, ec2_operator: OperatorProcess
 ) -> None:
-    proc = OperatorProcess(
-        namespace=namespace,
-        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
-        log=tmp_path / "operator.log",
-    ).start()
-    try:
-        # g5.xlarge has one A10G and no EFA: refused by the EC2 facts, whatever the nodes look like.
-        manifest = example(
-            "aws-sample",
-            **{
-                "preflight.scaleFromZero": True,
-                "cluster.instanceType": "g5.xlarge",
-                "cluster.gpusPerWorker": 1,
-            },
-        )
-        apply(namespace, manifest)
+    # g5.xlarge has one A10G and no EFA: refused by the EC2 facts, whatever the nodes look like.
+    manifest = example(
+        "aws-sample",
+        **{
+            "preflight.scaleFromZero": True,
+            "cluster.instanceType": "g5.xlarge",
+            "cluster.gpusPerWorker": 1,
+        },
+    )
+    apply(namespace, manifest)
 
-        def preflight_condition() -> dict[str, Any] | None:
-            return conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
+    def preflight_condition() -> dict[str, Any] | None:
+        return conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
 
-        condition = wait_until("a Preflight condition", preflight_condition, timeout=60)
-        assert (condition["status"], condition["reason"]) == ("False", "EfaUnsupported"), condition
-        assert rayclusters(namespace) == []
-    finally:
-        proc.stop()
+    condition = wait_until("a Preflight condition", preflight_condition, timeout=60)
+    assert (condition["status"], condition["reason"]) == ("False", "EfaUnsupported"), condition
+    assert rayclusters(namespace) == []
 
 
 def autoscaler_says(namespace: str, pod: str, reason: str, message: str) -> None:
@@ -119,18 +110,13 @@ def p5_node(name: str, zone: str) -> dict[str, Any]:
 
 
 def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_is_refused(
-    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+    namespace: str, ec2_operator: OperatorProcess
 ) -> None:
     """Two runs on p5.48xlarge, of which no node exists. For one the autoscaler is first held back (its node
     group in backoff after a failed scale-up: EC2 out of p5s for now), which the run waits out past
     podErrorTimeoutSeconds with the reason shown, then adds a node (TriggeredScaleUp), which the run waits for
     and then uses; for the other no node group matches (NotTriggerScaleUp), which fails within
     podErrorTimeoutSeconds naming the autoscaler's reason."""
-    proc = OperatorProcess(
-        namespace=namespace,
-        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
-        log=tmp_path / "operator.log",
-    ).start()
     node = f"p5-{namespace[-12:]}"
     try:
         common = {
@@ -204,7 +190,4 @@ def test_a_node_group_scaling_from_zero_is_waited_for_and_one_that_cannot_grow_i
         limits = worker["resources"]["limits"]
         assert (limits["nvidia.com/gpu"], limits["vpc.amazonaws.com/efa"]) == ("8", "32"), limits
     finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
         kubectl("delete", "node", node, "--ignore-not-found", check=False)
-        proc.stop()
-        print(f"--- operator log ({proc.log}) ---\n{proc.log.read_text()[-6000:]}")

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import boto3
 import pytest
 
-from tests.support.kube import apply, kubectl
+from tests.support.kube import apply
 from tests.support.local_cluster import LocalCluster
 from tests.support.manifests import DELETE, example
 from tests.support.operator_process import OperatorProcess
@@ -54,7 +53,7 @@ def g6_node_group(local_cluster: LocalCluster) -> Iterator[str]:
 
 
 def test_scale_from_zero_workers_go_to_the_zone_their_node_group_launches_in(
-    namespace: str, crd_installed: None, local_cluster: LocalCluster, g6_node_group: str, tmp_path: Path
+    namespace: str, local_cluster: LocalCluster, g6_node_group: str, ec2_operator: OperatorProcess
 ) -> None:
     """Before, the workers were pinned to us-west-2a, the first zone EC2 offers g6.12xlarge in, where no node
     group could ever add their node: they would wait out the provisioning timeout."""
@@ -63,76 +62,52 @@ def test_scale_from_zero_workers_go_to_the_zone_their_node_group_launches_in(
         LocationType="availability-zone", Filters=[{"Name": "instance-type", "Values": ["g6.12xlarge"]}]
     )["InstanceTypeOfferings"]
     assert min(o["Location"] for o in offered) == f"{REGION}a"  # what the old choice was
-    proc = OperatorProcess(
-        namespace=namespace,
-        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
-        log=tmp_path / "operator.log",
-    ).start()
-    try:
-        apply(namespace, example("aws-sample", **{"preflight.scaleFromZero": True}))
+    apply(namespace, example("aws-sample", **{"preflight.scaleFromZero": True}))
 
-        def admitted() -> dict[str, Any] | None:
-            condition = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
-            return condition if condition and condition["status"] == "True" else None
+    def admitted() -> dict[str, Any] | None:
+        condition = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
+        return condition if condition and condition["status"] == "True" else None
 
-        condition = wait_until("the run admitted by preflight", admitted, timeout=60)
-        assert condition["reason"] == "InstanceTypeLaunchable", condition
-        assert f"node group {g6_node_group} can launch g6.12xlarge in {REGION}c" in condition["message"]
-        assert run_of(namespace, "qwen25-sample")["status"]["zone"] == f"{REGION}c"
-        [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=30)
-        worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
-        assert worker["nodeSelector"][ZONE_LABEL] == f"{REGION}c", worker["nodeSelector"]
-    finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
-        proc.stop()
+    condition = wait_until("the run admitted by preflight", admitted, timeout=60)
+    assert condition["reason"] == "InstanceTypeLaunchable", condition
+    assert f"node group {g6_node_group} can launch g6.12xlarge in {REGION}c" in condition["message"]
+    assert run_of(namespace, "qwen25-sample")["status"]["zone"] == f"{REGION}c"
+    [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=30)
+    worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]
+    assert worker["nodeSelector"][ZONE_LABEL] == f"{REGION}c", worker["nodeSelector"]
 
 
 def test_a_type_the_operator_does_not_list_gets_a_worker_of_its_size_from_ec2(
-    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+    namespace: str, ec2_operator: OperatorProcess
 ) -> None:
     """g6e.24xlarge (96 vCPUs, 768 GiB, 4 L40S, 2 EFA interfaces) is not in instancetypes' table: its workers
     were sized as g6.12xlarge's (44 CPU, 170Gi, 1 EFA). Now as EC2 describes it."""
-    proc = OperatorProcess(
-        namespace=namespace,
-        env={"FSDP_OPERATOR_AWS_ENDPOINT_URL": local_cluster.s3_endpoint},
-        log=tmp_path / "operator.log",
-    ).start()
-    try:
-        unset = {"cluster.gpusPerWorker": DELETE, "cluster.efaPerWorker": DELETE}
-        manifest = example(
-            "aws-sample",
-            **{"preflight.scaleFromZero": True, "cluster.instanceType": "g6e.24xlarge", **unset},
-        )
-        apply(namespace, manifest)
-        [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=60)
-        worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
-        limits = worker["resources"]["limits"]
-        assert limits == {"cpu": "92", "memory": "700Gi", "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "2"}
-    finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
-        proc.stop()
+    unset = {"cluster.gpusPerWorker": DELETE, "cluster.efaPerWorker": DELETE}
+    manifest = example(
+        "aws-sample",
+        **{"preflight.scaleFromZero": True, "cluster.instanceType": "g6e.24xlarge", **unset},
+    )
+    apply(namespace, manifest)
+    [cluster] = wait_until("the run's RayCluster", lambda: rayclusters(namespace) or None, timeout=60)
+    worker = cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"][0]
+    limits = worker["resources"]["limits"]
+    assert limits == {"cpu": "92", "memory": "700Gi", "nvidia.com/gpu": "4", "vpc.amazonaws.com/efa": "2"}
 
 
 def test_a_head_larger_than_every_node_it_may_go_on_is_named_before_any_cluster_exists(
-    namespace: str, crd_installed: None, local_cluster: LocalCluster, tmp_path: Path
+    namespace: str, ec2_operator: OperatorProcess
 ) -> None:
     """The local cluster's head node is an m6i.2xlarge (8 CPU): a 64-CPU head was admitted, its RayCluster
     created and the GPUs held while the head waited for a node that never comes."""
-    proc = OperatorProcess(namespace=namespace, env={}, log=tmp_path / "operator.log").start()
-    try:
-        apply(namespace, example("aws-sample", **{"cluster.head.cpu": "64"}))
+    apply(namespace, example("aws-sample", **{"cluster.head.cpu": "64"}))
 
-        def refused() -> dict[str, Any] | None:
-            condition = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
-            return condition if condition and condition["status"] == "False" else None
+    def refused() -> dict[str, Any] | None:
+        condition = conditions_of(run_of(namespace, "qwen25-sample")).get("Preflight")
+        return condition if condition and condition["status"] == "False" else None
 
-        condition = wait_until("the run refused by preflight", refused, timeout=60)
-        assert condition["reason"] == "HeadFitsNoNode", condition
-        assert (
-            "64 CPU, at most 8 CPU free of DaemonSets on a node (spec.cluster.head.cpu)"
-            in (condition["message"])
-        ), condition
-        assert rayclusters(namespace) == []
-    finally:
-        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
-        proc.stop()
+    condition = wait_until("the run refused by preflight", refused, timeout=60)
+    assert condition["reason"] == "HeadFitsNoNode", condition
+    assert (
+        "64 CPU, at most 8 CPU free of DaemonSets on a node (spec.cluster.head.cpu)" in (condition["message"])
+    ), condition
+    assert rayclusters(namespace) == []

@@ -185,6 +185,32 @@ def test_pods_that_will_not_come_up_by_themselves_are_problems() -> None:
     assert pod_summary(_pod("worker", [], unschedulable))["problems"] == []
 
 
+def test_a_crash_loop_is_named_with_its_node_exit_code_and_last_log_lines() -> None:
+    """The kubelet keeps a crashed Ray container's log tail in its status (FallbackToLogsOnError, which the
+    builder sets): the loop's cause is named from the pod alone."""
+    traceback = (
+        'Traceback (most recent call last):\n  File "ray", line 1\n\n' + "x" * 500 + "\n  )\nValueError: bad"
+    )
+    looping = {
+        "name": "ray-worker",
+        "restartCount": 3,
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}},
+        "lastState": {"terminated": {"reason": "Error", "exitCode": 1, "message": traceback}},
+    }
+    pod = _pod("worker", [looping])
+    pod["spec"]["nodeName"] = "ip-10-0-1-7"
+    [(reason, message)] = pod_summary(pod)["problems"]
+    assert reason == "CrashLoopBackOff"
+    assert message.startswith("pod c-worker: CrashLoopBackOff: back-off 40s restarting; on node ip-10-0-1-7")
+    assert "exit code 1, last log lines: " in message and message.endswith("x | ValueError: bad")
+    assert len(message) < 600, "the log's tail is bounded"
+    built = builder.build_raycluster(spec(), RUN, "image:1", None)
+    containers = [built["spec"]["headGroupSpec"], *built["spec"]["workerGroupSpecs"]]
+    assert {c["template"]["spec"]["containers"][0]["terminationMessagePolicy"] for c in containers} == {
+        "FallbackToLogsOnError"
+    }
+
+
 def test_an_oom_killed_worker_fails_the_attempt_with_its_reason() -> None:
     killed = {
         "name": "ray-worker",

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.support.kube import kubectl
 from tests.support.paths import REPO
 from tests.support.processes import stop_process
 
@@ -52,3 +55,17 @@ class OperatorProcess:
 
     def stop(self) -> None:
         stop_process(self.process)
+
+
+@contextlib.contextmanager
+def operator_watching(namespace: str, env: dict[str, str], log: Path) -> Iterator[OperatorProcess]:
+    """An operator for one test's namespace: afterwards the namespace's runs are deleted while it runs (it
+    removes what they hold), then it is stopped by pid and its log's tail printed (pytest shows it when the
+    test fails)."""
+    proc = OperatorProcess(namespace=namespace, env=env, log=log).start()
+    try:
+        yield proc
+    finally:
+        kubectl("delete", "fsdptrainingruns", "--all", "-n", namespace, "--timeout=60s", check=False)
+        proc.stop()
+        print(f"--- operator log ({log}) ---\n{log.read_text()[-8000:]}")

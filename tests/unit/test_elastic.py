@@ -29,6 +29,21 @@ def test_min_workers_above_workers_is_refused_naming_both_fields() -> None:
         parse({}, {"spec": {**SPEC, "cluster": {"workers": 2, "minWorkers": 3}}})
 
 
+def test_the_elastic_range_is_checked_as_the_trainer_will_be_told_it() -> None:
+    """Ray Train may start on any size in the range: g6.12xlarge's 4 GPUs x 1..2 workers is 4 to 8 processes,
+    and 24 sequences divide among 4, 6 and 8 but not 5 or 7. Where the platform trains on CPU (one process
+    per worker) the same spec's range is 1 to 2, which 24 divides."""
+    run = RunRef(name="r", namespace="ns", uid="u")
+    elastic = spec(workers=2, minWorkers=1).model_copy(
+        update={"training": api.TrainingSpec(global_batch_size=24)}
+    )
+    refusal = submission.trainer_config(elastic, run, cpu_only=False).unusable_world_sizes()
+    assert refusal is not None and refusal.startswith("cluster.minWorkers 1: the run may train on 4 to 8")
+    assert "5 (training.globalBatchSize 24 is not divisible" in refusal and "7 (" in refusal
+    assert "6 (" not in refusal
+    assert submission.trainer_config(elastic, run, cpu_only=True).unusable_world_sizes() is None
+
+
 def test_the_trainer_is_told_the_elastic_range() -> None:
     run = RunRef("r", "team-a", "uid-r")
     config = submission.trainer_config(spec(workers=4, minWorkers=2), run, cpu_only=False)

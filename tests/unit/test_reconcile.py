@@ -153,7 +153,7 @@ def test_observe_cluster_reads_kuberay_conditions() -> None:
 
 def test_a_spec_the_operators_model_refuses_fails_the_run_naming_the_field() -> None:
     """A bound the CRD schema cannot state (fromConfig's size): the run says why in its own status."""
-    message = "spec.model.fromConfig: Value error, spec.model.fromConfig is nested deeper than 8 levels"
+    message = "spec.model.fromConfig: spec.model.fromConfig is nested deeper than 8 levels"
     new = refused_spec(api.FSDPTrainingRunStatus(), message, NOW, 3)
     failed = conditions.condition(new.conditions, conditions.FAILED)
     assert new.phase == api.Phase.FAILED and new.observed_generation == 3 and new.message == message

@@ -12,7 +12,7 @@ import pytest
 
 from fsdp_operator import api, builder, conditions, preflight
 from fsdp_operator.jobs import job_not_found
-from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, reconcile
+from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, PodsProgress, reconcile
 from fsdp_operator.statuspatch import merge_patch
 from fsdp_trainer.contract import LOGS_DIR, RUN_RECORD_FILE, CheckpointRef, RestartEntry
 from tests.support.decision_inputs import JOB_ID, NOW, job, observe, record, spec, status
@@ -215,6 +215,24 @@ def test_provisioning_past_its_deadline_deletes_the_cluster_and_waits_again() ->
     assert decision.status.active_since is None and decision.status.next_check_time is not None
     failing = reconcile(spec(preflight={"onInsufficientCapacity": "Fail"}), stuck, observe(cluster=waiting))
     assert failing.status.phase == api.Phase.FAILED and failing.delete_cluster
+
+
+def test_a_cluster_recreated_while_restarting_has_the_provisioning_bound_and_attempts() -> None:
+    """A cluster lost under a running job is recreated with the run Restarting: if it never gets ready, the
+    run is not left Restarting for ever; it gets the first cluster's bound, counted from the restart."""
+    lost = status(api.Phase.RUNNING)
+    restarting = reconcile(spec(), lost, observe(cluster=None))
+    assert restarting.create_cluster and restarting.status.phase == api.Phase.RESTARTING
+    waiting = ClusterObservation(ready=False, message="HeadPodReady=False")
+    coming_up = PodsProgress(pods=3, placed=1, started=0, ready=0)
+    early = reconcile(spec(), restarting.status, observe(600, cluster=waiting, pods_progress=coming_up))
+    assert early.status.phase == api.Phase.RESTARTING and not early.delete_cluster
+    assert early.status.provisioning is not None and early.status.provisioning.pods_placed == 1
+    assert early.status.message == "waiting for KubeRay: 1/3 pods placed, 0 started, 0 ready"
+    stuck = reconcile(spec(), early.status, observe(1501, cluster=waiting, pods_progress=coming_up))
+    assert stuck.delete_cluster and stuck.status.phase == api.Phase.PENDING
+    assert condition(stuck, conditions.PREFLIGHT).reason == "ProvisioningTimeout"
+    assert stuck.status.provisioning_timeouts == 1
 
 
 def test_pods_that_cannot_pull_show_at_once_and_fail_the_run_after_the_bound() -> None:

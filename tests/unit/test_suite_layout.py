@@ -44,7 +44,7 @@ def test_no_test_or_bench_imports_a_private_name_of_the_product() -> None:
         f"{path.relative_to(REPO)}: {module}.{name}"
         for path in SOURCES
         for module, names in imports(path)
-        if module.split(".")[0] in ("fsdp_operator", "fsdp_trainer", "kubectl_trainingrun")
+        if module.split(".")[0] in ("fsdp_operator", "fsdp_trainer", "kubectl_trainingrun", "fsdp_client")
         for name in names
         if name.startswith("_")
     ]

@@ -531,6 +531,48 @@ class TrackingConfig(ContractModel):
     )
 
 
+def world_sizes(workers: int, min_workers: int | None, gpus_per_worker: int) -> range:
+    """Every world size (training processes) an attempt may start on: Ray Train's elastic range runs from
+    minWorkers to workers nodes' worth of processes, any number in between (driver.scaling_workers)."""
+    per_node = max(gpus_per_worker, 1)
+    fewest = workers if min_workers is None else min(min_workers, workers)
+    return range(fewest * per_node, workers * per_node + 1)
+
+
+def unusable_world_sizes(
+    workers: int,
+    min_workers: int | None,
+    gpus_per_worker: int,
+    training: TrainingSpec,
+    sharding: ShardingStrategy,
+) -> str | None:
+    """Why some world size of the elastic range could not train, or None: each must divide
+    training.globalBatchSize with microBatchSize and, under HYBRID_SHARD, be whole nodes. A size found only
+    after a resize would otherwise end the run mid-way with a permanent error; the operator refuses such a
+    spec when it first sees it, and the trainer again before any worker starts."""
+    per_node = max(gpus_per_worker, 1)
+    sizes = world_sizes(workers, min_workers, gpus_per_worker)
+    reasons = []
+    for size in sizes:
+        try:
+            training.accumulation_for(size)
+        except ValueError:
+            reasons.append(
+                f"{size} (training.globalBatchSize {training.global_batch_size} is not divisible "
+                f"by {size} x training.microBatchSize {training.micro_batch_size})"
+            )
+            continue
+        if sharding == ShardingStrategy.HYBRID_SHARD and size % per_node:
+            reasons.append(f"{size} (HYBRID_SHARD needs whole nodes of {per_node} processes)")
+    if not reasons:
+        return None
+    return (
+        f"cluster.minWorkers {min_workers}: the run may train on {sizes.start} to {sizes[-1]} processes, "
+        f"and cannot on {'; '.join(reasons)}. Choose cluster.minWorkers, cluster.workers and "
+        "training.globalBatchSize so that every size in the range divides it"
+    )
+
+
 class TrainerConfig(ContractModel):
     """Everything the trainer needs; the operator builds it from the FSDPTrainingRun spec."""
 
@@ -573,36 +615,13 @@ class TrainerConfig(ContractModel):
         return run_prefix(self.checkpoint.storage_path, self.namespace, self.run_name)
 
     def world_sizes(self) -> range:
-        """Every world size (training processes) an attempt may start on: Ray Train's elastic range runs from
-        minWorkers to workers nodes' worth of processes, any number in between (driver.scaling_workers)."""
-        per_node = max(self.gpus_per_worker, 1)
-        fewest = self.workers if self.min_workers is None else min(self.min_workers, self.workers)
-        return range(fewest * per_node, self.workers * per_node + 1)
+        """Every world size (training processes) an attempt may start on (see `world_sizes`)."""
+        return world_sizes(self.workers, self.min_workers, self.gpus_per_worker)
 
     def unusable_world_sizes(self) -> str | None:
-        """Why some world size of the elastic range could not train, or None: each must divide
-        training.globalBatchSize with microBatchSize and, under HYBRID_SHARD, be whole nodes. A size found
-        only after a resize would otherwise end the run mid-way with a permanent error."""
-        per_node = max(self.gpus_per_worker, 1)
-        reasons = []
-        for size in self.world_sizes():
-            try:
-                self.training.accumulation_for(size)
-            except ValueError:
-                reasons.append(
-                    f"{size} (training.globalBatchSize {self.training.global_batch_size} is not divisible "
-                    f"by {size} x training.microBatchSize {self.training.micro_batch_size})"
-                )
-                continue
-            if self.fsdp.sharding == ShardingStrategy.HYBRID_SHARD and size % per_node:
-                reasons.append(f"{size} (HYBRID_SHARD needs whole nodes of {per_node} processes)")
-        if not reasons:
-            return None
-        sizes = self.world_sizes()
-        return (
-            f"minWorkers {self.min_workers}: the run may train on {sizes.start} to {sizes[-1]} processes, "
-            f"and cannot on {'; '.join(reasons)}. Choose minWorkers, workers and training.globalBatchSize so "
-            "that every size in the range divides it"
+        """Why some world size of the elastic range could not train, or None (see `unusable_world_sizes`)."""
+        return unusable_world_sizes(
+            self.workers, self.min_workers, self.gpus_per_worker, self.training, self.fsdp.sharding
         )
 
     def resume_fingerprint(self) -> str:

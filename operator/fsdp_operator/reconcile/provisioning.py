@@ -14,6 +14,16 @@ from fsdp_operator.reconcile.state import PassState
 from fsdp_operator.recovery import Failure
 
 
+def bringing_up(state: PassState) -> bool:
+    """A RayCluster on its way to ready for the run's next attempt: the first (Provisioning), or one recreated
+    or whose head restarts while the run is Restarting, which gets the same bound and attempts as the first
+    (its progress, its timeout), not an unbounded wait."""
+    phase, cluster = state.new.phase, state.obs.cluster
+    if phase == Phase.PROVISIONING:
+        return True
+    return phase == Phase.RESTARTING and cluster is not None and not cluster.ready
+
+
 def pods_that_cannot_start(state: PassState) -> tuple[PodProblem, ...]:
     """Pods KubeRay cannot create (a ResourceQuota exceeded, a service account that does not exist, an
     admission webhook's refusal: its ReplicaFailure), then containers that cannot start."""
@@ -37,7 +47,7 @@ def absorb_pods_health(state: PassState) -> None:
     if not state.condition_is(conditions.PODS_HEALTHY, "False"):
         state.event(True, problems[0].reason, message)
     state.condition(conditions.PODS_HEALTHY, False, problems[0].reason, message)
-    if state.new.phase == Phase.PROVISIONING:
+    if bringing_up(state):
         state.say(f"waiting for KubeRay: {message}")
     since = state.condition_is(conditions.PODS_HEALTHY, "False")
     limit = state.spec.recovery.pod_error_timeout_seconds
@@ -63,7 +73,7 @@ def absorb_scheduling(state: PassState) -> None:
     if state.reason_of(conditions.PODS_SCHEDULED) != reason:
         state.event(True, reason, message)
     state.condition(conditions.PODS_SCHEDULED, False, reason, message)
-    if state.new.phase == Phase.PROVISIONING:
+    if bringing_up(state):
         state.say(f"waiting for KubeRay: {message}")
 
 
@@ -96,7 +106,7 @@ def absorb_provisioning_progress(state: PassState) -> None:
     grows or a pull begins; the run's message says how far they are (a problem or a wait for a node, absorbed
     next, says more). Cleared in every other phase."""
     new, seen = state.new, state.obs.pods_progress
-    if new.phase != Phase.PROVISIONING:
+    if not bringing_up(state):
         new.provisioning = None
         return
     if seen is None or state.obs.cluster is None:
@@ -126,7 +136,7 @@ def provisioning_timed_out(state: PassState) -> bool:
     new, limit = state.new, state.spec.recovery.provisioning_timeout_seconds
     progressed = new.provisioning.last_progress_time if new.provisioning else None
     since = max(filter(None, (new.phase_transition_time, progressed)), default=None)
-    if new.phase != Phase.PROVISIONING or state.seconds_since(since) < limit:
+    if not bringing_up(state) or state.seconds_since(since) < limit:
         return False
     message = f"the RayCluster was not ready within provisioningTimeoutSeconds ({limit}s)"
     if (

@@ -67,4 +67,4 @@ def test_the_driver_fails_such_a_run_as_a_configuration_error_before_starting_wo
     assert run_with_ray(trainer, "job-1") == 1
     record = read_progress(Location.parse(trainer.run_uri()))
     assert record is not None and (record.phase, record.error_kind) == ("failed", ErrorKind.CONFIG)
-    assert record.error is not None and record.error.startswith("ConfigError: minWorkers 4:")
+    assert record.error is not None and record.error.startswith("ConfigError: cluster.minWorkers 4:")

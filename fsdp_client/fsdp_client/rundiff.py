@@ -7,10 +7,13 @@ two runs (the run's name, namespace, uid, its start) are left out: they say noth
 
 from __future__ import annotations
 
+import html
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
+from fsdp_client.storage import RunObjects, metric_histories, run_record
 from fsdp_trainer.contract import ProgressRecord, RunRecord
 
 # Per-run identity, not recipe: every two runs differ here.
@@ -18,6 +21,12 @@ _IDENTITY = {"run_name", "namespace", "uid", "start_time", "completion_time", "l
 _CONFIG_IDENTITY = {"run_name", "namespace"}
 _PROGRESS = ("step", "loss", "eval_loss", "tokens_per_second", "tokens_per_second_per_device", "mfu")
 LOSS_STEPS_SHOWN = 5  # spread over the steps both runs reached
+
+
+class Difference(NamedTuple):
+    field: str
+    a: Any
+    b: Any
 
 
 def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -59,7 +68,7 @@ def differences(
     a_histories: Iterable[Iterable[ProgressRecord]] = (),
     b_histories: Iterable[Iterable[ProgressRecord]] = (),
     everything: bool = False,
-) -> list[tuple[str, Any, Any]]:
+) -> list[Difference]:
     """(field, a's value, b's value) for every field that differs (every field when `everything`)."""
     left, right = fields(a), fields(b)
     a_loss, b_loss = losses(a_histories), losses(b_histories)
@@ -70,17 +79,54 @@ def differences(
             left[f"loss at step {step}"], right[f"loss at step {step}"] = a_loss[step], b_loss[step]
     keys = list(left) + [key for key in right if key not in left]
     return [
-        (key, left.get(key), right.get(key)) for key in keys if everything or left.get(key) != right.get(key)
+        Difference(key, left.get(key), right.get(key))
+        for key in keys
+        if everything or left.get(key) != right.get(key)
     ]
 
 
-def table(rows: list[tuple[str, Any, Any]], a_name: str, b_name: str) -> str:
+def shown(value: Any) -> str:
+    return "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
+
+
+def table(rows: list[Difference], a_name: str, b_name: str) -> str:
     if not rows:
         return "no differences\n"
-
-    def shown(value: Any) -> str:
-        return "-" if value is None else (f"{value:.4f}" if isinstance(value, float) else str(value))
-
     cells = [("FIELD", a_name, b_name), *((key, shown(a), shown(b)) for key, a, b in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(2)]
     return "".join(f"{key:<{widths[0]}}  {a:<{widths[1]}}  {b}\n" for key, a, b in cells)
+
+
+@dataclass(frozen=True)
+class RunDiff:
+    """Two runs' differences as data: `rows` to iterate, `fields()` as a dict, an HTML table in Jupyter."""
+
+    a_name: str
+    b_name: str
+    rows: list[Difference]
+
+    def fields(self) -> dict[str, tuple[Any, Any]]:
+        return {row.field: (row.a, row.b) for row in self.rows}
+
+    def __str__(self) -> str:
+        return table(self.rows, self.a_name, self.b_name)
+
+    def _repr_html_(self) -> str:
+        cells = "".join(
+            f"<tr><td>{html.escape(row.field)}</td><td>{html.escape(shown(row.a))}</td>"
+            f"<td>{html.escape(shown(row.b))}</td></tr>"
+            for row in self.rows
+        )
+        head = (
+            f"<tr><th>field</th><th>{html.escape(self.a_name)}</th><th>{html.escape(self.b_name)}</th></tr>"
+        )
+        return f"<table>{head}{cells or '<tr><td colspan=3>no differences</td></tr>'}</table>"
+
+
+def compare(a: RunObjects, b: RunObjects, everything: bool = False) -> RunDiff:
+    """Two runs' differences, read from their S3 prefixes (run.json and the metric histories)."""
+    (left, left_histories), (right, right_histories) = (
+        (run_record(objects), metric_histories(objects)) for objects in (a, b)
+    )
+    rows = differences(left, right, left_histories, right_histories, everything=everything)
+    return RunDiff(f"{left.namespace}/{left.run_name}", f"{right.namespace}/{right.run_name}", rows)

@@ -240,3 +240,16 @@ def png(data: Curves) -> bytes:
         canvas.label(x + 26, 11, words)
         x += 26 + len(words) * 8 + 24
     return canvas.png()
+
+
+@dataclass(frozen=True)
+class LossCurve:
+    """The curves as Jupyter shows them (a PNG) and as print() does (the terminal drawing)."""
+
+    curves: Curves
+
+    def _repr_png_(self) -> bytes:
+        return png(self.curves)
+
+    def __str__(self) -> str:
+        return text(self.curves)
