@@ -102,7 +102,8 @@ class Encoder:
         return self.fitted(examples, counts), counts
 
     def fitted(self, examples: list[Example], counts: RowCounts) -> list[Example]:
-        """The examples within the sequence length, longer ones truncated or dropped (and counted)."""
+        """The examples within the sequence length, longer ones truncated or dropped (and counted); one cut
+        before any token it learns is dropped."""
         kept = []
         for example in examples:
             if len(example.tokens) > self.sequence_length:
@@ -113,10 +114,17 @@ class Encoder:
                         f"{self.sequence_length} (data.overLength drop)"
                     )
                     continue
-                counts.truncated += 1
                 example = Example(
                     example.tokens[: self.sequence_length], example.learned[: self.sequence_length]
                 )
+                if not any(example.learned):  # cut before its answer: nothing left to learn from it
+                    counts.dropped += 1
+                    counts.first_problem = counts.first_problem or (
+                        f"a row whose first {self.sequence_length} tokens (training.sequenceLength) hold "
+                        "none of the tokens it learns"
+                    )
+                    continue
+                counts.truncated += 1
             kept.append(example)
         return kept
 

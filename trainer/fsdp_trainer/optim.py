@@ -59,10 +59,11 @@ def target_count(labels: torch.Tensor) -> torch.Tensor:
 
 
 def all_targets(micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
-    """The targets of these micro-batches on every rank together: what the loss is divided by."""
+    """The targets of these micro-batches on every rank together: what the loss is divided by. At least 1:
+    a batch without a target (every row cut before its answer) has a loss of 0, not 0 / 0."""
     targets = torch.stack([target_count(batch.labels) for batch in micro_batches]).sum()
     dist.all_reduce(targets)
-    return targets
+    return targets.clamp(min=1)
 
 
 # Attention implementations that keep packed examples apart by the position ids of one flattened row (varlen

@@ -68,6 +68,9 @@ def test_a_tokenizer_without_a_chat_template_is_refused_naming_the_field() -> No
 def test_rows_that_do_not_parse_or_are_too_long_are_counted_and_the_rest_trained_on(tmp_path: Path) -> None:
     good = {"messages": CHAT}
     long = {"messages": [CHAT[1], {"role": "assistant", "content": "x" * 300}]}
+    long_question = {
+        "messages": [{"role": "user", "content": "y" * 300}, {"role": "assistant", "content": "z"}]
+    }
     lines = [
         json.dumps(good),
         "{not json",
@@ -76,6 +79,7 @@ def test_rows_that_do_not_parse_or_are_too_long_are_counted_and_the_rest_trained
         json.dumps({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}]}),
         json.dumps({"other": 1}),
         json.dumps(long),
+        json.dumps(long_question),
     ] * 3
     (tmp_path / "chat.jsonl").write_text("\n".join(lines) + "\n")
 
@@ -93,7 +97,8 @@ def test_rows_that_do_not_parse_or_are_too_long_are_counted_and_the_rest_trained
         return samples, str(datasets.row_counts())
 
     samples, truncated = read("truncate")
-    assert truncated.startswith("15 unparsable, 3 truncated, 0 dropped of 21 rows")
+    # The long question is cut before its answer: nothing left to learn, so it is dropped, not trained on.
+    assert truncated.startswith("15 unparsable, 3 truncated, 3 dropped of 24 rows")
     assert samples.shape == (3, 3, 256)
     learned = {TOKENIZER.decode(row[TOKENS][row[LABELS] != -100].tolist()) for row in samples}
     assert "Paris.<|im_end|>\n東京.<|im_end|>\n" in learned
@@ -102,4 +107,4 @@ def test_rows_that_do_not_parse_or_are_too_long_are_counted_and_the_rest_trained
         for text in learned - {"Paris.<|im_end|>\n東京.<|im_end|>\n"}
     ), "a long answer cut at 256 tokens"
     _, dropped = read("drop")
-    assert dropped.startswith("15 unparsable, 0 truncated, 3 dropped of 21 rows")
+    assert dropped.startswith("15 unparsable, 0 truncated, 6 dropped of 24 rows")
