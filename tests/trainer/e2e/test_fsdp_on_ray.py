@@ -396,13 +396,17 @@ def test_a_lora_chat_fine_tune_on_two_workers_learns_the_answers(
     progress = records[-1]
     assert progress.phase == "finished" and progress.world_size == 2
     assert progress.training_data is not None and progress.training_data.learned == "assistant turns"
-    evaluated = [r.eval_loss for r in records if r.eval_loss is not None]
+    # Each evaluation (steps 4, 8, 12) as the records after it repeat it.
+    evaluated = list(dict.fromkeys(r.eval_loss for r in records if r.eval_loss is not None))
     print(f"eval loss on the answers: {evaluated}; adapter {progress.adapter_bytes} bytes")
-    assert len(evaluated) >= 3 and evaluated[-1] < evaluated[0] - 0.1, evaluated
+    assert len(evaluated) == 3 and evaluated[0] > evaluated[1] > evaluated[2], evaluated
 
     full = [sum(m.files.values()) for m in storage.checkpoints(reference.name).values() if m is not None]
     adapter_only = [sum(m.files.values()) for m in storage.checkpoints(name).values() if m is not None]
-    assert adapter_only and max(adapter_only) < 0.2 * min(full), (adapter_only, full)
+    # The frozen weights and their optimizer state are left out; what remains of a checkpoint this small is
+    # mostly what any checkpoint holds (the data streams' cursors, the RNG states, DCP's metadata: about
+    # 0.45 MB here). tests/trainer/unit/test_lora.py measures the tensors alone: under 1 %.
+    assert adapter_only and max(adapter_only) < 0.5 * min(full), (adapter_only, full)
 
     run = f"{NAMESPACE}/{name}"
     base = download(storage, f"{reference.name}/{MODEL_DIR}/", tmp_path / "base")
