@@ -50,10 +50,9 @@ def run_baseline(
     lm.train()
     for step in range(1, training.max_steps + 1):
         micro_batches = [
-            optim.MicroBatch.packed(
-                samples.samples(layout.micro_batch_indices(position, micro_step, runtime.rank)).to(
-                    runtime.device
-                )
+            data.MicroBatch.from_samples(
+                samples.samples(layout.micro_batch_indices(position, micro_step, runtime.rank)),
+                runtime.device,
             )
             for micro_step in range(training.grad_accumulation)
         ]

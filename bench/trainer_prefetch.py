@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,9 @@ import numpy as np
 import torch
 from tests.support.tiny_model import tiny_lm
 
+from fsdp_trainer.contract import DataSpec
 from fsdp_trainer.data import BatchLayout, BatchLoader, ShardPacker, StreamedSamples
+from fsdp_trainer.formats import Encoder
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.shards import Shard, list_shards
 
@@ -36,11 +37,12 @@ MICRO_BATCH = 4  # one rank, four streams: a stream crosses a shard every ~130 s
 WARMUP_STEPS = 10  # the first read of every stream and the allocator's warm-up, not measured
 
 
-@dataclass(frozen=True)
 class SlowShardPacker(ShardPacker):
     """Reads a shard after `latency_seconds` of waiting, as on a remote store (the GIL is free meanwhile)."""
 
-    latency_seconds: float = 0.0
+    def __init__(self, encoder: Encoder, latency_seconds: float) -> None:
+        super().__init__(encoder)
+        self.latency_seconds = latency_seconds
 
     def rows(self, shard: Shard) -> np.ndarray:
         time.sleep(self.latency_seconds)
@@ -74,8 +76,8 @@ def measure(steps: int, shard_latency: float, prefetch: bool) -> dict[str, Any]:
     torch.set_num_threads(1)  # as on a GPU worker, the training thread leaves the host's other cores free
     lm = tiny_lm(hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-3)
-    shards = list_shards(str(CORPUS), "text", SEQUENCE_LENGTH)
-    packer = SlowShardPacker(byte_level_tokenizer(), "text", SEQUENCE_LENGTH, shard_latency)
+    shards = list_shards(str(CORPUS), ["text"], SEQUENCE_LENGTH)
+    packer = SlowShardPacker(Encoder(DataSpec(), byte_level_tokenizer(), SEQUENCE_LENGTH), shard_latency)
     samples = StreamedSamples(shards, packer, seed=0, streams=MICRO_BATCH)
     if not prefetch:
         samples._prefetch = ReadOnDemand()  # type: ignore[assignment]
@@ -91,7 +93,7 @@ def measure(steps: int, shard_latency: float, prefetch: bool) -> dict[str, Any]:
             waited += time.perf_counter() - asked
             if batch is None:
                 break
-            lm(input_ids=batch, labels=batch).loss.backward()
+            lm(input_ids=batch.input_ids, labels=batch.labels).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if step >= WARMUP_STEPS:

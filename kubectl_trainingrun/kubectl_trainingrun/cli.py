@@ -22,7 +22,7 @@ from fsdp_client import logs as run_logs
 from fsdp_client import plot, rundiff
 from fsdp_client.errors import ClientError, NotRecordedYet
 from fsdp_client.storage import RunObjects, metric_histories, s3_client, storage_prefix
-from fsdp_trainer.contract import METRICS_DIR, RankStacks, forensics_dir
+from fsdp_trainer.contract import METRICS_DIR, DataSpec, RankStacks, forensics_dir
 
 # The FSDPTrainingRun API as every kubectl user sees it: its resource name (the operator's api.PLURAL and
 # api.GROUP; tests/unit/test_crd.py holds them equal).
@@ -141,6 +141,8 @@ def describe(run: dict[str, Any]) -> str:
         f"Attempt:       {status.get('attempt', 0)}  (job {status.get('jobSubmissionId', '-')})",
         f"Started:       {status.get('startTime', '-')}   Completed: {status.get('completionTime', '-')}",
         f"Model:         {spec['model'].get('source') or 'fromConfig'}",
+        f"Data:          {data_line(spec.get('data') or {})}",
+        f"Adapter:       {adapter_line((spec.get('fsdp') or {}).get('adapter'))}",
         f"Image:         {image.get('requested', '-')}",
         f"  ran digest:  {image.get('digest', '-')}",
         f"Trainer:       sha256 {record.get('packageSha256', '-')}",
@@ -180,6 +182,22 @@ def describe(run: dict[str, Any]) -> str:
     if spec.get("tracking", {}).get("mlflow"):
         lines.append(f"MLflow run:    {(record.get('mlflowRun') or {}).get('url', '- (not created yet)')}")
     return "\n".join(lines) + "\n"
+
+
+def data_line(data: dict[str, Any]) -> str:
+    """The data format and the tokens the loss is on."""
+    spec = DataSpec.model_validate(data)
+    packing = "packed" if spec.packing else "one example per sequence"
+    return f"{spec.source}  format {spec.format}, loss on {spec.learned_tokens()}, {packing}"
+
+
+def adapter_line(adapter: dict[str, Any] | None) -> str:
+    """The LoRA adapter's shape (its size in bytes is in the run record's final progress)."""
+    if not adapter:
+        return "none (every weight trains)"
+    targets = ",".join(adapter.get("targetModules") or ["default projections"])
+    merged = ", merged export too" if adapter.get("exportMerged") else ""
+    return f"LoRA rank {adapter.get('rank', 16)} alpha {adapter.get('alpha', 32)} on {targets}{merged}"
 
 
 def fabric_line(fabric: dict[str, Any]) -> str:

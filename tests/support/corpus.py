@@ -52,3 +52,24 @@ class CountingTokenizer:
     def __call__(self, text: list[str], add_special_tokens: bool = False) -> Any:
         self.documents.extend(text)
         return self.inner(text, add_special_tokens=add_special_tokens)
+
+
+# ChatML (Qwen's turn markup), for tokenizers without a chat template of their own: data.chatTemplate.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_chat_jsonl(path: Path, conversations: int, seed: int = 5) -> Path:
+    """Conversations in the messages format, their answers of very different lengths (1 to 30 words)."""
+    rng = random.Random(seed)
+    rows = []
+    for i in range(conversations):
+        question = f"q{i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12)))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 30)))
+        rows.append(
+            {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
+        )
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

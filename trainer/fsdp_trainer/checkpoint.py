@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType, AsyncSaveResponse, async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -88,9 +88,13 @@ class AppState(Stateful):
         self.model, self.optimizer, self.scheduler, self.train = model, optimizer, scheduler, train
         self.batches = batches
         self.tied = tied_names(model)
+        # A model with frozen weights (an adapter's run) saves and loads the trainable ones only: the
+        # frozen ones are the pretrained model's, read from model.source by every attempt.
+        frozen = any(not p.requires_grad for p in model.parameters())
+        self.options = StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
+        model_state, optimizer_state = get_state_dict(self.model, self.optimizer, options=self.options)
         for alias in self.tied:  # a tied weight is saved once, under its first name (the optimizer's)
             model_state.pop(alias, None)
         batches = {} if self.batches is None else self.batches.state_dict()
@@ -118,6 +122,7 @@ class AppState(Stateful):
             self.optimizer,
             model_state_dict=model_state,
             optim_state_dict=state_dict["optimizer"],
+            options=self.options,
         )
         self.scheduler.load_state_dict(state_dict["scheduler"])
         for group, settings in zip(self.optimizer.param_groups, configured, strict=True):

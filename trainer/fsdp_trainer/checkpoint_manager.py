@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fsdp_trainer import checkpoint, distributed
+from fsdp_trainer import adapter, checkpoint, distributed
 from fsdp_trainer.contract import MODEL_DIR, TrainerConfig, Versions
 from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.export import export_model
@@ -119,11 +119,24 @@ class CheckpointManager:
 
     def export(self, lm: torch.nn.Module, model_config: Any, tokenizer: Any, dtype: torch.dtype) -> str:
         """A Hugging Face model (safetensors) at <storage>/<run>/model/, written by every rank, each holding
-        one full tensor at a time (export.py)."""
+        one full tensor at a time (export.py). With an adapter: the adapter under <run>/adapter/ (its URI is
+        returned) and, with exportMerged, the base model with the adapter merged into it under model/."""
+        runtime, lora = self.runtime, self.config.fsdp.adapter
+        if lora is not None:
+            adapter_uri = adapter.export_adapter(lm, lora, self.config.model.source, self.run, runtime.rank)
+            log.info("export: the adapter (%d bytes) to %s", adapter.trainable_bytes(lm), adapter_uri)
+            if not lora.export_merged:
+                return adapter_uri
         destination = self.run.child(MODEL_DIR)
-        runtime = self.runtime
         exported = export_model(
-            lm, model_config, tokenizer, dtype, destination, runtime.rank, runtime.world_size
+            lm,
+            model_config,
+            tokenizer,
+            dtype,
+            destination,
+            runtime.rank,
+            runtime.world_size,
+            state=None if lora is None else adapter.merged_state(lm, lora),
         )
         log.info(
             "export: rank %d wrote %d weight files, holding at most %d bytes of the model at once (of %d)",
@@ -132,4 +145,4 @@ class CheckpointManager:
             exported.peak_tensor_bytes,
             exported.total_bytes,
         )
-        return destination.uri
+        return destination.uri if lora is None else adapter_uri

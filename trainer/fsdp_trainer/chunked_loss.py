@@ -68,8 +68,11 @@ def install(model: torch.nn.Module, chunk_tokens: int) -> None:
         labels: torch.Tensor,
         num_items_in_batch: torch.Tensor | None = None,
         attention_mask: Any = None,
+        position_ids: torch.Tensor | None = None,
     ) -> CausalLMOutputWithPast:
-        hidden = decoder(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
         loss = chunked_cross_entropy(hidden, head, labels, chunk_tokens, num_items_in_batch)
         # transformers' output type, which FSDP's hooks can look into for the tensors backward starts from
         return CausalLMOutputWithPast(loss=cast(torch.FloatTensor, loss))

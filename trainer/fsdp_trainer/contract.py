@@ -176,6 +176,34 @@ def _nesting_exceeds(value: Any, depth: int) -> bool:
     return False
 
 
+class AdapterSpec(ContractModel):
+    """LoRA (Hu et al. 2021, through peft): the pretrained weights stay frozen and only low-rank updates of
+    the target modules are trained, checkpointed and exported."""
+
+    rank: int = Field(default=16, ge=1, le=1024, description="The rank r of each update B @ A.")
+    alpha: int = Field(default=32, ge=1, description="Scale: the update is multiplied by alpha / rank.")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="Dropout on the adapter's input in training.")
+    target_modules: list[Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9_.]+$")]] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        max_length=64,
+        description="Names (or name suffixes) of the linear layers to adapt; default: every projection of a "
+        "Llama/Qwen decoder layer.",
+    )
+    export_merged: bool = Field(
+        default=False,
+        description="At the end, also export the base model with the adapter merged into it (safetensors "
+        "under model/); the adapter alone is always exported (under adapter/, in peft's format).",
+    )
+    init_from: str | None = Field(
+        default=None,
+        max_length=MAX_URI,
+        pattern=PLAIN_TEXT,
+        description="An adapter exported by an earlier run (its adapter/ directory: local path or s3:// "
+        "URI) to start from instead of a new one; its rank and alpha must be these.",
+    )
+
+
 class FsdpSpec(ContractModel):
     sharding: ShardingStrategy = Field(
         default=ShardingStrategy.FULL_SHARD,
@@ -200,6 +228,11 @@ class FsdpSpec(ContractModel):
         "accumulates only its shard of the gradients. false reduces once, after the last micro-step of a "
         "step, for fewer collectives, but keeps every rank's full unsharded fp32 gradients between "
         "micro-steps (about 4 bytes per parameter: 28 GB for a 7B model).",
+    )
+    adapter: AdapterSpec | None = Field(
+        default=None,
+        description="Train a LoRA adapter instead of every weight (needs model.source: the pretrained model "
+        "it adapts). Checkpoints hold the adapter and its optimizer state only.",
     )
 
 
@@ -274,19 +307,101 @@ class TrainingSpec(ContractModel):
         return global_batch // per_micro_step
 
 
+class DataFormat(StrEnum):
+    """How a row becomes tokens (spec.data.format)."""
+
+    TEXT = "text"  # one document per row: continued pre-training, every token learned
+    MESSAGES = "messages"  # a conversation (role/content turns) rendered with the chat template
+    PROMPT_COMPLETION = "promptCompletion"  # a prompt and its completion, tokenised one after the other
+
+
+class LossOn(StrEnum):
+    """Which tokens of a messages or promptCompletion row the loss is computed on."""
+
+    ANSWERS = "answers"  # the assistant turns, or the completion (TRL's and torchtune's default)
+    ALL = "all"  # every token, the prompts too
+
+
+class OverLength(StrEnum):
+    """What happens to a row longer than training.sequenceLength once tokenised."""
+
+    TRUNCATE = "truncate"  # its first sequenceLength tokens are kept
+    DROP = "drop"  # it is left out
+
+
+# A chat template is Jinja: lines and indentation are part of it, other control characters are not.
+TEMPLATE_TEXT = r"^[^\x00-\x08\x0b-\x1f\x7f\x{202a}-\x{202e}\x{2066}-\x{2069}]*$"
+FIELD_NAME = r"^[A-Za-z0-9_.-]+$"
+# What, besides the source, decides the samples a run trains on (its resume fingerprint holds them).
+FORMATTING_FIELDS = (
+    "format",
+    "messages_field",
+    "prompt_field",
+    "completion_field",
+    "loss_on",
+    "chat_template",
+    "over_length",
+    "packing",
+)
+
+
 class DataSpec(ContractModel):
     source: str = Field(
         default="synthetic",
         max_length=MAX_URI,
         pattern=PLAIN_TEXT,
         description="'synthetic' for random tokens (the AWS sample), or a jsonl/parquet file or directory "
-        "(local path, s3:// or hf://datasets/... URI) with one text document per row.",
+        "(local path, s3:// or hf://datasets/... URI) with one example per row (see format).",
+    )
+    format: DataFormat = Field(
+        default=DataFormat.TEXT,
+        description="text: a document per row (textField), every token learned; messages: a conversation per "
+        "row (messagesField: a list of {role, content}) rendered with the tokenizer's chat template (or "
+        "chatTemplate); promptCompletion: promptField then completionField, then EOS.",
     )
     text_field: str = Field(
-        default="text",
+        default="text", max_length=128, pattern=FIELD_NAME, description="Column or key holding the text."
+    )
+    messages_field: str = Field(
+        default="messages",
         max_length=128,
-        pattern=r"^[A-Za-z0-9_.-]+$",
-        description="Column or key holding the text.",
+        pattern=FIELD_NAME,
+        description="Column or key holding the conversation (format messages).",
+    )
+    prompt_field: str = Field(
+        default="prompt",
+        max_length=128,
+        pattern=FIELD_NAME,
+        description="Column or key holding the prompt (format promptCompletion).",
+    )
+    completion_field: str = Field(
+        default="completion",
+        max_length=128,
+        pattern=FIELD_NAME,
+        description="Column or key holding the completion (format promptCompletion).",
+    )
+    loss_on: LossOn = Field(
+        default=LossOn.ANSWERS,
+        description="answers: the loss is on the assistant turns (messages) or the completion "
+        "(promptCompletion) only; all: on every token. Text rows always learn every token.",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        max_length=16 << 10,
+        pattern=TEMPLATE_TEXT,
+        description="Jinja chat template for format messages, replacing the tokenizer's; a tokenizer without "
+        "a template needs it.",
+    )
+    over_length: OverLength = Field(
+        default=OverLength.TRUNCATE,
+        description="A row longer than training.sequenceLength once tokenised: truncate keeps its first "
+        "sequenceLength tokens, drop leaves it out. Either way it is counted and reported, as are rows that "
+        "do not parse.",
+    )
+    packing: bool = Field(
+        default=True,
+        description="Pack several examples into each sequence, each attending only to itself (positions "
+        "restart at each example); off: one example per sequence, padded.",
     )
     eval_source: str | None = Field(
         default=None,
@@ -303,6 +418,20 @@ class DataSpec(ContractModel):
     )
     eval_every: int = Field(default=0, ge=0, description="Steps between evaluations; 0 evaluates at the end.")
     eval_batches: int = Field(default=8, ge=1, description="Batches per evaluation.")
+
+    def fields(self) -> list[str]:
+        """The columns this format reads."""
+        if self.format == DataFormat.MESSAGES:
+            return [self.messages_field]
+        if self.format == DataFormat.PROMPT_COMPLETION:
+            return [self.prompt_field, self.completion_field]
+        return [self.text_field]
+
+    def learned_tokens(self) -> str:
+        """What the loss is computed on, in words (the run record and describe say it)."""
+        if self.format == DataFormat.TEXT or self.loss_on == LossOn.ALL:
+            return "all tokens"
+        return "assistant turns" if self.format == DataFormat.MESSAGES else "completions"
 
 
 class CheckpointSpec(ContractModel):
@@ -499,12 +628,21 @@ class TrainerConfig(ContractModel):
         """What must match for a checkpoint to be resumed: the model and tokenizer, the sequence length, the
         data and its order (seed). A checkpoint with another fingerprint is never loaded."""
         data = self.data
-        relevant = {
+        relevant: dict[str, Any] = {
             "model": self.model.model_dump(mode="json", by_alias=True, exclude_none=True),
             "sequenceLength": self.training.sequence_length,
             "seed": self.training.seed,
             "data": [data.source, data.text_field, data.eval_source, data.eval_fraction],
         }
+        formatting = data.model_dump(
+            mode="json", by_alias=True, exclude_defaults=True, include=set(FORMATTING_FIELDS)
+        )
+        if formatting:  # only what a non-default format sets: a text run's fingerprint stays what it was
+            relevant["dataFormat"] = formatting
+        if self.fsdp.adapter is not None:  # its checkpoints hold an adapter of this shape only
+            relevant["adapter"] = self.fsdp.adapter.model_dump(
+                mode="json", by_alias=True, exclude={"export_merged"}, exclude_none=True
+            )
         canonical = json.dumps(relevant, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
@@ -616,6 +754,19 @@ class SetupStage(StrEnum):
     COMPILING = "compiling"
 
 
+class TrainingData(ContractModel):
+    """What a run learns from: its data format, the tokens the loss is on, and what became of the rows read
+    so far (by rank 0: the held-out shards and its own training streams' shards)."""
+
+    format: DataFormat
+    learned: str = Field(description="The tokens the loss is on: all tokens, assistant turns or completions.")
+    packed: bool
+    rows: int = 0
+    unparsable: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+
 class ProgressRecord(ContractModel):
     schema_version: int = SCHEMA_VERSION
     run_name: str
@@ -655,6 +806,12 @@ class ProgressRecord(ContractModel):
     fabric: FabricReport | None = None
     versions: Versions = Field(default_factory=Versions)
     exported_model_uri: str | None = None
+    training_data: TrainingData | None = None
+    adapter_bytes: int | None = Field(
+        default=None,
+        description="A LoRA run's trainable weights in bytes (fp32): what its export holds, and a third of "
+        "what its checkpoints hold (with the optimizer's two moments).",
+    )
     error: str | None = None
     error_kind: ErrorKind | None = None
     updated_at: dt.datetime

@@ -1,4 +1,12 @@
-"""Training and evaluation data: shards -> tokens -> packed fixed-length samples -> per-rank batches.
+"""Training and evaluation data: shards -> rows -> examples (formats.py: the tokens and those the loss is
+on) -> fixed-length samples -> per-rank micro-batches.
+
+Samples. A sample is three rows of sequence_length: token ids, labels (IGNORE_INDEX where there is no
+target: prompts unless data.lossOn is all, padding, each example's first token) and position ids, which
+restart at each example so that packed examples neither attend to nor predict each other (see
+optim.model_inputs for how each attention implementation is kept apart). Text documents are packed end to
+end and cut at the sequence length (pre-training); messages and promptCompletion examples are never cut:
+they are packed whole by best-fit decreasing, or one to a sample when data.packing is off.
 
 Layout. The corpus is cut into shards that depend on the files alone, never on the world size: byte ranges
 of each jsonl file (a shard holds the lines that begin in its range) and the row groups of each parquet
@@ -41,6 +49,7 @@ import functools
 import hashlib
 import json
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,9 +60,11 @@ import torch
 import torch.distributed as dist
 
 from fsdp_trainer import distributed
-from fsdp_trainer.contract import DataSpec
+from fsdp_trainer.chunked_loss import IGNORE_INDEX
+from fsdp_trainer.contract import FORMATTING_FIELDS, DataFormat, DataSpec
 from fsdp_trainer.errors import ConfigError, DataError
-from fsdp_trainer.shards import SYNTHETIC, Shard, read_shard, source_shards
+from fsdp_trainer.formats import Encoder, Example, RowCounts
+from fsdp_trainer.shards import SYNTHETIC, Shard, read_records, read_shard, source_shards
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +79,12 @@ class Tokenizer(Protocol):
     eos_token_id: int | None
 
     def __call__(self, text: list[str], add_special_tokens: bool = ...) -> Any: ...
+
+
+# A sample is a (ROW_PARTS, sequence_length) int64 array: the token ids, the labels (the token each position
+# is trained to produce, IGNORE_INDEX where none) and the position ids, which restart at each example.
+TOKENS, LABELS, POSITIONS = range(3)
+ROW_PARTS = 3
 
 
 class TrainSamples(Protocol):
@@ -87,31 +104,131 @@ class EvalSamples(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch on this rank: token ids, labels (transformers': IGNORE_INDEX where a position has no
+    target, such as padding, a masked prompt or an example's first token) and position ids (None: 0, 1, ...
+    in every row). `packed`: some row holds several examples, which must not attend to each other."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    packed: bool = False
+
+    @classmethod
+    def of_tokens(cls, tokens: torch.Tensor) -> MicroBatch:
+        """Rows of one sequence each, every token learned: pre-training's (and the tests') batches."""
+        return cls(tokens, tokens)
+
+    @classmethod
+    def from_samples(cls, samples: torch.Tensor, device: torch.device) -> MicroBatch:
+        """From samples in host memory: whether positions restart is read there, with no device sync."""
+        positions = samples.numpy()[:, POSITIONS]  # numpy: not a tensor read that sync counters see
+        packed = bool((positions[:, 1:] != positions[:, :-1] + 1).any())
+        on_device = to_device(samples, device)
+        return cls(
+            on_device[:, TOKENS], on_device[:, LABELS], on_device[:, POSITIONS] if packed else None, packed
+        )
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Tokenising and packing
 
 
-def pack(token_lists: list[list[int]], eos_token_id: int | None, sequence_length: int) -> np.ndarray:
-    """Concatenates documents (each followed by EOS when the tokenizer has one) and cuts the stream into
-    rows of sequence_length tokens; the incomplete tail is dropped."""
-    separator = [] if eos_token_id is None else [eos_token_id]
-    stream = np.fromiter((token for tokens in token_lists for token in (*tokens, *separator)), dtype=np.int64)
+def example_rows(tokens: np.ndarray, learned: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """Samples from rows of tokens cut at sequence boundaries: `learned` marks the targets, `starts` the
+    positions where an example (or the part of one that a row holds) begins. An example's first token has no
+    target (nothing before it in the example predicts it), and positions count from each start."""
+    labels = np.where(learned & ~starts, tokens, IGNORE_INDEX)
+    index = np.arange(tokens.shape[-1])
+    last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=-1)
+    return np.stack([tokens, labels, index - last_start], axis=-2)
+
+
+def pack(documents: list[list[int]], sequence_length: int) -> np.ndarray:
+    """Pre-training packing: documents (each ending in EOS when the tokenizer has one) end to end, cut into
+    rows of sequence_length tokens; the incomplete tail is dropped. A document cut by a row boundary goes on
+    in the next row, from position 0; no document attends to or predicts another."""
+    stream = np.fromiter((token for document in documents for token in document), dtype=np.int64)
+    document_starts = np.zeros(len(stream), dtype=bool)
+    document_starts[np.cumsum([0, *(len(document) for document in documents[:-1])])] = True
     rows = len(stream) // sequence_length
-    return stream[: rows * sequence_length].reshape(rows, sequence_length)
+    starts = document_starts[: rows * sequence_length].reshape(rows, sequence_length)
+    starts[:, 0] = True
+    tokens = stream[: rows * sequence_length].reshape(rows, sequence_length)
+    return example_rows(tokens, np.ones_like(starts), starts)
 
 
-@dataclass(frozen=True)
+def pack_examples(
+    examples: list[Example], pad_token_id: int, sequence_length: int, packing: bool
+) -> np.ndarray:
+    """Fine-tuning rows: examples (each at most sequence_length tokens) never split, several to a row by
+    best-fit decreasing (TRL's packing) or one to a row; the rest of a row is padding, which has no target
+    and to which no example attends (it comes after them, under causal attention). The padding's positions
+    go on from the last example's, so a row of one example is an ordinary row: no mask to build for it."""
+    if packing:
+        bins: list[list[Example]] = []
+        space: list[int] = []
+        for example in sorted(examples, key=lambda example: len(example.tokens), reverse=True):
+            fits = [i for i, free in enumerate(space) if free >= len(example.tokens)]
+            if fits:
+                best = min(fits, key=space.__getitem__)
+                bins[best].append(example)
+                space[best] -= len(example.tokens)
+            else:
+                bins.append([example])
+                space.append(sequence_length - len(example.tokens))
+    else:
+        bins = [[example] for example in examples]
+    tokens = np.full((len(bins), sequence_length), pad_token_id, dtype=np.int64)
+    learned = np.zeros((len(bins), sequence_length), dtype=bool)
+    starts = np.zeros((len(bins), sequence_length), dtype=bool)
+    for row, held in enumerate(bins):
+        at = 0
+        for example in held:
+            end = at + len(example.tokens)
+            tokens[row, at:end] = example.tokens
+            learned[row, at:end] = example.learned
+            starts[row, at] = True
+            at = end
+    return example_rows(tokens, learned, starts)
+
+
 class ShardPacker:
-    tokenizer: Tokenizer
-    text_field: str
-    sequence_length: int
+    """A shard's samples in the run's format (formats.Encoder), and what became of the rows of the shards
+    read so far (each shard counted once, however often it is read)."""
+
+    def __init__(self, encoder: Encoder) -> None:
+        self.encoder = encoder
+        self.sequence_length = encoder.sequence_length
+        self._counts: dict[tuple[str, int, int, int | None], RowCounts] = {}
+        self._lock = threading.Lock()  # the prefetch thread and the training thread both read shards
 
     def rows(self, shard: Shard) -> np.ndarray:
-        documents = read_shard(shard, self.text_field)
-        if not documents:
-            return np.empty((0, self.sequence_length), dtype=np.int64)
-        encoded = self.tokenizer(documents, add_special_tokens=False)["input_ids"]
-        return pack(encoded, self.tokenizer.eos_token_id, self.sequence_length)
+        spec, tokenizer = self.encoder.spec, self.encoder.tokenizer
+        if spec.format == DataFormat.TEXT:
+            rows: list[Any] = read_shard(shard, spec.text_field)
+        else:
+            rows = list(read_records(shard, spec.fields()))
+        examples, counts = self.encoder.encode(rows)
+        with self._lock:
+            key = (shard.location.uri, shard.start, shard.stop, shard.row_group)
+            if key not in self._counts and (counts.unparsable or counts.truncated or counts.dropped):
+                log.warning("data %s [%d, %d): %s", shard.name, shard.start, shard.stop, counts)
+            self._counts[key] = counts
+        if not examples:
+            return np.empty((0, ROW_PARTS, self.sequence_length), dtype=np.int64)
+        if spec.format == DataFormat.TEXT and spec.packing:
+            return pack([example.tokens for example in examples], self.sequence_length)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return pack_examples(examples, int(pad or 0), self.sequence_length, spec.packing)
+
+    def counts(self) -> RowCounts:
+        total = RowCounts()
+        with self._lock:
+            for counts in self._counts.values():
+                total.add(counts)
+        return total
 
 
 @functools.lru_cache(maxsize=8)  # streams advance at different rates, so a few epochs are in use at once
@@ -210,7 +327,7 @@ class HeldOutSamples:
     packer: ShardPacker
 
     def first(self, count: int) -> torch.Tensor:
-        taken = [np.empty((0, self.packer.sequence_length), dtype=np.int64)]
+        taken = [np.empty((0, ROW_PARTS, self.packer.sequence_length), dtype=np.int64)]
         held = 0
         for shard in self.shards:
             if held >= count:
@@ -230,11 +347,14 @@ class SyntheticSamples:
     seed: int
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
-        rows = [
-            np.random.default_rng([self.seed, index]).integers(0, self.vocab_size, self.sequence_length)
-            for index in indices
-        ]
-        return torch.from_numpy(np.stack(rows))
+        tokens = np.stack(
+            [
+                np.random.default_rng([self.seed, index]).integers(0, self.vocab_size, self.sequence_length)
+                for index in indices
+            ]
+        )
+        positions = np.broadcast_to(np.arange(self.sequence_length), tokens.shape)
+        return torch.from_numpy(np.stack([tokens, tokens, positions], axis=1))
 
     def first(self, count: int) -> torch.Tensor:
         return self.samples(range(count))
@@ -275,13 +395,13 @@ class BatchLoader:
         self.samples, self.layout, self.rank, self.device = samples, layout, rank, device
         self.position = 0
 
-    def next_step(self) -> Iterator[torch.Tensor]:
+    def next_step(self) -> Iterator[MicroBatch]:
         """The next step's micro-batches, each read as it is requested; the position moves past the step at
         once, so a checkpoint saved after the step resumes after it."""
         start = self.position
         self.position += self.layout.samples_per_step
         return (
-            to_device(
+            MicroBatch.from_samples(
                 self.samples.samples(self.layout.micro_batch_indices(start, micro_step, self.rank)),
                 self.device,
             )
@@ -327,6 +447,8 @@ class Datasets:
     eval: EvalSamples | None
     description: str
     fingerprint: str  # of the training samples: a checkpoint's data position is valid only while it holds
+    # What became of the rows of the shards this rank has read so far (formats.RowCounts).
+    row_counts: Callable[[], RowCounts] = RowCounts
 
 
 ShardTable = tuple[list[Shard], list[Shard]]  # the training and the held-out shards
@@ -372,7 +494,7 @@ def build_datasets(
     if tokenizer is None:
         raise ConfigError("real data needs a tokenizer: set model.tokenizer or model.source")
     train_shards, eval_shards = list_source(spec, sequence_length, seed)
-    packer = ShardPacker(tokenizer, spec.text_field, sequence_length)
+    packer = ShardPacker(Encoder(spec, tokenizer, sequence_length))
     description = json.dumps(
         {
             "source": spec.source,
@@ -392,10 +514,14 @@ def build_datasets(
         "sequence_length": sequence_length,
         "seed": seed,
     }
+    formatting = spec.model_dump(mode="json", exclude_defaults=True, include=set(FORMATTING_FIELDS))
+    if formatting:  # a text run's fingerprint stays what it was
+        identity["formatting"] = formatting
     return Datasets(
         StreamedSamples(train_shards, packer, seed, streams),
         HeldOutSamples(eval_shards, packer) if eval_shards else None,
         description,
         # What the samples depend on: a changed corpus or tokenizer changes it even under the same URI.
         hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16],
+        packer.counts,
     )

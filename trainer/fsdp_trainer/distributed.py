@@ -141,12 +141,6 @@ def broadcast(value: Any) -> Any:
     return holder[0]
 
 
-def mean(value: float, device: torch.device) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)  # gloo has no AVG
-    return float(tensor.item()) / dist.get_world_size()
-
-
 def maximum(value: float, device: torch.device) -> float:
     tensor = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)

@@ -73,14 +73,17 @@ def export_model(
     destination: Location,
     rank: int,
     world_size: int,
+    state: dict[str, Any] | None = None,
 ) -> Exported:
-    """Writes the model to `destination`; every rank calls it at the same point (it runs collectives)."""
+    """Writes the model to `destination`; every rank calls it at the same point (it runs collectives).
+    `state`: this rank's shards to write instead of the model's own (an adapter merged into its base)."""
     from fsdp_trainer.model import AutoModelForCausalLM
 
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     shell.tie_weights()
-    sharded = get_model_state_dict(lm)  # this rank's shards (DTensors), under the model's own names
+    # This rank's shards (DTensors), under the model's own names.
+    sharded = get_model_state_dict(lm) if state is None else state
     names = _saved_names(shell, sharded)
     if names is None:
         log.warning(

@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, NoReturn
 
@@ -21,10 +21,22 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_trainer import checkpoint, data, distributed, fabric, forensics, model, optim, runlog, transport
+from fsdp_trainer import (
+    adapter,
+    checkpoint,
+    data,
+    distributed,
+    fabric,
+    forensics,
+    model,
+    optim,
+    runlog,
+    transport,
+)
 from fsdp_trainer.checkpoint_manager import CheckpointManager
-from fsdp_trainer.contract import NODE_NAME_ENV, SetupStage
+from fsdp_trainer.contract import NODE_NAME_ENV, SetupStage, TrainingData
 from fsdp_trainer.errors import ConfigError, ModelError, NonFiniteLossError, classify
+from fsdp_trainer.formats import RowCounts
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
@@ -143,6 +155,7 @@ class Trainer:
         self.checkpoints: CheckpointManager | None = None  # closed by train_loop, however setup ends
         self.tracker: MlflowTracker | None = None  # rank 0 only, closed by train_loop
         self.step = 0  # the last step this rank completed (hang forensics report it)
+        self.row_counts: Callable[[], RowCounts] = RowCounts  # the data's, once setup has built it
         self.skipped_in_a_row = 0  # steps whose update was skipped, up to the last settled one
 
     def run(self) -> None:
@@ -187,6 +200,8 @@ class Trainer:
         )
         log.info("data: %s", datasets.description)
         validator = Validator(datasets.eval, config.data.eval_batches, training.micro_batch_size, runtime)
+        self.row_counts = datasets.row_counts
+        self.report_training_data()
 
         self.stage(SetupStage.PROBING_TRANSPORT)
         fabric_report, transport_report = fabric.check(
@@ -222,6 +237,10 @@ class Trainer:
             weights = "load"
         sharded = build_sharded_model(config, model_config, runtime, weights)
         lm = sharded.lm
+        if config.fsdp.adapter is not None:
+            log.info("adapter: %s", adapter.describe(lm))
+            if self.progress is not None:
+                self.progress.update(adapter_bytes=adapter.trainable_bytes(lm))
         # Each rank's own stream from the run's seed, whatever setup drew before (the initialisation draws the
         # same stream on every rank on CUDA, a loaded model none): dropout is reproducible and differs between
         # ranks. A resumed run then continues the checkpoint's streams.
@@ -292,6 +311,23 @@ class Trainer:
         except ValueError as error:
             raise ConfigError(str(error)) from error
         return data.BatchLayout(runtime.world_size, training.micro_batch_size, accumulation)
+
+    def report_training_data(self) -> None:
+        """Rank 0's record of the data format, the learned tokens and the rows left out or cut so far."""
+        if self.progress is None:
+            return
+        spec, counts = self.config.data, self.row_counts()
+        self.progress.update(
+            training_data=TrainingData(
+                format=spec.format,
+                learned=spec.learned_tokens(),
+                packed=spec.packing,
+                rows=counts.rows,
+                unparsable=counts.unparsable,
+                truncated=counts.truncated,
+                dropped=counts.dropped,
+            )
+        )
 
     def stage(self, stage: SetupStage) -> None:
         if self.progress is not None:
@@ -366,7 +402,7 @@ class Trainer:
         the norm is not finite), all three device tensors, the same on every rank. Queued without a host
         sync: reading them is the metrics processor's and StepOutcome's."""
         # All of the step's micro-batches first: the loss is divided by their target count.
-        micro_batches = [optim.MicroBatch.packed(tokens) for tokens in session.batches.next_step()]
+        micro_batches = list(session.batches.next_step())
         loss_share = optim.accumulate_gradients(
             session.lm, session.root, micro_batches, self.config.fsdp.reduce_every_micro_step
         )
@@ -427,6 +463,7 @@ class Trainer:
         checkpoints.wait()  # the last checkpoint is complete before the run says it finished
         if session.validator.evaluated_at_step != step:
             session.metrics.evaluated(session.validator.validate(session.lm, step), step)
+        self.report_training_data()
         exported = None
         if self.config.checkpoint.export_model:
             exported = checkpoints.export(session.lm, session.model_config, session.tokenizer, session.dtype)

@@ -3,10 +3,11 @@ random initialisation from a config dict, plus the built-in byte-level tokenizer
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import torch
@@ -14,6 +15,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from fsdp_trainer import adapter
 from fsdp_trainer.contract import ModelSpec
 from fsdp_trainer.errors import ConfigError, ModelError
 from fsdp_trainer.metrics import ModelShape
@@ -152,16 +154,8 @@ def materialise(
     lm: Any = model
     with torch.no_grad():
         if weights == "initialise":
-            # DTensor's random ops keep shards consistent only for parameters on CUDA (offsets by shard
-            # coordinate, so replicas agree); elsewhere each shard draws from its own stream, which must
-            # differ between shards (or shards would repeat) and be the same for the replicas of one shard
-            # (or they would start apart, and nothing broadcasts them).
-            consistent = device.type == "cuda" and not cpu_offload
-            torch.manual_seed(seed if consistent else seed * 100_003 + shard_index)
             _forget_initialisation(model)
-            with warnings.catch_warnings():
-                # DTensor warns on every random op off CUDA; the per-rank seed above is the answer to it.
-                warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+            with seeded_for_shards(device, cpu_offload, seed, shard_index):
                 lm.initialize_weights()
         else:
             for module in model.modules():
@@ -171,6 +165,20 @@ def materialise(
             if spec.source is None:
                 raise ConfigError("model.source is needed to load weights")
             _load_pretrained_shards(model, weights_directory(spec, local_rank, barrier))
+
+
+@contextlib.contextmanager
+def seeded_for_shards(device: torch.device, cpu_offload: bool, seed: int, shard_index: int) -> Iterator[None]:
+    """Random initialisation of sharded parameters from `seed`. DTensor's random ops keep shards consistent
+    only for parameters on CUDA (offsets by shard coordinate, so replicas agree); elsewhere each shard draws
+    from its own stream, which must differ between shards (or shards would repeat) and be the same for the
+    replicas of one shard (or they would start apart, and nothing broadcasts them)."""
+    consistent = device.type == "cuda" and not cpu_offload
+    torch.manual_seed(seed if consistent else seed * 100_003 + shard_index)
+    with warnings.catch_warnings():
+        # DTensor warns on every random op off CUDA; the per-shard seed above is the answer to it.
+        warnings.filterwarnings("ignore", "DTensor random operators may not have complete support")
+        yield
 
 
 def _forget_initialisation(model: torch.nn.Module) -> None:
@@ -210,7 +218,12 @@ def _load_pretrained_shards(model: PreTrainedModel, directory: str) -> None:
     from torch.distributed.checkpoint.state_dict_loader import load
 
     lm: Any = model
-    state = model.state_dict()
+    # An adapter's weights are not in the files, and the weights it wraps are there under their plain names.
+    state = {
+        adapter.pretrained_name(name): tensor
+        for name, tensor in model.state_dict().items()
+        if not adapter.is_adapter_weight(name)
+    }
     if lm.get_output_embeddings() is not None and (
         lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
     ):

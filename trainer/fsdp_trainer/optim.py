@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_trainer.chunked_loss import IGNORE_INDEX
 from fsdp_trainer.contract import Schedule, TrainingSpec
+from fsdp_trainer.data import MicroBatch
 from fsdp_trainer.model import prepared_attention_masks
 
 ADAM_BETAS = (0.9, 0.95)  # the usual choice for LLM training (GPT-3, Llama, Qwen)
@@ -52,23 +53,44 @@ def build_optimizer(model: torch.nn.Module, spec: TrainingSpec) -> torch.optim.A
     return torch.optim.AdamW(groups, lr=spec.learning_rate, betas=ADAM_BETAS, fused=not weightless)
 
 
-@dataclass(frozen=True)
-class MicroBatch:
-    """One micro-batch on this rank: token ids and, per position, the token it is trained to be followed by
-    (transformers' labels: IGNORE_INDEX where a position has no target, such as padding or a masked
-    prompt). Packed pretraining data has labels = input_ids."""
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-
-    @classmethod
-    def packed(cls, tokens: torch.Tensor) -> MicroBatch:
-        return cls(tokens, tokens)
-
-
 def target_count(labels: torch.Tensor) -> torch.Tensor:
     """Positions with a target, as the causal-LM loss counts them: position i predicts label i + 1."""
     return (labels[..., 1:] != IGNORE_INDEX).sum()
+
+
+def all_targets(micro_batches: Sequence[MicroBatch]) -> torch.Tensor:
+    """The targets of these micro-batches on every rank together: what the loss is divided by. At least 1:
+    a batch without a target (every row cut before its answer) has a loss of 0, not 0 / 0."""
+    targets = torch.stack([target_count(batch.labels) for batch in micro_batches]).sum()
+    dist.all_reduce(targets)
+    return targets.clamp(min=1)
+
+
+# Attention implementations that keep packed examples apart by the position ids of one flattened row (varlen
+# kernels, as TRL's padding-free batches do); the others get a block-diagonal mask that transformers builds
+# from the position ids of each row.
+_VARLEN = ("flash_attention_2", "flash_attention_3")
+
+
+def model_inputs(batch: MicroBatch, config: Any) -> dict[str, Any]:
+    """The causal LM's keyword arguments for a micro-batch. Rows of one example each take the ready-made
+    masks (no host sync); packed rows take their position ids, from which each attention implementation
+    keeps the examples apart: transformers' masks for SDPA, eager and flex attention (it reads where the
+    positions restart, a host sync per micro-batch), the sequence lengths for flash attention."""
+    if not batch.packed:
+        masks = prepared_attention_masks(config)
+        return {"input_ids": batch.input_ids, "labels": batch.labels} | (
+            {} if masks is None else {"attention_mask": masks}
+        )
+    assert batch.position_ids is not None  # packed rows carry them
+    if getattr(config, "_attn_implementation", None) in _VARLEN:
+        # Every row starts an example and its first label is IGNORE_INDEX: nothing crosses a row boundary.
+        return {
+            "input_ids": batch.input_ids.reshape(1, -1),
+            "labels": batch.labels.reshape(1, -1),
+            "position_ids": batch.position_ids.reshape(1, -1),
+        }
+    return {"input_ids": batch.input_ids, "labels": batch.labels, "position_ids": batch.position_ids}
 
 
 def accumulate_gradients(
@@ -90,15 +112,13 @@ def accumulate_gradients(
     micro-step and accumulate as this rank's shard; without, they are reduce-scattered once, after the last
     micro-step, and accumulate unsharded in fp32 before it (the fewest collectives, shard-size times the
     gradient memory)."""
-    targets = torch.stack([target_count(batch.labels) for batch in micro_batches]).sum()
-    dist.all_reduce(targets)
-    masks = prepared_attention_masks(getattr(lm, "config", None))
-    mask = {} if masks is None else {"attention_mask": masks}
+    targets = all_targets(micro_batches)
+    config = getattr(lm, "config", None)
     losses = []
     last = len(micro_batches) - 1
     for micro_step, batch in enumerate(micro_batches):
         root.set_requires_gradient_sync(reduce_every_micro_step or micro_step == last)
-        loss = lm(input_ids=batch.input_ids, labels=batch.labels, num_items_in_batch=targets, **mask).loss
+        loss = lm(**model_inputs(batch, config), num_items_in_batch=targets).loss
         loss.backward()
         losses.append(loss.detach())
     return torch.stack(losses).sum()

@@ -11,8 +11,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from transformers import PretrainedConfig, PreTrainedModel
 
-from fsdp_trainer import chunked_loss, distributed, model, parallelize
+from fsdp_trainer import adapter, chunked_loss, distributed, model, parallelize
 from fsdp_trainer.contract import Precision, TrainerConfig
+from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.metrics import ModelShape
 
 
@@ -32,9 +33,17 @@ def build_sharded_model(
     weights: model.Weights,
 ) -> ShardedModel:
     """Built on the meta device and sharded before it has storage, then given `weights`: a resumed run
-    reads only the checkpoint next, a new one initialises or loads each rank's shards directly."""
+    reads only the checkpoint next, a new one initialises or loads each rank's shards directly. With an
+    adapter, the pretrained weights are always loaded (a checkpoint holds only the adapter) and the adapter
+    initialised; a resumed run's checkpoint replaces it next."""
     lm = model.empty_model(model_config)
     shape = model.model_shape(lm)
+    lora = config.fsdp.adapter
+    if lora is not None:
+        if config.model.source is None:
+            raise ConfigError("fsdp.adapter needs model.source: the pretrained model the adapter adapts")
+        adapter.inject(lm, lora)
+        weights = "load"
     device_type = runtime.device.type
     dtype = parallelize.compute_dtype(Precision(config.fsdp.mixed_precision), device_type)
     mesh = parallelize.build_mesh(
@@ -56,4 +65,11 @@ def build_sharded_model(
         dist.barrier,
         config.fsdp.cpu_offload,
     )
+    if lora is not None:
+        shard = parallelize.shard_index(mesh)
+        with model.seeded_for_shards(runtime.device, config.fsdp.cpu_offload, training.seed, shard):
+            adapter.initialise(lm)
+        if lora.init_from is not None:
+            directory = model.resolve(lora.init_from, runtime.local_rank, dist.barrier)
+            adapter.load_exported(lm, lora, directory)
     return ShardedModel(lm, root, dtype, shape, mesh)

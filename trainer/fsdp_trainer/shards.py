@@ -4,7 +4,10 @@ here before any worker starts."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,9 +41,9 @@ class Shard:
     row_group: int | None = None
 
 
-def list_shards(uri: str, text_field: str, sequence_length: int) -> list[Shard]:
+def list_shards(uri: str, fields: Sequence[str], sequence_length: int) -> list[Shard]:
     """The shards of a jsonl/parquet file, or of every such file below a directory in name order, from the
-    listing and parquet footers alone."""
+    listing and parquet footers alone (and the first jsonl shard, read to check that `fields` are there)."""
     try:
         location = Location.parse(uri)
         if location.is_file():  # read as jsonl unless it is named .parquet
@@ -64,7 +67,7 @@ def list_shards(uri: str, text_field: str, sequence_length: int) -> list[Shard]:
     for name in names:
         file, size = files[name]
         if name.endswith(PARQUET_SUFFIXES):
-            shards.extend(_parquet_shards(file, name, text_field))
+            shards.extend(_parquet_shards(file, name, fields))
         else:
             shards.extend(
                 Shard(file, name, start, min(start + shard_bytes, size))
@@ -72,21 +75,27 @@ def list_shards(uri: str, text_field: str, sequence_length: int) -> list[Shard]:
             )
     if not shards:
         raise DataError(f"data source {uri} has no documents")
-    # A misnamed text field fails here, not at the first step: the first jsonl shard must have it (parquet
-    # files were checked by their schema).
+    # A misnamed field fails here, not at the first step: the first jsonl shard must have it (parquet files
+    # were checked by their schema).
     jsonl = [shard for shard in shards if shard.row_group is None]
     if jsonl:
-        read_shard(jsonl[0], text_field)
+        present = {key for row in read_records(jsonl[0], fields) if row is not None for key in row}
+        for name in fields:
+            if present and name not in present:
+                raise DataError(
+                    f"{jsonl[0].location.uri} has no column {name!r} (columns: {sorted(present)})"
+                )
     return shards
 
 
-def _parquet_shards(file: Location, name: str, text_field: str) -> list[Shard]:
+def _parquet_shards(file: Location, name: str, fields: Sequence[str]) -> list[Shard]:
     try:
         parquet = pq.ParquetFile(file.path, filesystem=file.fs)
     except (OSError, pa.ArrowInvalid) as error:
         raise DataError(f"cannot read {file.uri}: {error}") from error
-    if text_field not in parquet.schema_arrow.names:
-        raise DataError(f"{file.uri} has no column {text_field!r} (columns: {parquet.schema_arrow.names})")
+    for field in fields:
+        if field not in parquet.schema_arrow.names:
+            raise DataError(f"{file.uri} has no column {field!r} (columns: {parquet.schema_arrow.names})")
     shards, first_row = [], 0
     for row_group in range(parquet.num_row_groups):
         rows = parquet.metadata.row_group(row_group).num_rows
@@ -113,6 +122,30 @@ def read_shard(shard: Shard, text_field: str) -> list[str]:
     if text_field not in table.column_names:
         raise DataError(f"{shard.location.uri} has no column {text_field!r} (columns: {table.column_names})")
     return [text for text in table.column(text_field).to_pylist() if isinstance(text, str) and text]
+
+
+def read_records(shard: Shard, fields: Sequence[str]) -> list[dict[str, Any] | None]:
+    """The shard's rows, in file order, as mappings that hold `fields` (a row may lack some); a jsonl line
+    that is not a JSON object is None: counted as unparsable by its reader, not a failure of the shard."""
+    try:
+        if shard.row_group is not None:
+            parquet = pq.ParquetFile(shard.location.path, filesystem=shard.location.fs)
+            rows: list[dict[str, Any] | None] = parquet.read_row_group(
+                shard.row_group, columns=fields
+            ).to_pylist()
+            return rows
+        lines = _jsonl_lines(shard)
+    except (OSError, pa.ArrowInvalid) as error:
+        raise DataError(f"cannot read {shard.location.uri} [{shard.start}, {shard.stop}): {error}") from error
+    return [_json_object(line) for line in lines.splitlines() if line.strip()]
+
+
+def _json_object(line: bytes) -> dict[str, Any] | None:
+    try:
+        value = json.loads(line)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _jsonl_lines(shard: Shard) -> bytes:
@@ -158,7 +191,7 @@ def split_shards(shards: list[Shard], eval_fraction: float, seed: int) -> tuple[
 
 def source_shards(spec: DataSpec, sequence_length: int, seed: int) -> tuple[list[Shard], list[Shard]]:
     """The training and held-out shards: evalSource's, or a seeded share of the source's."""
-    shards = list_shards(spec.source, spec.text_field, sequence_length)
+    shards = list_shards(spec.source, spec.fields(), sequence_length)
     if spec.eval_source:
-        return shards, list_shards(spec.eval_source, spec.text_field, sequence_length)
+        return shards, list_shards(spec.eval_source, spec.fields(), sequence_length)
     return split_shards(shards, spec.eval_fraction, seed)

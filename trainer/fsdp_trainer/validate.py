@@ -1,4 +1,5 @@
-"""The validator: held-out loss and perplexity, averaged over ranks."""
+"""The validator: held-out loss and perplexity, over the same targets as the training loss (the learned
+tokens), token-weighted over every rank's batches."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_trainer import data, distributed
+from fsdp_trainer import data, distributed, optim
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +56,18 @@ class Validator:
         started = time.perf_counter()
         self.evaluated_at_step = step
         device = self.runtime.device
+        held_out = self.held_out
+        batches = [data.MicroBatch.from_samples(held_out[indices], device) for indices in self.batches]
+        config = getattr(lm, "config", None)
         lm.eval()
-        total = torch.zeros((), device=device)
         with torch.no_grad():
-            for indices in self.batches:
-                batch = self.held_out[indices].to(device)
-                total += lm(input_ids=batch, labels=batch).loss
+            # Each batch's summed cross-entropy over the targets of all the ranks' batches: their sum over
+            # batches and ranks is the mean over every held-out target.
+            targets = optim.all_targets(batches)
+            total = torch.zeros((), device=device)
+            for batch in batches:
+                total += lm(**optim.model_inputs(batch, config), num_items_in_batch=targets).loss.float()
         lm.train()
-        loss = distributed.mean(float(total) / len(self.batches), device)
+        loss = float(optim.global_loss(total))
         perplexity = math.exp(min(loss, 80.0))  # capped: an untrained model would overflow
         return EvalResult(loss, perplexity, time.perf_counter() - started)

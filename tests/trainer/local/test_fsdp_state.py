@@ -275,7 +275,7 @@ def test_a_checkpoint_restores_the_data_position_and_every_streams_cursor(tmp_pa
     checkpoints.start(app, checkpoint.checkpoint_name(200, "a"), loss=4.0)
     checkpoints.wait()
     checkpoints.close()
-    uninterrupted = [torch.cat(list(app.batches.next_step())) for _ in range(20)]
+    uninterrupted = [torch.cat([batch.input_ids for batch in app.batches.next_step()]) for _ in range(20)]
 
     tokenizer = CountingTokenizer()
     restored = sharded_app(TrainingSpec(), loader(tokenizer))
@@ -283,7 +283,7 @@ def test_a_checkpoint_restores_the_data_position_and_every_streams_cursor(tmp_pa
     assert found is not None and restored.batches is not None
     checkpoint.load(found.location, restored, 0, reseed=0)
     assert restored.batches.position == 200 * layout.samples_per_step
-    continued = [torch.cat(list(restored.batches.next_step())) for _ in range(20)]
+    continued = [torch.cat([batch.input_ids for batch in restored.batches.next_step()]) for _ in range(20)]
     assert all(torch.equal(a, b) for a, b in zip(continued, uninterrupted, strict=True))
     tokenised = set(tokenizer.documents) & set(texts)
     assert len(tokenised) < 0.2 * len(texts), "the streams continue where they were, not from their start"

@@ -15,7 +15,7 @@ import torch.multiprocessing as multiprocessing
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_trainer import optim, parallelize
+from fsdp_trainer import data, optim, parallelize
 from fsdp_trainer.contract import FsdpSpec, TrainingSpec
 from tests.support.net import free_port
 from tests.support.tiny_model import tiny_lm
@@ -66,9 +66,10 @@ def one_step(rank: int, reduce_every_micro_step: bool) -> dict[str, object]:
 
     # Before FSDP's own hook, which gathers the root's parameters for the forward pass (in their place).
     lm.register_forward_pre_hook(before_forward, prepend=True, with_kwargs=True)
-    data = torch.Generator().manual_seed(100 + rank)
+    generator = torch.Generator().manual_seed(100 + rank)
     micro_batches = [
-        optim.MicroBatch.packed(torch.randint(0, VOCAB, (2, 16), generator=data)) for _ in range(MICRO_STEPS)
+        data.MicroBatch.of_tokens(torch.randint(0, VOCAB, (2, 16), generator=generator))
+        for _ in range(MICRO_STEPS)
     ]
     loss = optim.accumulate_gradients(lm, root, micro_batches, reduce_every_micro_step)
     gradients = {name: p.grad.full_tensor() for name, p in lm.named_parameters() if p.grad is not None}

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as multiprocessing
 import torch.nn.functional as F
 
-from fsdp_trainer import optim, parallelize
+from fsdp_trainer import data, optim, parallelize
 from fsdp_trainer.chunked_loss import IGNORE_INDEX
 from fsdp_trainer.contract import FsdpSpec
 from tests.support.net import free_port
@@ -26,7 +26,7 @@ MICRO_STEPS = 2
 ROWS, LENGTH = 2, 16
 
 
-def micro_batch(rank: int, micro_step: int) -> optim.MicroBatch:
+def micro_batch(rank: int, micro_step: int) -> data.MicroBatch:
     """Rank 0's first micro-batch keeps 3 targets in a row of padding, the rest keep most: the micro-batches
     hold very different target counts."""
     generator = torch.Generator().manual_seed(10 * rank + micro_step)
@@ -36,7 +36,7 @@ def micro_batch(rank: int, micro_step: int) -> optim.MicroBatch:
         labels[:, 4:] = IGNORE_INDEX  # a short sequence padded to the length
     else:
         labels[:, : 2 + rank + micro_step] = IGNORE_INDEX  # a masked prompt of a few tokens
-    return optim.MicroBatch(tokens, labels)
+    return data.MicroBatch(tokens, labels)
 
 
 def reference(lm: torch.nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_trainer import optim, parallelize
+from fsdp_trainer import data, optim, parallelize
 from fsdp_trainer.checkpoint import checkpoint_name, prune
 from fsdp_trainer.contract import (
     MANIFEST_FILE,
@@ -167,7 +167,7 @@ def check_on_rank(rank: int, port: int, output: Path) -> None:
             batch = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(rank))
             finish = poison(lm) if rank == poisoned_rank else (lambda: None)
             loss = optim.global_loss(
-                optim.accumulate_gradients(lm, root, [optim.MicroBatch.packed(batch)], True)
+                optim.accumulate_gradients(lm, root, [data.MicroBatch.of_tokens(batch)], True)
             )
             finish()
             norm = optim.clip_gradients(lm.parameters(), 1.0)

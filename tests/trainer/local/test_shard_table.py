@@ -47,7 +47,7 @@ def build_on_rank(rank: int, port: int, source: str, out: str) -> None:
         (Location, "list_files"),
         (Location, "is_file"),
         (pq, "ParquetFile"),  # a parquet footer
-        (shards, "read_shard"),  # the first jsonl shard, read to check the text field
+        (shards, "read_records"),  # the first jsonl shard, read to check the text field
     ]:
         setattr(owner, name, counted(touches, name, getattr(owner, name)))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -89,7 +89,7 @@ def test_only_rank_0_touches_storage_for_the_shard_table(tmp_path: Path) -> None
     (corpus / "a.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in texts[:50]))
     pq.write_table(pa.table({"text": texts[50:]}), corpus / "b.parquet", row_group_size=10)
     zero, one = build_on_two_ranks(corpus, tmp_path)
-    assert zero["touches"] == {"list_files": 1, "is_file": 1, "ParquetFile": 1, "read_shard": 1}
+    assert zero["touches"] == {"list_files": 1, "is_file": 1, "ParquetFile": 1, "read_records": 1}
     assert one["touches"] == {}, "rank 1 received the table"
     assert zero["fingerprint"] == one["fingerprint"], "the same shards, split the same way"
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import queue
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,9 @@ import torch
 
 from fsdp_trainer.contract import DataSpec
 from fsdp_trainer.data import (
+    LABELS,
+    POSITIONS,
+    TOKENS,
     BatchLayout,
     BatchLoader,
     Datasets,
@@ -30,6 +32,7 @@ from fsdp_trainer.data import (
     pack,
 )
 from fsdp_trainer.errors import DataError
+from fsdp_trainer.formats import Encoder
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.shards import Shard, list_shards, read_shard, split_shards
 from fsdp_trainer.storage import Location
@@ -39,7 +42,7 @@ CPU = torch.device("cpu")
 
 
 def documents_of(uri: str, sequence_length: int = 16) -> list[str]:
-    return [doc for shard in list_shards(uri, "text", sequence_length) for doc in read_shard(shard, "text")]
+    return [doc for shard in list_shards(uri, ["text"], sequence_length) for doc in read_shard(shard, "text")]
 
 
 def test_jsonl_parquet_and_directories_are_read_in_name_order(tmp_path: Path) -> None:
@@ -64,16 +67,16 @@ def test_jsonl_shards_hold_every_line_exactly_once_wherever_they_cut(
 
 def test_missing_source_or_field_is_a_data_error(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="no column 'body'"):
-        list_shards(str(write_jsonl(tmp_path / "d.jsonl", ["x"])), "body", 16)
+        list_shards(str(write_jsonl(tmp_path / "d.jsonl", ["x"])), ["body"], 16)
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "p.parquet")
     with pytest.raises(DataError, match="no column 'body'"):
-        list_shards(str(tmp_path / "p.parquet"), "body", 16)
+        list_shards(str(tmp_path / "p.parquet"), ["body"], 16)
     with pytest.raises(DataError):
-        list_shards(str(tmp_path / "absent.jsonl"), "text", 16)
+        list_shards(str(tmp_path / "absent.jsonl"), ["text"], 16)
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "readme.md").write_text("no data here")
     with pytest.raises(DataError, match=r"no \.jsonl"):
-        list_shards(str(tmp_path / "empty"), "text", 16)
+        list_shards(str(tmp_path / "empty"), ["text"], 16)
 
 
 def test_held_out_split_is_seeded_disjoint_and_complete(tmp_path: Path) -> None:
@@ -89,10 +92,14 @@ def test_held_out_split_is_seeded_disjoint_and_complete(tmp_path: Path) -> None:
         split_shards(shards[:1], 0.05, seed=3)
 
 
-def test_packing_separates_documents_with_eos_and_drops_the_tail() -> None:
-    rows = pack([[1, 2, 3], [4, 5], [6, 7, 8, 9]], eos_token_id=0, sequence_length=4)
-    assert rows.tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
-    assert pack([[1, 2, 3]], eos_token_id=None, sequence_length=2).tolist() == [[1, 2]]
+def test_packing_keeps_documents_apart_and_drops_the_tail() -> None:
+    """Documents end to end, each position restarting at a document (or a row) start, where no label is: no
+    token is trained to predict the next document's first."""
+    rows = pack([[1, 2, 3, 0], [4, 5, 0], [6, 7, 8, 9, 0]], sequence_length=4)
+    assert rows[:, TOKENS].tolist() == [[1, 2, 3, 0], [4, 5, 0, 6], [7, 8, 9, 0]]
+    assert rows[:, LABELS].tolist() == [[-100, 2, 3, 0], [-100, 5, 0, -100], [-100, 8, 9, 0]]
+    assert rows[:, POSITIONS].tolist() == [[0, 1, 2, 3], [0, 1, 2, 0], [0, 1, 2, 3]]
+    assert pack([[1, 2, 3]], sequence_length=2)[:, TOKENS].tolist() == [[1, 2]]
 
 
 def test_byte_level_tokenizer_maps_bytes_to_their_values() -> None:
@@ -133,7 +140,7 @@ def job(source: Path, layout: BatchLayout) -> list[BatchLoader]:
 
 def global_batch(loaders: list[BatchLoader]) -> torch.Tensor:
     """One step of every rank, in global sample order (micro-step-major, then rank-major)."""
-    per_rank = [list(loader.next_step()) for loader in loaders]
+    per_rank = [[batch.input_ids for batch in loader.next_step()] for loader in loaders]
     micro_steps = loaders[0].layout.grad_accumulation
     return torch.cat([per_rank[rank][m] for m in range(micro_steps) for rank in range(len(loaders))])
 
@@ -179,7 +186,7 @@ def test_each_rank_of_a_two_rank_job_tokenises_only_its_share(tmp_path: Path) ->
     for _ in range(steps):
         global_batch(loaders)
 
-    largest_shard = max(shard.stop - shard.start for shard in list_shards(str(tmp_path), "text", 16))
+    largest_shard = max(shard.stop - shard.start for shard in list_shards(str(tmp_path), ["text"], 16))
     consumed_per_rank = steps * layout.grad_accumulation * 16
     read = [set(tokenizer.documents) & set(texts) for tokenizer in tokenizers]
     assert not read[0] & read[1], "no shard is tokenised by both ranks"
@@ -216,23 +223,26 @@ def test_the_held_out_shards_are_deterministic_and_never_trained_on(tmp_path: Pa
 
 def test_every_epoch_visits_every_row_once_in_a_seeded_order(tmp_path: Path) -> None:
     mixed_corpus(tmp_path)
-    packer = ShardPacker(byte_level_tokenizer(), "text", 16)
-    shards = list_shards(str(tmp_path), "text", 16)
-    rows = sorted(tuple(row) for shard in shards for row in packer.rows(shard).tolist())
+    packer = ShardPacker(Encoder(DataSpec(), byte_level_tokenizer(), 16))
+    shards = list_shards(str(tmp_path), ["text"], 16)
+    rows = sorted(tuple(row) for shard in shards for row in packer.rows(shard)[:, TOKENS].tolist())
     one_stream = BatchLayout(world_size=1, micro_batch_size=1, grad_accumulation=1)
     samples = corpus_datasets(tmp_path, one_stream).train
-    first_epoch = samples.samples(range(len(rows))).tolist()
-    second_epoch = samples.samples(range(len(rows), 2 * len(rows))).tolist()
+    first_epoch = samples.samples(range(len(rows)))[:, TOKENS].tolist()
+    second_epoch = samples.samples(range(len(rows), 2 * len(rows)))[:, TOKENS].tolist()
     assert sorted(map(tuple, first_epoch)) == sorted(map(tuple, second_epoch)) == rows
     assert first_epoch != second_epoch
-    assert corpus_datasets(tmp_path, one_stream).train.samples(range(50)).tolist() == first_epoch[:50]
+    assert (
+        corpus_datasets(tmp_path, one_stream).train.samples(range(50))[:, TOKENS].tolist() == first_epoch[:50]
+    )
 
 
-@dataclass(frozen=True)
 class RecordingPacker(ShardPacker):
     """Says of every shard it has read whether the training thread (the caller of `samples`) read it."""
 
-    reads: queue.Queue[bool] = field(default_factory=queue.Queue)
+    def __init__(self, encoder: Encoder) -> None:
+        super().__init__(encoder)
+        self.reads: queue.Queue[bool] = queue.Queue()
 
     def rows(self, shard: Shard) -> Any:
         rows = super().rows(shard)
@@ -242,8 +252,8 @@ class RecordingPacker(ShardPacker):
 
 def test_a_streams_next_shard_is_read_in_the_background_before_the_stream_reaches_it(tmp_path: Path) -> None:
     mixed_corpus(tmp_path)
-    shards = list_shards(str(tmp_path), "text", 16)
-    packer = RecordingPacker(byte_level_tokenizer(), "text", 16)
+    shards = list_shards(str(tmp_path), ["text"], 16)
+    packer = RecordingPacker(Encoder(DataSpec(), byte_level_tokenizer(), 16))
     samples = StreamedSamples(shards, packer, seed=1, streams=1)
     first = samples.samples([0])
     assert packer.reads.get_nowait() is True, "the first shard: nothing was there to read it earlier"
@@ -252,7 +262,9 @@ def test_a_streams_next_shard_is_read_in_the_background_before_the_stream_reache
     later = samples.samples(range(1, 400))  # across several shards
     reads = [packer.reads.get(timeout=60) for _ in range(packer.reads.qsize())]
     assert len(reads) >= 5 and not any(reads), "no shard was read in the training thread"
-    in_one_thread = StreamedSamples(shards, ShardPacker(byte_level_tokenizer(), "text", 16), 1, 1)
+    in_one_thread = StreamedSamples(
+        shards, ShardPacker(Encoder(DataSpec(), byte_level_tokenizer(), 16)), 1, 1
+    )
     assert torch.equal(torch.cat([first, later]), in_one_thread.samples(range(400)))
 
 
@@ -261,7 +273,7 @@ def test_synthetic_samples_are_a_pure_function_of_seed_and_index() -> None:
     again = SyntheticSamples(vocab_size=100, sequence_length=16, seed=2)
     assert synthetic.samples([7, 1_000_000]).tolist() == again.samples([7, 1_000_000]).tolist()
     assert synthetic.samples([7]).tolist() != synthetic.samples([8]).tolist()
-    assert int(synthetic.samples(range(4)).max()) < 100
+    assert int(synthetic.samples(range(4))[:, TOKENS].max()) < 100
 
 
 def test_every_rank_runs_the_same_number_of_eval_batches() -> None:
@@ -281,9 +293,9 @@ def test_real_corpus_builds_train_and_held_out_samples() -> None:
     assert datasets.eval is not None
     description = json.loads(datasets.description)
     assert description["train_shards"] > 10 * description["eval_shards"] > 0
-    assert datasets.eval.first(100).shape == (100, 64)
+    assert datasets.eval.first(100).shape == (100, 3, 64)
     batch = datasets.train.samples([0, 1])
-    assert batch.shape == (2, 64) and int(batch.max()) <= 256
+    assert batch.shape == (2, 3, 64) and int(batch[:, TOKENS].max()) <= 256
 
 
 def test_the_data_fingerprint_follows_the_samples_not_the_uri(tmp_path: Path) -> None:

@@ -23,15 +23,10 @@ def collectives(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Stands in for the all-reduces the processor could make (one rank: the value is the result)."""
     calls: list[str] = []
 
-    def mean(value: float, device: torch.device) -> float:
-        calls.append("mean")
-        return value
-
     def maximum(value: float, device: torch.device) -> float:
         calls.append("max")
         return value
 
-    monkeypatch.setattr(telemetry.distributed, "mean", mean)
     monkeypatch.setattr(telemetry.distributed, "maximum", maximum)
     return calls
 
