@@ -8,6 +8,7 @@ sha256 is recorded in the status.
 from __future__ import annotations
 
 import hashlib
+import re
 import shlex
 from collections.abc import Mapping
 from pathlib import Path
@@ -77,11 +78,21 @@ def entrypoint(config: TrainerConfig, submission: str, attempt: AttemptInfo) -> 
 
 def runtime_env(spec: api.FSDPTrainingRunSpec, package: Path = TRAINER_PACKAGE) -> dict[str, Any]:
     env: dict[str, Any] = {"py_modules": [str(package)]}
-    if spec.runtime_env.pip:
-        env["pip"] = list(spec.runtime_env.pip)
+    pip = list(spec.runtime_env.pip)
+    # An adapter needs peft, which the DLC lacks: Ray installs it for the job, unless the run names its own.
+    if spec.fsdp.adapter is not None and not any(_names(requirement, "peft") for requirement in pip):
+        pip.append(contract.ADAPTER_REQUIREMENT)
+    if pip:
+        env["pip"] = pip
     if spec.runtime_env.env:
         env["env_vars"] = dict(spec.runtime_env.env)
     return env
+
+
+def _names(requirement: str, project: str) -> bool:
+    """Whether a pip requirement ("peft==0.21.2", "PEFT >= 0.20", "peft[extra]") is for `project`."""
+    name = re.split(r"[\s\[<>=!~;@]", requirement.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower() == project
 
 
 def package_sha256(package: Path = TRAINER_PACKAGE) -> str:

@@ -259,3 +259,13 @@ def test_the_operators_own_aws_identity_reaches_neither_the_pods_nor_the_job(
         )
         leaked = [name for name, value in operator_identity.items() if name in made or value in made]
         assert leaked == [], f"{case}: {leaked}"
+
+
+def test_an_adapter_run_gets_peft_from_rays_pip_since_the_dlc_has_none() -> None:
+    """The DLC bundle has no peft (the stand-in image neither): a LoRA run's job installs the trainer's pin,
+    a run that names its own peft keeps it, and a run without an adapter installs nothing."""
+    lora = {"fsdp.adapter": {"rank": 8}, "model.source": "Qwen/Qwen2.5-1.5B-Instruct"}
+    assert submission.runtime_env(example_spec("aws-sample", **lora))["pip"] == ["peft==0.21.2"]
+    own = example_spec("aws-sample", **lora, **{"runtimeEnv.pip": ["PEFT>=0.20", "rich"]})
+    assert submission.runtime_env(own)["pip"] == ["PEFT>=0.20", "rich"]
+    assert "pip" not in submission.runtime_env(example_spec("aws-sample"))

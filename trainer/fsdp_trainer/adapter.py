@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from fsdp_trainer.contract import AdapterSpec
+from fsdp_trainer.contract import ADAPTER_REQUIREMENT, AdapterSpec
 from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.storage import Location
 
@@ -48,7 +48,14 @@ def lora_config(spec: AdapterSpec, base_model: str | None = None) -> Any:
 
 def inject(lm: torch.nn.Module, spec: AdapterSpec) -> None:
     """Adds the adapter to the weightless (meta) model and freezes everything else (peft's doing)."""
-    from peft import inject_adapter_in_model
+    try:
+        from peft import inject_adapter_in_model
+    except ImportError as error:  # a configuration to fix, not a failure a restart can mend
+        raise ConfigError(
+            f"fsdp.adapter needs {ADAPTER_REQUIREMENT}, which this environment lacks: the operator asks Ray "
+            "to install it (the job's runtime env pip), which needs a package index the pods can reach, or "
+            f"an image that has it ({error})"
+        ) from error
 
     try:
         inject_adapter_in_model(lora_config(spec), lm, adapter_name=ADAPTER_NAME)

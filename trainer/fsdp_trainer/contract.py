@@ -176,6 +176,11 @@ def _nesting_exceeds(value: Any, depth: int) -> bool:
     return False
 
 
+# What a run with an adapter needs beyond the DLC's packages (the DLC bundle has no peft; every one of peft's
+# own dependencies is in it): the operator adds it to the job's runtime env (`pip`), so no image is changed.
+ADAPTER_REQUIREMENT = "peft==0.21.2"
+
+
 class AdapterSpec(ContractModel):
     """LoRA (Hu et al. 2021, through peft): the pretrained weights stay frozen and only low-rank updates of
     the target modules are trained, checkpointed and exported."""

@@ -7,6 +7,7 @@ from the exported adapter."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from transformers import AutoModelForCausalLM
 
 from fsdp_trainer import adapter, data, distributed, optim
-from fsdp_trainer.contract import ProgressRecord, TrainerConfig
+from fsdp_trainer.contract import AdapterSpec, ProgressRecord, TrainerConfig
+from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.sharded_model import build_sharded_model
 from tests.support.corpus import CHATML, write_chat_jsonl
@@ -163,3 +165,13 @@ def test_training_an_adapter_leaves_the_pretrained_weights_bit_identical(
         for n in frozen
         if adapter.pretrained_name(n) in files
     )
+
+
+def test_an_adapter_without_peft_is_a_configuration_error_naming_the_requirement(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where Ray could not install peft (no package index, an image without it) the run fails once, saying
+    what it needs, not a ModuleNotFoundError retried as a runtime failure."""
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"fsdp\.adapter needs peft==0\.21\.2"):
+        adapter.inject(tiny_lm(), AdapterSpec())
