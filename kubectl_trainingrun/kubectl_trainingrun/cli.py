@@ -141,8 +141,8 @@ def describe(run: dict[str, Any]) -> str:
         f"Attempt:       {status.get('attempt', 0)}  (job {status.get('jobSubmissionId', '-')})",
         f"Started:       {status.get('startTime', '-')}   Completed: {status.get('completionTime', '-')}",
         f"Model:         {spec['model'].get('source') or 'fromConfig'}",
-        f"Data:          {data_line(spec.get('data') or {})}",
-        f"Adapter:       {adapter_line((spec.get('fsdp') or {}).get('adapter'))}",
+        f"Data:          {data_line(spec.get('data') or {}, progress.get('dataRows'))}",
+        f"Adapter:       {adapter_line(spec.get('fsdp', {}).get('adapter'), progress.get('adapterBytes'))}",
         f"Image:         {image.get('requested', '-')}",
         f"  ran digest:  {image.get('digest', '-')}",
         f"Trainer:       sha256 {record.get('packageSha256', '-')}",
@@ -184,20 +184,27 @@ def describe(run: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def data_line(data: dict[str, Any]) -> str:
-    """The data format and the tokens the loss is on."""
+def data_line(data: dict[str, Any], rows: dict[str, Any] | None) -> str:
+    """The data format, the tokens the loss is on, and what became of the rows read so far."""
     spec = DataSpec.model_validate(data)
     packing = "packed" if spec.packing else "one example per sequence"
-    return f"{spec.source}  format {spec.format}, loss on {spec.learned_tokens()}, {packing}"
+    line = f"{spec.source}  format {spec.format}, loss on {spec.learned_tokens()}, {packing}"
+    if rows:
+        line += (
+            f"; {rows.get('read', 0)} rows read, {rows.get('unparsable', 0)} unparsable, "
+            f"{rows.get('truncated', 0)} truncated, {rows.get('dropped', 0)} dropped"
+        )
+    return line
 
 
-def adapter_line(adapter: dict[str, Any] | None) -> str:
-    """The LoRA adapter's shape (its size in bytes is in the run record's final progress)."""
+def adapter_line(adapter: dict[str, Any] | None, size: int | None) -> str:
+    """The LoRA adapter's shape, and its size once the trainer has reported it."""
     if not adapter:
         return "none (every weight trains)"
     targets = ",".join(adapter.get("targetModules") or ["default projections"])
     merged = ", merged export too" if adapter.get("exportMerged") else ""
-    return f"LoRA rank {adapter.get('rank', 16)} alpha {adapter.get('alpha', 32)} on {targets}{merged}"
+    sized = f", {size / 2**20:.1f} MiB" if size is not None else ""
+    return f"LoRA rank {adapter.get('rank', 16)} alpha {adapter.get('alpha', 32)} on {targets}{merged}{sized}"
 
 
 def fabric_line(fabric: dict[str, Any]) -> str:

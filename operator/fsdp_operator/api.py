@@ -643,6 +643,16 @@ class ImageStatus(ContractModel):
     consistent: bool | None = Field(default=None, description="False when pods reported different digests.")
 
 
+class DataRowsStatus(ContractModel):
+    """Rows that could not be learned from are counted, never a crash: data.overLength says whether a long row
+    is truncated or dropped."""
+
+    read: int = 0
+    unparsable: int = 0
+    truncated: int = 0
+    dropped: int = 0
+
+
 class ProgressStatus(ContractModel):
     stage: str | None = Field(default=None, description="Setup stage of the trainer before its first step.")
     stage_since: dt.datetime | None = Field(default=None, description="When that stage was first reported.")
@@ -662,6 +672,12 @@ class ProgressStatus(ContractModel):
         default=None,
         description="Optimizer steps this attempt skipped for a non-finite loss or gradient norm "
         "(training.maxNonFiniteSteps in a row fail it with reason NonFiniteLoss).",
+    )
+    data_rows: DataRowsStatus | None = Field(
+        default=None, description="What became of the data's rows read so far (by rank 0)."
+    )
+    adapter_bytes: int | None = Field(
+        default=None, description="A LoRA run's adapter in bytes (fsdp.adapter): what its export holds."
     )
     updated_at: dt.datetime | None = None
 

@@ -163,6 +163,21 @@ def test_describe_shows_the_whole_run_on_one_screen(s3_storage: str) -> None:
     assert "MLflow" not in text  # tracking off
 
 
+def test_describe_says_the_data_format_what_became_of_the_rows_and_the_adapters_size(s3_storage: str) -> None:
+    run = run_object(s3_storage)
+    run["spec"]["data"] = {"source": "s3://d/chats.jsonl", "format": "messages"}
+    run["spec"]["fsdp"] = {"adapter": {"rank": 8}}
+    run["status"]["progress"].update(
+        dataRows={"read": 800, "unparsable": 3, "truncated": 5, "dropped": 2}, adapterBytes=4_194_304
+    )
+    text = cli.describe(run)
+    assert (
+        "s3://d/chats.jsonl  format messages, loss on assistant turns, packed; 800 rows read, 3 unparsable, "
+        "5 truncated, 2 dropped" in text
+    ), text
+    assert "LoRA rank 8 alpha 32 on default projections, 4.0 MiB" in text, text
+
+
 def test_describe_links_the_mlflow_run_once_the_trainer_has_created_it(s3_storage: str) -> None:
     run = run_object(s3_storage)
     run["spec"]["tracking"] = {"mlflow": {"trackingUri": "https://mlflow.example.com/"}}

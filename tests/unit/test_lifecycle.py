@@ -10,7 +10,7 @@ from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
 from fsdp_operator.recovery import backoff_seconds, classify
 from fsdp_operator.watched import pod_disruption
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TransportReport
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TrainingData, TransportReport
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 READY = ClusterObservation(ready=True, message="")
@@ -394,3 +394,14 @@ def test_without_a_rank_out_of_collectives_the_suspect_is_the_one_behind_or_the_
     assert silent is not None and silent.rank == 1 and "did not answer" in silent.why
     assert hangs.suspect([stacks(0, True, "a"), stacks(1, True, "b")], 2) is None
     assert hangs.suspect([], 2) is None
+
+
+def test_a_runs_status_says_what_became_of_its_rows_and_how_large_its_adapter_is() -> None:
+    """Issue 48: rows that do not parse or are too long are counted and reported, and a LoRA run's adapter
+    size shows in the status (and so in `kubectl trainingrun describe`), not only in the trainer's record."""
+    data = TrainingData(format="messages", learned="assistant turns", packed=True, rows=800, unparsable=3,
+                        truncated=5, dropped=2)  # fmt: skip
+    record = progress(training_data=data, adapter_bytes=4_194_304)
+    seen = reconcile(spec(), running(), observe(job=job("RUNNING"), progress=record)).status.progress
+    assert seen.data_rows == api.DataRowsStatus(read=800, unparsable=3, truncated=5, dropped=2)
+    assert seen.adapter_bytes == 4_194_304

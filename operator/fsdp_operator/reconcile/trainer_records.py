@@ -27,6 +27,7 @@ from fsdp_trainer.contract import (
     MlflowRunRef,
     ProgressRecord,
     RestartEntry,
+    TrainingData,
     Transport,
     TransportReport,
     Versions,
@@ -63,6 +64,8 @@ def absorb_trainer_records(state: PassState) -> None:
             if progress.phase in ("training", "finished")
             else new.progress.world_size,
             non_finite_steps=_count(progress.non_finite_steps) or None,
+            data_rows=_data_rows(progress.training_data) or new.progress.data_rows,
+            adapter_bytes=None if progress.adapter_bytes is None else _count(progress.adapter_bytes),
             updated_at=progress.updated_at,
         )
         absorb_resize(state, new.progress.world_size)
@@ -190,6 +193,17 @@ def mlflow_run_is_plausible(state: PassState, ref: MlflowRunRef) -> bool:
         mlflow is not None
         and ref.tracking_uri == mlflow.tracking_uri
         and all(_whole(v, MAX_MLFLOW_ID) for v in (ref.experiment_id, ref.run_id))
+    )
+
+
+def _data_rows(data: TrainingData | None) -> api.DataRowsStatus | None:
+    if data is None:
+        return None
+    return api.DataRowsStatus(
+        read=_count(data.rows),
+        unparsable=_count(data.unparsable),
+        truncated=_count(data.truncated),
+        dropped=_count(data.dropped),
     )
 
 
