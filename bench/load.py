@@ -128,6 +128,7 @@ class ProfiledOperator(OperatorProcess):
             **os.environ,
             "FSDP_OPERATOR_LEADER_ELECTION": "false",
             "FSDP_OPERATOR_HEALTH_PORT": "0",
+            "FSDP_OPERATOR_MAX_ACTIVE_RUNS_PER_NAMESPACE": "0",  # 20 runs a namespace, all at once
             **self.env,
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO / "operator"), str(REPO / "trainer"), os.environ.get("MEMRAY_PATH", "")]

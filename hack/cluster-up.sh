@@ -36,7 +36,9 @@ key=${dlc_image##*/dlc-standin-} && echo "export FSDP_DLC_IMAGE=localhost/fsdp-o
 "$root/hack/ray-head.sh" start
 
 log "starting S3/EC2 server (moto) on 127.0.0.1:$S3_PORT"
-start_daemon moto "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
+# Where moto writes the requests it records between a test's /moto-api/recorder/start- and stop-recording.
+start_daemon moto env MOTO_RECORDER_FILEPATH="$STATE/moto-recording.jsonl" \
+  "$VENV/bin/moto_server" -H 127.0.0.1 -p "$S3_PORT"
 
 log "creating control plane with kwokctl (binary runtime)"
 # kwokctl gives etcd, the controller-manager, the scheduler and kwok the highest ports below 32768 that are

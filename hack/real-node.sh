@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The local cluster's real node, beside the KWOK nodes: a kubelet (v1.35.4, built from the module proxy) with
-# Debian's containerd, runc and CNI bridge plugin, cluster DNS (CoreDNS, five plugins) and NetworkPolicy
+# Debian's containerd, runc and CNI bridge plugin, cluster DNS (CoreDNS, six plugins) and NetworkPolicy
 # enforcement (kube-router, firewall only), all out of cluster.
 #   start    join the node to the running control plane and wait until it is Ready
 #   stop     stop it and everything it ran, and leave the host as it was found
@@ -15,8 +15,9 @@
 #   otherwise set vm.overcommit_memory, kernel.panic and kernel.panic_on_oops host-wide), and every volume and
 #   rootfs mount the node makes stays inside and goes with it.
 # Pods reach the host only at HOST_POD_ADDRESS, where socat forwards the apiserver's and S3's ports to their
-# loopback listeners. What stays on the host while the node runs: that veth end, the forwarders, and the
-# kubelet's cgroups (NODE_CGROUP in each hierarchy); stop removes all three.
+# loopback listeners, and port 443 (TLS, AWS STS's regional name in cluster DNS) to the local STS. What stays on
+# the host while the node runs: that veth end, the forwarders, and the kubelet's cgroups (NODE_CGROUP in each
+# hierarchy); stop removes all three.
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -24,6 +25,7 @@ source "$root/hack/lib.sh"
 PIDS=$NODE_DIR/pids # not $STATE/pids: the node is stopped in its own order, before the control plane
 PKI=$KWOK_WORKDIR/clusters/$CLUSTER_NAME/pki
 PAUSE_IMAGE=localhost/fsdp-operator/pause:3.10
+REGION=us-west-2 # the node's region (its labels), and so the regional AWS STS name its pods meet
 KUBELET_PORT=10250 # inside the node's network namespace: no clash between instances
 CNI_BIN=/usr/lib/cni
 CGROUP_HIERARCHIES=(cpu cpuacct cpuset memory devices freezer blkio pids systemd)
@@ -54,6 +56,7 @@ render() { # TEMPLATE DEST: the template with this instance's values
     -e "s|@KUBELET_PORT@|$KUBELET_PORT|g" -e "s|@PAUSE_IMAGE@|$PAUSE_IMAGE|g" -e "s|@CNI_BIN@|$CNI_BIN|g" \
     -e "s|@SERVICE_CIDR@|$SERVICE_CIDR|g" -e "s|@CONTAINERD_ROOT@|$NODE_CONTAINERD_ROOT|g" \
     -e "s|@DISK_RESERVED@|${NODE_DISK_RESERVED:-0}|g" -e "s|@IMAGES_ROOT@|${IMAGES_ROOT:-}|g" \
+    -e "s|@REGION@|$REGION|g" \
     "$root/hack/node/$1" >"$2"
 }
 
@@ -90,6 +93,20 @@ node_certificates() { # the kubelet's client (Node authorizer identity) and serv
     openssl x509 -req -in "$dir/$name.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial -days 30 \
       -extfile "$dir/$name.ext" -out "$dir/$name.crt" 2>/dev/null
   done
+}
+
+# The serving certificate of AWS STS's regional name (the Corefile's), from kwokctl's CA: pods trust it through
+# the CA file Kubernetes mounts with their service-account token, when their environment names it (SSL_CERT_FILE
+# for pyarrow's AWS SDK, AWS_CA_BUNDLE for botocore); nothing in the images trusts it.
+sts_certificate() {
+  local dir=$NODE_DIR/sts name=sts.$REGION.amazonaws.com
+  mkdir -p "$dir"
+  openssl ecparam -name prime256v1 -genkey -noout -out "$dir/tls.key" 2>/dev/null
+  openssl req -new -key "$dir/tls.key" -subj "/CN=$name" -out "$dir/tls.csr" 2>/dev/null
+  printf 'basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\nsubjectAltName=DNS:%s\n' \
+    "$name" >"$dir/tls.ext"
+  openssl x509 -req -in "$dir/tls.csr" -CA "$PKI/ca.crt" -CAkey "$PKI/ca.key" -CAcreateserial -days 30 \
+    -extfile "$dir/tls.ext" -out "$dir/tls.crt" 2>/dev/null
 }
 
 # The pause image (the pod sandbox): Kubernetes' own pause.c, from the kubelet's module, built static.
@@ -282,6 +299,11 @@ start() {
     start_daemon "forward-$port" socat "TCP-LISTEN:$port,bind=$HOST_POD_ADDRESS,fork,reuseaddr" \
       "TCP:127.0.0.1:$port"
   done
+  # AWS STS at its real name, on HTTPS's port as the pods' SDKs ask for it, to the local STS (moto, S3's port).
+  sts_certificate
+  start_daemon forward-sts socat \
+    "OPENSSL-LISTEN:443,bind=$HOST_POD_ADDRESS,cert=$NODE_DIR/sts/tls.crt,key=$NODE_DIR/sts/tls.key,verify=0,fork,reuseaddr" \
+    "TCP:127.0.0.1:$S3_PORT"
 
   # containerd, with the pause image and the images pods run imported (no registry is reachable).
   render containerd.toml "$NODE_DIR/containerd/config.toml"

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import kopf
 
-from fsdp_operator import api, builder, conditions, fabric, metrics, submission
+from fsdp_operator import api, builder, conditions, fabric, metrics, submission, tenancy
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.reconcile import Decision, DriverLog
@@ -61,12 +61,13 @@ def act(
                 )
         if decision.avoid_node is not None:  # before the cluster goes: its replacement's pods avoid the node
             node = decision.avoid_node
-            ctx.kube.patch_node(node.node, fabric.label_patch(node.why, node.labelled_at))
+            ctx.kube.patch_node(node.node, fabric.label_patch(node.why, node.labelled_at, run.namespace))
+            metrics.NODES_LABELLED.labels(run.namespace).inc()
             log.warning(
                 "%s/%s: labelled node %s %s", run.namespace, run.name, node.node, fabric.DEGRADED_LABEL
             )
         if decision.delete_cluster:
-            ctx.kube.delete_raycluster(run.namespace, cluster_name)
+            ctx.kube.delete_raycluster(run.namespace, cluster_name, run.uid)
             memory.created = None
         attempt = decision.status.attempt
         created = memory.created
@@ -118,7 +119,11 @@ def create_cluster_guards(ctx: Context, run: builder.RunRef) -> None:
     if settings.ray_token_auth and token:
         ctx.kube.create_if_absent(builder.build_ray_auth_secret(run, token))
     if settings.network_policy:
-        ctx.kube.create_if_absent(ctx.network_policy(run))
+        put_back = ctx.kube.put_back(ctx.network_policy(run), run.uid)
+        if put_back is not None:
+            identity = {"name": run.name, "namespace": run.namespace, "uid": run.uid}
+            run_body = {"apiVersion": api.API_VERSION, "kind": api.KIND, "metadata": identity}
+            policy_put_back(run_body, builder.ray_cluster_name(run.name), put_back)
 
 
 def create_efa_claim_template(ctx: Context, run: builder.RunRef, spec: api.FSDPTrainingRunSpec) -> None:
@@ -128,29 +133,43 @@ def create_efa_claim_template(ctx: Context, run: builder.RunRef, spec: api.FSDPT
         ctx.kube.create_if_absent(builder.build_efa_claim_template(spec, run, device_class))
 
 
-def restore_network_policy(ctx: Context, deleted: Mapping[str, Any], indexes: Indexes) -> None:
-    """A run's NetworkPolicy deleted while its RayCluster runs (by hand, a namespace clean-up) would leave the
-    dashboard, whose job API runs code, open to every pod: it is created again at once, with a Warning. Not
-    when the run or its cluster is going (the garbage collector deleting it with them)."""
-    meta = deleted["metadata"]
-    owner = next((o for o in meta.get("ownerReferences") or [] if o.get("kind") == api.KIND), None)
-    if owner is None:
+def restore_network_policy(
+    ctx: Context, policy: Mapping[str, Any], event_type: str | None, indexes: Indexes
+) -> None:
+    """The NetworkPolicy of a run whose RayCluster runs keeps its dashboard (its job API runs code) to the
+    operator and its pods off the instance metadata service: deleted, edited, or taken from the run (its
+    owner reference removed), it is put back at once, with a Warning. Not when the run or its cluster is going
+    (the garbage collector deleting it with them)."""
+    meta = policy["metadata"]
+    found = next(
+        (
+            run
+            for run in indexes.all(indexes.runs)
+            if run["metadata"]["namespace"] == meta["namespace"]
+            and builder.ray_cluster_name(run["metadata"]["name"]) == meta["name"]
+        ),
+        None,
+    )
+    if found is None or found["metadata"].get("deletionTimestamp"):
         return
-    found = indexes.one(indexes.runs, (meta["namespace"], owner["name"]))
-    if (
-        found is None
-        or found["metadata"]["uid"] != owner.get("uid")
-        or found["metadata"].get("deletionTimestamp")
-    ):
-        return
-    cluster = indexes.raycluster(meta["namespace"], builder.ray_cluster_name(owner["name"]))
+    cluster = indexes.raycluster(meta["namespace"], meta["name"])
     if cluster is None or cluster["metadata"].get("deletionTimestamp"):
         return
-    ref = builder.RunRef(name=owner["name"], namespace=meta["namespace"], uid=owner["uid"])
-    ctx.kube.create_if_absent(ctx.network_policy(ref))
-    message = f"NetworkPolicy {meta['name']} was deleted while the RayCluster runs; created again"
-    kopf.event(kopf.Body(cast(Any, found)), type="Warning", reason="NetworkPolicyRestored", message=message)
-    log.warning("%s/%s: %s", meta["namespace"], owner["name"], message)
+    run_meta = found["metadata"]
+    ref = builder.RunRef(name=run_meta["name"], namespace=run_meta["namespace"], uid=run_meta["uid"])
+    if event_type == "DELETED":
+        ctx.kube.create_if_absent(ctx.network_policy(ref))
+        policy_put_back(found, meta["name"], "it was deleted while the RayCluster runs")
+        return
+    put_back = ctx.kube.put_back(ctx.network_policy(ref), ref.uid, policy)
+    if put_back is not None:
+        policy_put_back(found, meta["name"], put_back)
+
+
+def policy_put_back(run: Mapping[str, Any], name: str, why: str) -> None:
+    message = f"NetworkPolicy {name}: {why}; put back as the run needs it"
+    kopf.event(kopf.Body(cast(Any, run)), type="Warning", reason="NetworkPolicyRestored", message=message)
+    log.warning("%s/%s: %s", run["metadata"]["namespace"], run["metadata"]["name"], message)
 
 
 def fault_point(name: str, attempt: int) -> None:
@@ -192,8 +211,9 @@ def write_run_record(
     status: api.FSDPTrainingRunStatus,
 ) -> None:
     """run.json next to the checkpoints: the evidence outlives the custom resource. It keeps every restart
-    (the status keeps the last few), carried over from the run.json this run wrote before."""
-    if status.phase in (None, api.Phase.PENDING):
+    (the status keeps the last few), carried over from the run.json this run wrote before. Nothing for a run
+    refused its namespace's grants: its paths are what was refused, and may be another run's."""
+    if status.phase in (None, api.Phase.PENDING) or refused_grants(status):
         return
     storage = ctx.storage(spec, run)
     memory = ctx.runs.of(run.uid)
@@ -233,6 +253,11 @@ def write_run_record(
         log.log(level, "%s/%s: cannot write run.json to %s: %s", run.namespace, run.name, storage.uri, error)
 
 
+def refused_grants(status: api.FSDPTrainingRunStatus) -> bool:
+    failed = conditions.condition(status.conditions, conditions.FAILED)
+    return failed is not None and failed.status == "True" and failed.reason == tenancy.NOT_ALLOWED
+
+
 def delete_run(ctx: Context, body: kopf.Body) -> None:
     """Stops the job and deletes the cluster; checkpoints and run.json stay in S3. Under the run's lock and on
     the status as stored now: a pass in flight finishes first (a job it just submitted is stopped too), and
@@ -247,5 +272,5 @@ def delete_run(ctx: Context, body: kopf.Body) -> None:
                 ctx.jobs(meta["namespace"], cluster_name).stop(status["jobSubmissionId"])
             except Exception as error:  # a dead head has no job to stop; the cluster goes either way
                 log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
-        ctx.kube.delete_raycluster(meta["namespace"], cluster_name)
+        ctx.kube.delete_raycluster(meta["namespace"], cluster_name, meta["uid"])
     ctx.disruptions.pop((meta["namespace"], cluster_name), None)

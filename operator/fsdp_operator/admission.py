@@ -94,7 +94,13 @@ class Admission:
             return head
         if spec.preflight.scale_from_zero:
             facts = self.instance_type_facts(spec.cluster.instance_type)
-            return preflight.check_instance_type(spec, facts, self.launchers.read())
+            result = preflight.check_instance_type(spec, facts, self.launchers.read())
+            if result.ok:  # remembered for its namespace's limit until the index shows it active
+                name = f"{run.namespace}/{run.name}"
+                own = preflight.Competitor(name, created, spec.cluster.instance_type, True, None, 0)
+                with self._lock:
+                    self._admitted[run.uid] = (time.monotonic(), own)
+            return result
         with self._lock:
             start = time.thread_time()
             try:
@@ -304,11 +310,11 @@ class Admission:
                 continue
             status = other.get("status") or {}
             phase = status.get("phase")
-            if meta["uid"] != run.uid and (
-                phase in api.FINISHED_PHASES or spec.suspend or spec.preflight.scale_from_zero
-            ):
+            if meta["uid"] != run.uid and (phase in api.FINISHED_PHASES or spec.suspend):
                 done_with_slots.add(meta["uid"])
                 continue
+            if meta["uid"] != run.uid and spec.preflight.scale_from_zero:
+                continue  # adds nodes of its own: no competitor for these (admission may remember it)
             name = f"{meta['namespace']}/{meta['name']}"
             created = meta.get("creationTimestamp", "")
             if phase in api.ACTIVE_PHASES and meta["uid"] != run.uid:

@@ -75,6 +75,7 @@ RESERVED_ENV_PREFIXES = (
     "UV_",
     "CONDA",
     "HF_HUB_",
+    "NVIDIA_",  # the NVIDIA container toolkit's: NVIDIA_VISIBLE_DEVICES=all in a pod's env is every GPU
 )
 RESERVED_ENV_NAMES = (
     "PATH",
@@ -89,6 +90,35 @@ RESERVED_ENV_NAMES = (
     "CURL_CA_BUNDLE",
     "HF_ENDPOINT",
     "HF_HOME",
+    "XDG_CONFIG_HOME",  # where git, pip and others find their configuration
+    "XDG_CONFIG_DIRS",
+    "OPENSSL_CONF",  # loads providers and engines: a library of the tenant's choosing
+    "OPENSSL_MODULES",
+    "NETRC",  # credentials curl, git and requests send to a host
+)
+# NCCL and libfabric settings that load a library (or a file naming one) into the workers' collectives:
+# refused in network.ncclEnv as LD_* is in runtimeEnv.env.
+REFUSED_NCCL_ENV = (
+    "NCCL_NET_PLUGIN",
+    "NCCL_TUNER_PLUGIN",
+    "NCCL_PROFILER_PLUGIN",
+    "NCCL_ENV_PLUGIN",
+    "NCCL_CONF_FILE",
+    "FI_PROVIDER_PATH",
+)
+# An s3:// URI every library the run meets reads alike: a bucket, then non-empty key segments of letters,
+# digits and `._=-`. urlparse drops `?...` and `#...` and splits `;`, fsspec and the datasets library expand
+# `*`, `?`, `[...]` and `{...}`, some clients decode `%` and `+`, and an empty segment (`//`) is collapsed by
+# some and kept by S3: any of them could make one run's path another's.
+S3_URI = r"^s3://[a-z0-9][a-z0-9.-]*(/[A-Za-z0-9._=-]+)*/?$"
+# The run's fields that may hold an s3:// URI (by their names in the manifest).
+S3_URI_FIELDS = (
+    "checkpoint.storagePath",
+    "checkpoint.resume",
+    "model.source",
+    "model.tokenizer",
+    "data.source",
+    "data.evalSource",
 )
 
 
@@ -541,6 +571,35 @@ class FSDPTrainingRunSpec(ContractModel):
         """The disk each worker requests: as set, or what it writes at its peak."""
         return self.cluster.ephemeral_storage or self.worker_disk().quantity
 
+    def s3_uris(self) -> dict[str, str]:
+        """The run's s3:// URIs, by their fields' names in the manifest (S3_URI_FIELDS)."""
+        found = {}
+        for field in S3_URI_FIELDS:
+            parent_alias, alias = field.split(".")
+            parent = getattr(self, _by_alias(type(self), parent_alias))
+            value = getattr(parent, _by_alias(type(parent), alias))
+            if isinstance(value, str) and value.startswith("s3://"):
+                found[field] = value
+        return found
+
+    @model_validator(mode="after")
+    def _s3_uris_read_alike(self) -> FSDPTrainingRunSpec:
+        for field, uri in self.s3_uris().items():
+            if not re.fullmatch(S3_URI, uri):
+                raise ValueError(
+                    f"spec.{field}: {uri!r} is not an s3:// URI of a bucket and key segments of letters, "
+                    "digits and ._=- (characters such as ? # * % + and // are read differently by the "
+                    "libraries that open it)"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _no_library_loading_nccl_env(self) -> FSDPTrainingRunSpec:
+        refused = sorted(set(self.network.nccl_env) & set(REFUSED_NCCL_ENV))
+        if refused:
+            raise ValueError(f"spec.network.ncclEnv: {', '.join(refused)} would load a library; not allowed")
+        return self
+
     @model_validator(mode="after")
     def _mlflow_credentials_in_one_place(self) -> FSDPTrainingRunSpec:
         if self.tracking.mlflow is not None:
@@ -551,6 +610,10 @@ class FSDPTrainingRunSpec(ContractModel):
                     "tracking.mlflow.credentials"
                 )
         return self
+
+
+def _by_alias(model: type[ContractModel], alias: str) -> str:
+    return next(name for name, field in model.model_fields.items() if (field.alias or name) == alias)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, fabric
+from fsdp_operator import api, fabric, quantity
 from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_operator.settings import Settings
 from fsdp_trainer.contract import NODE_NAME_ENV, EfaPolicy
@@ -542,11 +542,77 @@ def _images(group: dict[str, Any]) -> list[str]:
     return [c.get("image", "") for c in group.get("template", {}).get("spec", {}).get("containers", [])]
 
 
+# What a pod template must not gain beyond what the operator built (the grants of tenancy.py, the hardening
+# of every Ray pod): fields compared as they are, and lists whose every observed item must be one built.
+POD_FIELDS = (
+    "serviceAccountName",
+    "automountServiceAccountToken",
+    "securityContext",
+    "hostNetwork",
+    "hostPID",
+    "hostIPC",
+    "priorityClassName",
+    "runtimeClassName",
+    "nodeName",
+)
+POD_LISTS = ("volumes", "tolerations")
+CONTAINER_FIELDS = ("securityContext",)
+CONTAINER_LISTS = ("env", "envFrom", "volumeMounts")
+
+
+def _devices_gained(built: dict[str, Any], observed: dict[str, Any]) -> list[str]:
+    """The devices (extended resources: GPUs, EFA interfaces) a container requests or limits above what was
+    built, which admission shares out among runs. CPU, memory and disk are left out: their defaults move
+    between operator versions (Karpenter's estimate lowered the default worker memory), and an upgrade must
+    not restart every running run; the namespace's ResourceQuota bounds them."""
+    gained = []
+    for kind in ("requests", "limits"):
+        want = (built.get("resources") or {}).get(kind) or {}
+        for name, value in ((observed.get("resources") or {}).get(kind) or {}).items():
+            if "/" not in name:  # not an extended resource
+                continue
+            try:
+                more = name not in want or quantity.parse(value) > quantity.parse(want[name])
+            except ValueError:
+                more = True
+            if more:
+                gained.append(f"{kind}.{name} {str(value)[:32]}")
+    return gained
+
+
+def _template_drift(group: str, want: dict[str, Any], have: dict[str, Any], queued: bool) -> list[str]:
+    """What a group's pod template gained or changed that the operator did not build: a service account, a
+    privileged container, a hostPath volume, a toleration, a Secret in the environment. Kueue's admission adds
+    its flavor's tolerations to a queued run's templates: those are Kueue's to set."""
+    want_pod, have_pod = want.get("template", {}).get("spec", {}), have.get("template", {}).get("spec", {})
+    changed = [f"{group} {key}" for key in POD_FIELDS if want_pod.get(key) != have_pod.get(key)]
+    for key in POD_LISTS:
+        if queued and key == "tolerations":
+            continue
+        if any(item not in (want_pod.get(key) or []) for item in have_pod.get(key) or []):
+            changed.append(f"{group} {key}")
+    want_containers = {c.get("name"): c for c in want_pod.get("containers", [])}
+    for kind in ("containers", "initContainers"):
+        for container in have_pod.get(kind) or []:
+            built = want_containers.get(container.get("name")) if kind == "containers" else None
+            where = f"{group} {kind[:-1]} {str(container.get('name'))[:63]}"
+            if built is None:
+                changed.append(f"{where} added")
+                continue
+            changed += [f"{where} {key}" for key in CONTAINER_FIELDS if built.get(key) != container.get(key)]
+            changed += [f"{where} {gained}" for gained in _devices_gained(built, container)]
+            for key in CONTAINER_LISTS:
+                if any(item not in (built.get(key) or []) for item in container.get(key) or []):
+                    changed.append(f"{where} {key}")
+    return changed
+
+
 def cluster_drift(desired: dict[str, Any], observed: dict[str, Any]) -> str | None:
-    """How a RayCluster differs from what the run needs (edited by hand: workers, replicas, images), or None.
-    Only fields the operator sets and KubeRay never changes are compared."""
+    """How a RayCluster differs from what the run needs (edited by hand: workers, replicas, images, what its
+    pods may do), or None. Only fields the operator sets and KubeRay never changes are compared."""
     want, have = desired["spec"], observed.get("spec", {})
-    differences = []
+    queued = LABEL_KUEUE_QUEUE in (desired["metadata"].get("labels") or {})
+    differences = _template_drift("head", want["headGroupSpec"], have.get("headGroupSpec", {}), queued)
     if _images(want["headGroupSpec"]) != _images(have.get("headGroupSpec", {})):
         differences.append(f"head image {_images(have.get('headGroupSpec', {}))}")
     have_groups = {g.get("groupName"): g for g in have.get("workerGroupSpecs", [])}
@@ -560,4 +626,5 @@ def cluster_drift(desired: dict[str, Any], observed: dict[str, Any]) -> str | No
                 differences.append(f"{group['groupName']}.{key} {found.get(key)} (want {group[key]})")
         if _images(group) != _images(found):
             differences.append(f"{group['groupName']} image {_images(found)} (want {_images(group)})")
+        differences += _template_drift(group["groupName"], group, found, queued)
     return "; ".join(differences) or None

@@ -6,6 +6,7 @@ import datetime as dt
 from typing import Literal
 
 from fsdp_operator.api import MAX_CONDITION_REASON, MAX_MESSAGE, Condition
+from fsdp_operator.bounds import inert
 
 PREFLIGHT = "Preflight"
 CLUSTER_READY = "ClusterReady"
@@ -62,4 +63,7 @@ def is_true(conditions: list[Condition], type_: str) -> bool:
 
 
 def bounded(message: str) -> str:
+    """A status or Event message: inert (it quotes what tenants wrote: Ray's job message, the trainer's
+    error) and within the API's bound."""
+    message = inert(message)
     return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."

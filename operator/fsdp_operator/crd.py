@@ -76,6 +76,24 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         ".network.ncclEnv",
     ),
     (
+        "!has(self.network.ncclEnv) || !self.network.ncclEnv.exists(k, k in "
+        + _cel_list(api.REFUSED_NCCL_ENV)
+        + ")",
+        f"spec.network.ncclEnv must not set {', '.join(api.REFUSED_NCCL_ENV)}: each loads a library",
+        ".network.ncclEnv",
+    ),
+    *(
+        (
+            f"!has(self.{parent}) || !has(self.{field}) || !self.{field}.startsWith('s3://')"
+            f" || self.{field}.matches('{api.S3_URI}')",
+            f"spec.{field} must be an s3:// URI of a bucket and key segments of letters, digits and ._=- "
+            "(characters such as ? # * % + and // are read differently by the libraries that open it)",
+            f".{field}",
+        )
+        for field in api.S3_URI_FIELDS
+        for parent in [field.split(".")[0]]
+    ),
+    (
         "!has(self.tracking) || !has(self.tracking.mlflow) || !has(self.tracking.mlflow.credentials)"
         " || has(self.tracking.mlflow.credentials.username)"
         " == has(self.tracking.mlflow.credentials.password)",
@@ -136,19 +154,38 @@ SPEC_RULES: list[tuple[str, str, str]] = [
 ]
 
 # Fields that may not change while a run is active or queued (a RayCluster of its shape exists). Suspend
-# first, or create a new run. Rules sit at the root because they need status.phase.
-IMMUTABLE_WHILE_ACTIVE = ["model", "image", "cluster", "fsdp", "training", "data", "checkpoint", "network"]
+# first, or create a new run. Rules sit at the root because they need status.phase. runtimeEnv.secretEnv and
+# tracking need the namespace's grants (tenancy.py): an edit while active would reach the pods of a cluster
+# rebuilt after a loss, or the next attempt's job.
+IMMUTABLE_WHILE_ACTIVE = [
+    "model",
+    "image",
+    "cluster",
+    "fsdp",
+    "training",
+    "data",
+    "checkpoint",
+    "network",
+    "runtimeEnv.secretEnv",
+    "tracking",
+]
 
 
 def _root_rules() -> list[dict[str, Any]]:
     rules = []
     for field in IMMUTABLE_WHILE_ACTIVE:
+        path = field.split(".")
+
+        def present(root: str, path: list[str] = path) -> str:
+            # has() of a nested field needs each parent present first
+            return " && ".join(f"has({root}.spec.{'.'.join(path[: i + 1])})" for i in range(len(path)))
+
         rules.append(
             {
                 "rule": "!has(oldSelf.status) || !has(oldSelf.status.phase)"
                 f" || !(oldSelf.status.phase in {_ACTIVE})"
-                f" || (has(self.spec.{field}) == has(oldSelf.spec.{field})"
-                f" && (!has(self.spec.{field}) || self.spec.{field} == oldSelf.spec.{field}))",
+                f" || (({present('self')}) == ({present('oldSelf')})"
+                f" && (!({present('self')}) || self.spec.{field} == oldSelf.spec.{field}))",
                 "message": f"spec.{field} cannot change while the run is active (phase in {_ACTIVE}); "
                 "suspend the run first or create a new one",
                 "fieldPath": f".spec.{field}",

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from fsdp_operator.api import GROUP
 from fsdp_operator.bounds import bounded_text
 from fsdp_trainer.contract import FabricPod, FabricReport
 
-# The label is the node's mark (its value says when); the annotation of the same key says why.
+# The label is the node's mark (its value says when); the annotation of the same key says why, and the
+# label below which namespace's run it was, so that a namespace's labels are counted from the nodes.
 DEGRADED_LABEL = f"{GROUP}/fabric-degraded"
+DEGRADED_BY_LABEL = f"{GROUP}/fabric-degraded-by"
+LABEL_TIME_FORMAT = "%Y%m%dT%H%M%SZ"
 MAX_WHY = 1024
 # What of a report the status keeps.
 MAX_LINKS = 8
@@ -50,19 +54,63 @@ def threshold(spec_value: float | None, instance_type: str, platform: Mapping[st
 
 
 def node_to_avoid(report: FabricReport, pod_nodes: Mapping[str, str]) -> str | None:
-    """The node of the pod every slow link touches, as the operator saw that pod placed. The trainer's word
-    alone never names a node: the run's storage is the tenant's to write, and a forged report could otherwise
-    mark any node of the cluster."""
+    """The node of the pod every slow link touches, as the operator saw that pod placed (pod_nodes holds only
+    pods the run's RayCluster owns, by UID: observe.py). The trainer's word alone never names a node: the
+    run's storage is the tenant's to write, and a forged report could otherwise mark any node of the
+    cluster."""
     if report.passed or report.suspect_pod is None:
         return None
     return pod_nodes.get(report.suspect_pod)
 
 
-def label_patch(why: str, now: dt.datetime) -> dict[str, Any]:
+@dataclass(frozen=True)
+class LabelBudget:
+    """How many nodes the operator may still label for a run: at most max_per_run per run and
+    max_per_namespace per namespace within window_seconds (a forged failing report costs the tenant a restart
+    each, and every node it labels is lost to every team). `namespace_labelled`: the namespace's labels in
+    the window, as the nodes show them."""
+
+    max_per_run: int
+    max_per_namespace: int
+    window_seconds: int
+    namespace_labelled: int
+
+    def refusal(self, run_labelled: list[dt.datetime], now: dt.datetime) -> str | None:
+        """Why no node may be labelled for the run now (its own labels so far given), or None."""
+        since = now - dt.timedelta(seconds=self.window_seconds)
+        recent = sum(1 for when in run_labelled if when >= since)
+        window = f"in {self.window_seconds}s"
+        if recent >= self.max_per_run:
+            return f"the run labelled {recent} node(s) {window}, the operator's limit per run"
+        if self.namespace_labelled >= self.max_per_namespace:
+            return (
+                f"the namespace's runs labelled {self.namespace_labelled} node(s) {window}, the operator's "
+                "limit per namespace"
+            )
+        return None
+
+
+def labelled_by(nodes: Iterable[Mapping[str, Any]], namespace: str, since: dt.datetime) -> int:
+    """Nodes a run of `namespace` labelled since then, as their labels say."""
+    count = 0
+    for node in nodes:
+        labels = node["metadata"].get("labels") or {}
+        if labels.get(DEGRADED_BY_LABEL) != namespace or DEGRADED_LABEL not in labels:
+            continue
+        try:
+            when = dt.datetime.strptime(labels[DEGRADED_LABEL], LABEL_TIME_FORMAT).replace(tzinfo=dt.UTC)
+        except ValueError:  # a label set by hand: counted, the platform's word is that it is degraded
+            when = since
+        count += when >= since
+    return count
+
+
+def label_patch(why: str, now: dt.datetime, namespace: str) -> dict[str, Any]:
     """The merge patch that marks a node: the label's value says when (label values allow no colons), the
-    annotation of the same key why."""
-    when = now.astimezone(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
-    return {"metadata": {"labels": {DEGRADED_LABEL: when}, "annotations": {DEGRADED_LABEL: why[:MAX_WHY]}}}
+    annotation of the same key why, and a second label which namespace's run."""
+    when = now.astimezone(dt.UTC).strftime(LABEL_TIME_FORMAT)
+    labels = {DEGRADED_LABEL: when, DEGRADED_BY_LABEL: namespace}
+    return {"metadata": {"labels": labels, "annotations": {DEGRADED_LABEL: why[:MAX_WHY]}}}
 
 
 def avoid_degraded_nodes() -> dict[str, Any]:

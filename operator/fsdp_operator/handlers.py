@@ -192,11 +192,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
             reconcile_run(ctx, owner, indexes)
 
     if settings.network_policy:
-
-        @kopf.on.event(*network_policies, labels=ours, registry=registry)
+        # Every policy, not only those labelled ours: one whose labels were edited away is still the run's.
+        @kopf.on.event(*network_policies, registry=registry)
         def on_network_policy_event(body: kopf.Body, type: str | None = None, **kwargs: Any) -> None:
-            if type == "DELETED":
-                actions.restore_network_policy(ctx, body, indexes_of(kwargs))
+            actions.restore_network_policy(ctx, body, type, indexes_of(kwargs))
 
     @kopf.on.delete(*resource, registry=registry)
     def deleted(body: kopf.Body, **_: Any) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fsdp_operator import api
+from fsdp_operator.bounds import bounded_text
 from fsdp_trainer.contract import RankStacks
 
 
@@ -38,8 +39,12 @@ def suspect(answers: list[RankStacks], world_size: int | None) -> api.SuspectSta
 
 
 def _named(answer: RankStacks, why: str) -> api.SuspectStatus:
+    # Names and frames are the rank's to write: bounded and inert, as every tenant text in the status.
     return api.SuspectStatus(
-        rank=answer.rank, pod=answer.pod[:253], node=(answer.node or None), why=why[:1000]
+        rank=answer.rank,
+        pod=bounded_text(answer.pod, 253),
+        node=bounded_text(answer.node, 253) if answer.node else None,
+        why=bounded_text(why, 1000),
     )
 
 

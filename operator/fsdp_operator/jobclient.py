@@ -21,14 +21,18 @@ import functools
 import hashlib
 import io
 import json
+import socket
+import threading
+import time
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlencode
 
 import urllib3
+import urllib3.connection
 
 RAY_PKG_PREFIX = "_ray_pkg_"
 USER_AGENT = "fsdp-operator"
@@ -39,6 +43,71 @@ POOL_SIZE = 32  # connections kept per dashboard host: one per handler thread (s
 # Ray's own answers are a few KiB. A longer one is refused (ResponseTooLarge) after reading one byte more,
 # and its connection closed, not drained.
 MAX_RESPONSE_BYTES = 1 << 20
+# The most one call may take, all of it: connecting, sending, the status line and headers, and the body. The
+# sockets' own timeouts bound each read, so a head that answers a byte at a time would hold a handler thread
+# for ever (and the run's lock, and other passes waiting on it); a package upload is a few MiB.
+CALL_DEADLINE_SECONDS = 30.0
+
+_calling = threading.local()  # .deadline: when the calling thread's request must be over (time.monotonic)
+
+
+class DeadlineSocket:
+    """A connection's socket whose every read and send ends by the calling thread's deadline (set by
+    JobClient.request for the length of a call), where the socket's own timeout bounds each read only."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def _within_deadline(self, call: Any, *args: Any) -> Any:
+        deadline = getattr(_calling, "deadline", None)
+        if deadline is None:
+            return call(*args)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"the dashboard call took longer than {CALL_DEADLINE_SECONDS}s in all")
+        own = self._sock.gettimeout()
+        self._sock.settimeout(remaining if own is None else min(own, remaining))
+        try:
+            return call(*args)
+        finally:
+            self._sock.settimeout(own)
+
+    def recv_into(self, *args: Any) -> int:
+        return cast(int, self._within_deadline(self._sock.recv_into, *args))
+
+    def recv(self, *args: Any) -> bytes:
+        return cast(bytes, self._within_deadline(self._sock.recv, *args))
+
+    def sendall(self, *args: Any) -> None:
+        self._within_deadline(self._sock.sendall, *args)
+
+    def makefile(self, mode: str = "rb", buffering: int | None = None, **_: Any) -> io.BufferedReader:
+        """What http.client reads an answer through (mode "rb"): a buffered reader whose reads come here."""
+        self._sock._io_refs += 1  # as socket.makefile counts it: the socket closes when its files have
+        return io.BufferedReader(socket.SocketIO(cast(Any, self), "rb"), buffering or io.DEFAULT_BUFFER_SIZE)
+
+
+class _HTTPConnection(urllib3.connection.HTTPConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock = cast(Any, DeadlineSocket(self.sock))
+
+
+class _HTTPSConnection(urllib3.connection.HTTPSConnection):
+    def connect(self) -> None:
+        super().connect()
+        self.sock = cast(Any, DeadlineSocket(self.sock))
+
+
+class _HTTPPool(urllib3.HTTPConnectionPool):
+    ConnectionCls = _HTTPConnection
+
+
+class _HTTPSPool(urllib3.HTTPSConnectionPool):
+    ConnectionCls = _HTTPSConnection
 
 
 class DashboardError(RuntimeError):
@@ -80,7 +149,9 @@ def _pool(verify: str | bool, client_cert: tuple[str, str] | None) -> urllib3.Po
             tls["ca_cert_dir" if Path(verify).is_dir() else "ca_certs"] = verify
     if client_cert:
         tls["cert_file"], tls["key_file"] = client_cert
-    return urllib3.PoolManager(num_pools=16, maxsize=POOL_SIZE, block=False, retries=False, **tls)
+    manager = urllib3.PoolManager(num_pools=16, maxsize=POOL_SIZE, block=False, retries=False, **tls)
+    manager.pool_classes_by_scheme = {"http": _HTTPPool, "https": _HTTPSPool}
+    return manager
 
 
 def package_files(directory: Path) -> list[Path]:
@@ -133,8 +204,10 @@ class JobClient:
         verify: str | bool = True,
         client_cert: tuple[str, str] | None = None,
         timeout: tuple[float, float] = (5.0, 15.0),
+        deadline: float = CALL_DEADLINE_SECONDS,
     ) -> None:
         self.address = address.rstrip("/")
+        self.deadline = deadline
         self.headers = {"User-Agent": USER_AGENT, **(headers or {})}
         self.timeout = urllib3.Timeout(connect=timeout[0], read=timeout[1])
         self.http = _pool(verify, client_cert)
@@ -158,18 +231,22 @@ class JobClient:
         if json_data is not None:
             body = json.dumps(json_data).encode()
             headers["Content-Type"] = "application/json"
-        answer = self.http.request(
-            method, url, body=body, headers=headers, timeout=self.timeout, preload_content=False
-        )
-        cap = MAX_RESPONSE_BYTES if limit is None else limit
-        ended = False
+        _calling.deadline = time.monotonic() + self.deadline
         try:
-            raw = answer.read(cap + 1, decode_content=True)
-            ended = len(raw) <= cap and not answer.read(1, decode_content=True)
+            answer = self.http.request(
+                method, url, body=body, headers=headers, timeout=self.timeout, preload_content=False
+            )
+            cap = MAX_RESPONSE_BYTES if limit is None else limit
+            ended = False
+            try:
+                raw = answer.read(cap + 1, decode_content=True)
+                ended = len(raw) <= cap and not answer.read(1, decode_content=True)
+            finally:
+                if not ended:
+                    answer.close()  # the rest is never read: the connection goes, not back to the pool
+                answer.release_conn()
         finally:
-            if not ended:
-                answer.close()  # the rest is never read: the connection goes, not back to the pool
-            answer.release_conn()
+            _calling.deadline = None
         if len(raw) > cap and limit is None:
             raise ResponseTooLarge(self.address + endpoint, cap)
         return Response(answer.status, raw[:cap].decode(errors="replace"))

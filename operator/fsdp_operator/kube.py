@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -100,6 +101,35 @@ class Kube:
             if error.status != 409:
                 raise
 
+    def put_back(
+        self, manifest: dict[str, Any], owner_uid: str, found: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """Creates the run's object, or puts back one of its name (`found`, as a watch event showed it, or
+        as read after a create that found the name taken) that the run does not own (made first by someone
+        else) or whose spec differs (edited): the run relies on its content, not on its name. What was put
+        back, or None when it was as the run needs it (no request then, given `found`)."""
+        meta = manifest["metadata"]
+        path = CREATED_KINDS[manifest["kind"]].format(namespace=meta["namespace"])
+        if found is None:
+            try:
+                self.request("POST", path, cast(Any, manifest))
+                return None
+            except ApiException as error:
+                if error.status != 409:
+                    raise
+            found = self.request("GET", f"{path}/{meta['name']}")
+        assert found is not None
+        wrong = []
+        if not any(o.get("uid") == owner_uid for o in found["metadata"].get("ownerReferences") or []):
+            wrong.append("it was not the run's")
+        if found.get("spec") != manifest.get("spec"):
+            wrong.append("its rules were changed")
+        if not wrong:
+            return None
+        replaced = {**manifest, "metadata": {**meta, "resourceVersion": found["metadata"]["resourceVersion"]}}
+        self.request("PUT", f"{path}/{meta['name']}", cast(Any, replaced))
+        return " and ".join(wrong)
+
     def ray_auth_key(self, namespace: str, name: str) -> bytes:
         """The key of every run's Ray token, from the operator's own Secret, made on first start. Two replicas
         starting at once: the second create fails (409) and reads the first one's."""
@@ -130,19 +160,25 @@ class Kube:
                     raise
         raise RuntimeError(f"Secret {namespace}/{name} was created and is gone again")
 
-    def delete_raycluster(self, namespace: str, name: str) -> None:
+    def delete_raycluster(self, namespace: str, name: str, run_uid: str) -> None:
+        """Deletes the run's RayCluster: only one the run owns, and only the object read (a UID
+        precondition). Cluster names are hashed: another run's, or a tenant's of that name, stays."""
+        path = (RAY_GROUP, RAY_VERSION, namespace, RAY_PLURAL, name)
         try:
-            self.custom.delete_namespaced_custom_object(
-                RAY_GROUP,
-                RAY_VERSION,
-                namespace,
-                RAY_PLURAL,
-                name,
-                propagation_policy="Foreground",
-                _request_timeout=API_TIMEOUT,
+            found = cast(
+                dict[str, Any],
+                self.custom.get_namespaced_custom_object(*path, _request_timeout=API_TIMEOUT),
             )
+            owners = found["metadata"].get("ownerReferences") or []
+            if not any(owner.get("uid") == run_uid for owner in owners):
+                return
+            options = client.V1DeleteOptions(
+                propagation_policy="Foreground",
+                preconditions=client.V1Preconditions(uid=found["metadata"]["uid"]),
+            )
+            self.custom.delete_namespaced_custom_object(*path, body=options, _request_timeout=API_TIMEOUT)
         except ApiException as error:
-            if error.status != 404:
+            if error.status not in (404, 409):  # gone, or replaced by another object since it was read
                 raise
 
     def patch_node(self, name: str, patch: dict[str, Any]) -> None:

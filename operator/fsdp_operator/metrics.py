@@ -90,6 +90,13 @@ RESTARTS = Counter(
     ["namespace", "reason"],
     registry=REGISTRY,
 )
+NODES_LABELLED = Counter(
+    f"{PREFIX}nodes_labelled_fabric_degraded",
+    "Nodes this operator process labelled fsdp.training.dev/fabric-degraded after a run's failed fabric "
+    "check, by the run's namespace.",
+    ["namespace"],
+    registry=REGISTRY,
+)
 ERRORS = Counter(
     f"{PREFIX}errors",
     "Errors by kind: apiserver, action (RayCluster or job calls), storage (S3), ray_dashboard, other.",

@@ -13,7 +13,7 @@ from typing import Any
 
 import kopf
 
-from fsdp_operator import api, builder, goodput, instancetypes, quantity, submission
+from fsdp_operator import api, builder, fabric, goodput, instancetypes, quantity, submission
 from fsdp_operator.context import Context
 from fsdp_operator.kube import Indexes
 from fsdp_operator.kueue import WorkloadObservation, observe_workload
@@ -29,7 +29,7 @@ from fsdp_operator.reconcile import (
     ready_for_elastic,
 )
 from fsdp_operator.records import RecordTooLarge, RunStorage
-from fsdp_trainer.contract import CheckpointRef, RankStacks, TrainerConfig
+from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, SlowFabricPolicy, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
 AUTOSCALER_MESSAGE_CHARS = 600  # of an autoscaler's event message, kept in a run's status
@@ -100,7 +100,7 @@ def observe(
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     cluster_name = builder.ray_cluster_name(run.name)
     cluster = observe_raycluster(ctx, run, spec, status, indexes)
-    pods = indexes.pods(run.namespace, cluster_name) if cluster is not None else []
+    pods = ray_pods(run, indexes) if cluster is not None else []
     if cluster is not None:
         cluster = ready_for_elastic(cluster, spec, sum(1 for p in pods if not p["head"] and p.get("ready")))
     workload = observe_kueue_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
@@ -152,6 +152,7 @@ def observe(
         storage_error_reason=storage_error_reason,
         pod_image_ids=tuple(i for pod in pods for i in pod["imageIds"]) if active else (),
         pod_nodes={pod["name"]: pod["node"] for pod in pods if pod.get("node")},
+        fabric_labels=fabric_label_budget(ctx, run, spec, progress, indexes, now),
         pod_problems=scheduling.problems,
         unschedulable=scheduling.waiting,
         scale_up=scheduling.scale_up,
@@ -181,6 +182,39 @@ def observe(
             spec.cluster.instance_type,
             worker_capacity_types(pods, indexes),
         ),
+    )
+
+
+def ray_pods(run: builder.RunRef, indexes: Indexes) -> list[dict[str, Any]]:
+    """The run's Ray pods: those its RayCluster owns, by UID. The index finds them by label, and anyone who
+    may create pods in the namespace may copy labels onto a pod of their own, on any node."""
+    cluster_name = builder.ray_cluster_name(run.name)
+    raycluster = indexes.raycluster(run.namespace, cluster_name)
+    uid = raycluster["metadata"].get("uid") if raycluster is not None else None
+    return [pod for pod in indexes.pods(run.namespace, cluster_name) if uid and pod.get("owner") == uid]
+
+
+def fabric_label_budget(
+    ctx: Context,
+    run: builder.RunRef,
+    spec: api.FSDPTrainingRunSpec,
+    progress: ProgressRecord | None,
+    indexes: Indexes,
+    now: dt.datetime,
+) -> fabric.LabelBudget | None:
+    """What a failed fabric check may still label (the namespace's labels counted from the nodes only when
+    the progress record read this pass holds one that may label); None where the platform turned labelling
+    off."""
+    settings = ctx.settings
+    if not settings.fabric_label_nodes:
+        return None
+    window = settings.fabric_label_window_seconds
+    failed_check = progress is not None and progress.fabric is not None and not progress.fabric.passed
+    may_label = spec.network.slow_fabric == SlowFabricPolicy.AVOID_NODE and failed_check
+    since = now - dt.timedelta(seconds=window)
+    labelled = fabric.labelled_by(Indexes.all(indexes.nodes), run.namespace, since) if may_label else 0
+    return fabric.LabelBudget(
+        settings.fabric_label_max_per_run, settings.fabric_label_max_per_namespace, window, labelled
     )
 
 

@@ -45,6 +45,12 @@ MAX_RECORD_BYTES = {
     MANIFEST_FILE: 1 << 20,
     RUN_RECORD_FILE: 4 << 20,
 }
+# What one pass reads in all of the objects that come many to a run: checkpoint manifests not yet known
+# complete, and the ranks' forensics answers (a 512-rank run's are a few MiB). A run that keeps a hundred
+# manifests or a thousand answers of just under their caps costs its own pass a refusal, not the operator its
+# memory.
+MANIFEST_BYTES_PER_PASS = 8 << 20
+STACKS_BYTES_PER_PASS = 16 << 20
 # The checkpoints' listing per pass: pages of LIST_PAGE_KEYS keys, at most MAX_LIST_PAGES of them (20,000
 # objects; `keep` checkpoints of a 512-rank run are ~1,600).
 LIST_PAGE_KEYS = 1000
@@ -72,11 +78,24 @@ class RunStorage:
         self.uri = uri
         self.bucket, prefix = split_s3_uri(self.uri)
         self.prefix = prefix.rstrip("/") + "/"
-        # Manifests never change once written (a checkpoint directory is never reused): read each once.
-        self._manifests: dict[str, CheckpointManifest | None] = {}
+        # A complete checkpoint's summary (not its manifest), by directory, with the listing it was judged
+        # complete from: read again only when that changes. Nothing is kept of an incomplete one.
+        self._complete: dict[str, tuple[frozenset[tuple[str, int]], StoredCheckpoint]] = {}
 
     def _get_json(self, key: str) -> Any | None:
-        """The object parsed, None when there is none. At most its cap (MAX_RECORD_BYTES by file name) is
+        """The object parsed, None when there is none (see _get_bytes)."""
+        body = self._get_bytes(key)
+        return None if body is None else self._parsed(key, body)
+
+    def _parsed(self, key: str, body: bytes) -> Any:
+        try:
+            return json.loads(body)
+        except RecursionError:
+            uri = f"s3://{self.bucket}/{key}"
+            raise RecordTooLarge(f"{uri} is nested too deeply to read: it is not read; remove it") from None
+
+    def _get_bytes(self, key: str) -> bytes | None:
+        """The object's bytes, None when there is none. At most its cap (MAX_RECORD_BYTES by file name) is
         asked for, and one byte more, which tells an object beyond the cap: that one is refused unread."""
         name = key.rpartition("/")[2]
         cap = MAX_RECORD_BYTES[STACKS_FILE if name.startswith("rank-") else name]
@@ -98,10 +117,7 @@ class RunStorage:
                 f"{uri} is {size + ' bytes' if size.isdigit() else 'larger than that'}, over the "
                 f"operator's cap of {cap} bytes for {key.rpartition('/')[2]}: it is not read; remove it"
             )
-        try:
-            return json.loads(body)
-        except RecursionError:
-            raise RecordTooLarge(f"{uri} is nested too deeply to read: it is not read; remove it") from None
+        return body
 
     def progress(self) -> ProgressRecord | None:
         raw = self._get_json(self.prefix + PROGRESS_FILE)
@@ -119,32 +135,49 @@ class RunStorage:
             return None
 
     def _manifest(self, directory: str) -> CheckpointManifest | None:
-        if directory not in self._manifests:
-            raw = self._get_json(f"{self.prefix}{directory}/{MANIFEST_FILE}")
-            try:
-                self._manifests[directory] = CheckpointManifest.model_validate(raw)
-            except ValidationError:
-                self._manifests[directory] = None
-        return self._manifests[directory]
+        raw = self._get_json(f"{self.prefix}{directory}/{MANIFEST_FILE}")
+        try:
+            return CheckpointManifest.model_validate(raw)
+        except ValidationError:
+            return None
 
     def complete_checkpoints(self) -> list[StoredCheckpoint]:
-        """Checkpoints with a manifest, DCP metadata and every file at its size, oldest first."""
+        """Checkpoints with a manifest, DCP metadata and every file at its size, oldest first. Manifests not
+        yet known complete are read within MANIFEST_BYTES_PER_PASS (their listed sizes)."""
         listing: dict[str, dict[str, int]] = defaultdict(dict)
         for obj in self._checkpoint_objects():
             relative = obj["Key"][len(self.prefix) :]
             directory, _, name = relative.partition("/")
             if directory.startswith(CHECKPOINT_DIR_PREFIX) and name:
                 listing[directory][name] = obj["Size"]
-        for gone in self._manifests.keys() - listing.keys():  # pruned by the trainer
-            del self._manifests[gone]
-        found = []
+        for gone in self._complete.keys() - listing.keys():  # pruned by the trainer
+            del self._complete[gone]
+        found, budget = [], MANIFEST_BYTES_PER_PASS
         for directory, files in listing.items():
-            manifest = self._manifest(directory) if MANIFEST_FILE in files else None
+            if MANIFEST_FILE not in files:
+                continue
+            seen = frozenset(files.items())
+            known = self._complete.get(directory)
+            if known is not None and known[0] == seen:
+                found.append(known[1])
+                continue
+            self._complete.pop(directory, None)
+            budget -= min(files[MANIFEST_FILE], MAX_RECORD_BYTES[MANIFEST_FILE])  # a larger one is refused
+            if budget < 0:
+                where = f"s3://{self.bucket}/{self.prefix}{CHECKPOINT_DIR_PREFIX}*/{MANIFEST_FILE}"
+                raise RecordTooLarge(
+                    f"{where}: the manifests of checkpoints not yet complete add up to more than the "
+                    f"operator reads in a pass ({MANIFEST_BYTES_PER_PASS} bytes): they are not judged; "
+                    "remove what is not a checkpoint"
+                )
+            manifest = self._manifest(directory)
             if manifest is not None and checkpoint_is_complete(manifest, files):
                 ref = CheckpointRef(
                     uri=f"{self.uri}/{directory}", step=manifest.step, time=manifest.created_at
                 )
-                found.append(StoredCheckpoint(ref, manifest.fingerprint))
+                stored = StoredCheckpoint(ref, manifest.fingerprint)
+                self._complete[directory] = (seen, stored)
+                found.append(stored)
         return sorted(found, key=lambda stored: (stored.ref.step, stored.ref.time))
 
     def _checkpoint_objects(self) -> list[dict[str, Any]]:
@@ -172,12 +205,19 @@ class RunStorage:
         return [obj["Key"] for obj in page.get("Contents", [])[:LIST_PAGE_KEYS]]
 
     def rank_stacks(self, keys: list[str]) -> list[RankStacks]:
-        """The ranks' answers (each read within its cap); one that does not parse is left out."""
-        found = []
+        """The ranks' answers, each read within its cap and all within STACKS_BYTES_PER_PASS; one that does
+        not parse, or beyond that, is left out (a rank that did not answer, as far as the verdict goes)."""
+        found, budget = [], STACKS_BYTES_PER_PASS
         for key in keys:
             try:
-                found.append(RankStacks.model_validate(self._get_json(key)))
-            except (ValidationError, RecordTooLarge):
+                body = self._get_bytes(key)
+                if body is None:
+                    continue
+                budget -= len(body)
+                if budget < 0:
+                    break
+                found.append(RankStacks.model_validate(self._parsed(key, body)))
+            except (ValidationError, RecordTooLarge, ValueError):
                 continue
         return found
 

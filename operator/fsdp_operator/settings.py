@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Self
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from fsdp_operator.api import Toleration
+from fsdp_operator.api import MAX_AVOIDED_NODES, Toleration
 
 # Where a kubelet mounts the pod's namespace, next to its service-account token.
 SERVICE_ACCOUNT_NAMESPACE_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
@@ -98,10 +98,10 @@ class Settings(BaseSettings):
         "tracking.mlflow.credentials), comma-separated; empty: none.",
     )
     max_active_runs_per_namespace: int = Field(
-        default=0,
+        default=16,
         ge=0,
         description="Runs of one namespace that may hold a cluster at once; more wait in Pending "
-        "(NamespaceRunLimit). 0: no limit.",
+        "(NamespaceRunLimit). 0: no limit (one team could then take every node of a shared cluster).",
     )
     instance_hour_prices: dict[str, Annotated[float, Field(ge=0)]] = Field(
         default_factory=dict,
@@ -116,6 +116,26 @@ class Settings(BaseSettings):
         description="The fabric check's threshold by instance type (JSON object, GB/s of all-reduce bus "
         "bandwidth), over the operator's table of EFA instance types; a run's network.minBusBandwidthGbps "
         "wins over both.",
+    )
+    fabric_label_nodes: bool = Field(
+        default=True,
+        description="Label a node fsdp.training.dev/fabric-degraded when a run's fabric check finds its link "
+        "slow (runs with network.slowFabric avoidNode), so that every run's workers avoid it; false: never "
+        "(the run's attempt fails as with slowFabric fail).",
+    )
+    fabric_label_max_per_run: int = Field(
+        default=2,
+        ge=1,
+        le=MAX_AVOIDED_NODES,
+        description="The most nodes one run's fabric checks label within fabric_label_window_seconds.",
+    )
+    fabric_label_max_per_namespace: int = Field(
+        default=4,
+        ge=1,
+        description="The most nodes the runs of one namespace label within fabric_label_window_seconds.",
+    )
+    fabric_label_window_seconds: int = Field(
+        default=86400, ge=60, description="The window of the fabric labels' limits per run and per namespace."
     )
     s3_prefixes: Annotated[list[str], NoDecode] = Field(
         default_factory=list,

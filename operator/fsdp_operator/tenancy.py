@@ -168,19 +168,9 @@ def refusals(spec: api.FSDPTrainingRunSpec, policy: NamespacePolicy, platform: P
 def _s3_refusals(spec: api.FSDPTrainingRunSpec, prefixes: list[str], namespace: str) -> list[str]:
     """Every s3:// URI of the run outside the namespace's prefixes. A '.' or '..' segment is refused too: S3
     keeps it literally, but a client library that normalises paths would not."""
-    uris = {
-        "checkpoint.storagePath": spec.checkpoint.storage_path,
-        "checkpoint.resume": spec.checkpoint.resume,
-        "model.source": spec.model.source,
-        "model.tokenizer": spec.model.tokenizer,
-        "data.source": spec.data.source,
-        "data.evalSource": spec.data.eval_source,
-    }
     refused = []
     granted = ", ".join(prefixes) or "none"
-    for field, uri in uris.items():
-        if uri is None or not uri.startswith("s3://"):
-            continue
+    for field, uri in spec.s3_uris().items():
         path = uri.removeprefix("s3://")
         if any(segment in (".", "..") for segment in path.split("/")):
             refused.append(f"spec.{field}: {uri} has a '.' or '..' segment")

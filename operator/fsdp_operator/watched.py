@@ -135,8 +135,11 @@ def pod_summary(body: Mapping[str, Any]) -> dict[str, Any]:
         *(status_of.get("initContainerStatuses") or []),
         *(status_of.get("containerStatuses") or []),
     ]
+    owners = body["metadata"].get("ownerReferences") or []
+    owner: Mapping[str, Any] = next((o for o in owners if o.get("controller")), {})
     return {
         "name": name,
+        "owner": owner.get("uid"),  # the RayCluster's UID, for a pod KubeRay made
         "node": (body.get("spec") or {}).get("nodeName"),
         "head": head,
         "ready": ready,

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from fsdp_operator.settings import Settings
 from tests.support.chart import CHART, helm
 from tests.support.kube import kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
@@ -205,6 +206,17 @@ def test_rendered_manifests_follow_the_values() -> None:
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["FSDP_OPERATOR_DEFAULT_IMAGE"] == "registry.example/ray:1"
     assert env["FSDP_OPERATOR_TRAINER_DEVICE"] == "cpu" and container["image"].endswith(":9.9.9")
+    # The platform's switch for the fabric check's node labels, as the operator reads it.
+    unlabelled = template("--set", "fabric.labelNodes=false,fabric.labelMaxPerNamespace=1")
+    [container] = of_kind(unlabelled, "Deployment")[0]["spec"]["template"]["spec"]["containers"]
+    fabric_env = {
+        e["name"]: e["value"] for e in container["env"] if e["name"].startswith("FSDP_OPERATOR_FABRIC_LABEL")
+    }
+    read = Settings.model_validate(
+        {k.removeprefix("FSDP_OPERATOR_").lower(): v for k, v in fabric_env.items()}
+    )
+    assert not read.fabric_label_nodes and read.fabric_label_max_per_namespace == 1
+    assert read.fabric_label_max_per_run == 2 and read.fabric_label_window_seconds == 86400
     # Namespace users: aggregated into edit/admin and view, or not at all.
     roles = {o["metadata"]["name"]: o for o in of_kind(objects, "ClusterRole")}
     edit_labels = roles["rel-fsdp-operator-edit"]["metadata"]["labels"]

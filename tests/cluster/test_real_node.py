@@ -51,11 +51,12 @@ try:
     print("outside reached")
 except OSError as error:
     print("outside", type(error).__name__, error.errno)
-try:
-    socket.gethostbyname("example.com")
-    print("example.com resolved")
-except OSError:
-    print("example.com refused")
+for name in ("example.com", "s3.us-west-2.amazonaws.com"):
+    try:
+        print(name, "resolved", socket.gethostbyname(name))
+    except OSError:
+        print(name, "refused")
+print("sts", socket.gethostbyname("sts.us-west-2.amazonaws.com"))
 """
     phase, log = run_probe(namespace, local_cluster.env["FSDP_DLC_IMAGE"], node["metadata"]["name"], command)
     assert phase == "Succeeded", log
@@ -63,6 +64,9 @@ except OSError:
     assert "s3 200" in log
     assert "outside OSError 101" in log  # Network is unreachable: no route leaves the pod segment
     assert "example.com refused" in log
+    # AWS STS's regional name alone, at the host's end of the pod segment (the local STS, over TLS there).
+    assert "s3.us-west-2.amazonaws.com refused" in log
+    assert f"sts {local_cluster.env['FSDP_HOST_POD_ADDRESS']}\n" in log
 
 
 def test_the_host_keeps_its_sysctls_and_its_iptables_while_the_node_runs(node: dict[str, Any]) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -20,10 +22,10 @@ from fsdp_operator.jobclient import MAX_RESPONSE_BYTES, ResponseTooLarge
 from fsdp_operator.jobs import MAX_JOB_FIELD, MAX_JOB_MESSAGE, Jobs
 from fsdp_operator.records import MAX_RECORD_BYTES, RecordTooLarge, RunStorage
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
-from tests.support.kube import kubectl
+from tests.support.kube import apply, kubectl
 from tests.support.manifests import example
 from tests.support.operator_process import OperatorProcess
-from tests.support.runs import rayclusters
+from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
 from tests.support.waiting import wait_until
 
 MIB = 1 << 20
@@ -135,6 +137,18 @@ class HostileHandler(BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(body)
             return
+        if self.path.startswith("/api/jobs/trickle-"):  # a byte every 0.2 s, each well within a read timeout
+            head = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n"
+            answer = (head if "headers" in self.path else head + b"\r\n") + b"x" * 100_000
+            try:
+                for byte in answer:
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
+                    self.server.sent += 1
+                    time.sleep(0.2)
+            except (BrokenPipeError, ConnectionResetError):
+                pass
+            return
         endless = self.path.startswith("/api/jobs/") or self.path.startswith("/api/v0/logs/file")
         assert endless, self.path
         self.send_response(200)
@@ -193,6 +207,21 @@ def test_a_job_status_within_the_cap_is_kept_to_what_a_status_holds(head: Hostil
     assert chatty.driver_node_id is not None and len(chatty.driver_node_id) == MAX_JOB_FIELD
     with pytest.raises(ValueError, match="not a JSON object"):
         jobs.observe("odd-1")
+
+
+@pytest.mark.parametrize("part", ["headers", "body"])
+def test_a_head_answering_a_byte_at_a_time_holds_a_call_no_longer_than_its_deadline(
+    head: HostileHead, part: str
+) -> None:
+    """Issue 46: the read timeout was per socket read, so tenant code on the head answering one byte every
+    few seconds held a handler thread (and the run's lock) for ever."""
+    client = jobclient.JobClient(head.url, timeout=(5.0, 2.0), deadline=3.0)
+    started = time.monotonic()
+    with pytest.raises(Exception, match=r"longer than 3\.0s in all|timed out"):
+        client.job_info(f"trickle-{part}-1")
+    took = time.monotonic() - started
+    assert took < 4.5, f"the call took {took:.1f}s against a deadline of 3 s"
+    assert head.sent < 40, head.sent  # a byte every 0.2 s: 15 in the 3 s
 
 
 def deep_run(name: str, depth: int) -> str:
@@ -258,3 +287,55 @@ def test_a_1500_deep_from_config_fails_its_own_run_and_every_other_run_goes_on(
     )
     assert operator.process is not None and operator.process.poll() is None, "the operator exited"
     assert "RecursionError" not in operator.log.read_text()
+
+
+def peak_rss_mib(proc: OperatorProcess) -> float:
+    assert proc.process is not None
+    status = Path(f"/proc/{proc.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+
+
+def test_a_hundred_near_cap_manifests_cost_the_operator_a_bounded_peak_rss(
+    namespace: str, crd_installed: None, s3_storage: str, tmp_path: Path
+) -> None:
+    """Issue 46: every manifest read was kept, parsed, for the run's life: a hundred just-under-1-MiB
+    manifests of checkpoints that never complete took the operator past its memory limit. Now a pass reads
+    them within its budget, the run's storage is refused (RecordTooLarge) and nothing is kept."""
+    bucket = s3_storage.removeprefix("s3://").split("/")[0]
+    proc = OperatorProcess(
+        namespace, {"FSDP_OPERATOR_S3_PREFIXES": f"s3://{bucket}/"}, tmp_path / "operator.log"
+    ).start()
+    try:
+        apply(namespace, example("aws-sample", **{"checkpoint.storagePath": s3_storage}))
+        wait_for_phase(namespace, "qwen25-sample", "ClusterReady")
+        before = peak_rss_mib(proc)
+        s3 = boto3.client("s3")
+        prefix = f"runs/{namespace}/qwen25-sample/"
+        files = {f"shard-{i:07d}.distcp": i for i in range(33_000)}  # just under 1 MiB of JSON
+        manifest = {"runName": "qwen25-sample", "step": 1, "tokensSeen": 0, "worldSize": 1,
+                    "createdAt": "2026-12-06T08:00:00Z", "files": files}  # fmt: skip
+        body = json.dumps(manifest).encode()
+        assert len(body) < MAX_RECORD_BYTES[MANIFEST_FILE]
+        for i in range(100):  # no DCP metadata beside them: never complete
+            s3.put_object(Bucket=bucket, Key=f"{prefix}checkpoint_{i:06d}/{MANIFEST_FILE}", Body=body)
+
+        def storage_refused() -> dict[str, Any] | None:
+            said = conditions_of(run_of(namespace, "qwen25-sample")).get("StorageReadable")
+            return said if said and said["reason"] == "RecordTooLarge" else None
+
+        refused = wait_until("StorageReadable=False RecordTooLarge on the run", storage_refused, timeout=60)
+        assert "add up to more than the operator reads in a pass" in refused["message"]
+        # Another run beside it, while every pass of the hostile one meets the manifests again.
+        honest = example("aws-sample", **{"checkpoint.storagePath": s3_storage})
+        honest["metadata"]["name"] = "honest"
+        applied = time.monotonic()
+        apply(namespace, honest)
+        ready = wait_for_phase(namespace, "honest", "ClusterReady")
+        took = time.monotonic() - applied
+        assert conditions_of(ready).get("StorageReadable", {}).get("status") != "False", ready["status"]
+        after = peak_rss_mib(proc)
+        print(f"operator peak RSS {before:.0f} MiB before the manifests, {after:.0f} MiB after; the run "
+              f"beside it ClusterReady {took:.1f}s after apply")  # fmt: skip
+        assert after - before < 64, f"peak RSS grew {after - before:.0f} MiB ({before:.0f} -> {after:.0f})"
+    finally:
+        proc.stop()

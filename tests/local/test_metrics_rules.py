@@ -59,6 +59,7 @@ SERIES = {
     "fsdp_operator_errors_total",
     "fsdp_operator_admission_cpu_seconds_total",
     "fsdp_operator_admission_queue_placements_total",
+    "fsdp_operator_nodes_labelled_fabric_degraded_total",
     *(
         f"fsdp_operator_{histogram}_{suffix}"
         for histogram in (

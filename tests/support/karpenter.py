@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
-import tempfile
 import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,8 +32,8 @@ import yaml
 
 from tests.support.kube import kubectl, kubectl_json, wait_established
 from tests.support.local_cluster import LocalCluster
+from tests.support.netns import in_network_namespace
 from tests.support.paths import REPO
-from tests.support.processes import stop_process, stop_process_group
 from tests.support.waiting import wait_until
 
 KARPENTER_BIN = REPO / "bin" / "karpenter-kwok"
@@ -238,27 +236,13 @@ def install_crds() -> None:
     )
 
 
-# Karpenter's metrics and health servers bind every interface (":8080", ":8081"; it has no address
-# setting), so it runs in a network namespace of its own (`unshare --net`), where nothing else can reach
-# them. It reaches the apiserver at the kubeconfig's 127.0.0.1:PORT there, forwarded by socat through a unix
-# socket (the filesystem is shared) to the host's loopback.
-_LAUNCH = r"""
-set -eu
-port=$1 socket=$2; shift 2
-ip link set lo up
-socat "TCP-LISTEN:$port,bind=127.0.0.1,fork,reuseaddr" "UNIX-CONNECT:$socket" &
-for _ in $(seq 100); do (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break; sleep 0.1; done
-exec "$@"
-"""
-
-
 @dataclass
 class Karpenter:
-    """The Karpenter process (its namespace's process group) and its apiserver forward, stopped by pid."""
+    """The Karpenter process, in a network namespace of its own (tests/support/netns.py): its metrics and
+    health servers bind every interface and it has no address setting."""
 
     workdir: Path
     process: subprocess.Popen[bytes] | None = None
-    forward: subprocess.Popen[bytes] | None = None
 
     @property
     def log(self) -> Path:
@@ -267,31 +251,7 @@ class Karpenter:
     def log_tail(self, chars: int = 8000) -> str:
         return self.log.read_text()[-chars:] if self.log.exists() else ""
 
-    def start(self, local_cluster: LocalCluster, socket_dir: Path) -> None:
-        types = self.workdir / "instance-types.json"
-        types.write_text(json.dumps(ec2_instance_types(local_cluster, GPU_TYPES + HEAD_TYPES), indent=1))
-        kubeconfig = yaml.safe_load(Path(local_cluster.kubeconfig).read_text())
-        port = str(urllib.parse.urlsplit(kubeconfig["clusters"][0]["cluster"]["server"]).port)
-        socket = socket_dir / "apiserver.sock"  # a short path: a unix socket's is at most 107 bytes
-        self.forward = subprocess.Popen(
-            ["socat", f"UNIX-LISTEN:{socket},fork,mode=600", f"TCP:127.0.0.1:{port}"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(f"socat listening on {socket}", socket.exists, timeout=10, interval=0.1)
-        env = {
-            "PATH": os.environ["PATH"],
-            "KUBECONFIG": local_cluster.kubeconfig,
-            "DISABLE_LEADER_ELECTION": "true",
-            "INSTANCE_TYPES_FILE_PATH": str(types),
-        }
-        with self.log.open("ab") as out:
-            self.process = subprocess.Popen(
-                ["unshare", "--net", "--", "bash", "-c", _LAUNCH, "karpenter", port, str(socket),
-                 str(KARPENTER_BIN)],
-                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=self.workdir, start_new_session=True,
-            )  # fmt: skip
-
+    def wait_until_ready(self) -> None:
         def pools_ready() -> bool:
             """Karpenter validated each NodePool and found its node class Ready: it provisions for them."""
             if self.process is not None and self.process.poll() is not None:
@@ -308,12 +268,7 @@ class Karpenter:
         wait_until("Karpenter to find its NodePools Ready", pools_ready, timeout=90)
         # A file it cannot parse is only logged, and leaves it with no instance types at all.
         if "failed constructing instance types" in self.log.read_text():
-            raise AssertionError(f"karpenter did not take {types}:\n{self.log_tail()}")
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process_group(self.process)  # Karpenter and the namespace's socat
-        stop_process(self.forward)
+            raise AssertionError(f"karpenter did not take its instance types:\n{self.log_tail()}")
 
 
 def karpenter_nodes() -> list[str]:
@@ -348,7 +303,16 @@ def running_karpenter(local_cluster: LocalCluster, workdir: Path) -> Iterator[Ka
     workdir.mkdir(parents=True, exist_ok=True)
     install_crds()
     karpenter = Karpenter(workdir)
-    socket_dir = Path(tempfile.mkdtemp(prefix="karpenter-"))
+    types = workdir / "instance-types.json"
+    types.write_text(json.dumps(ec2_instance_types(local_cluster, GPU_TYPES + HEAD_TYPES), indent=1))
+    kubeconfig = yaml.safe_load(Path(local_cluster.kubeconfig).read_text())
+    port = urllib.parse.urlsplit(kubeconfig["clusters"][0]["cluster"]["server"]).port or 443
+    env = {
+        "PATH": os.environ["PATH"],
+        "KUBECONFIG": local_cluster.kubeconfig,
+        "DISABLE_LEADER_ELECTION": "true",
+        "INSTANCE_TYPES_FILE_PATH": str(types),
+    }
     try:
         kubectl(
             "apply",
@@ -356,21 +320,23 @@ def running_karpenter(local_cluster: LocalCluster, workdir: Path) -> Iterator[Ka
             "-",
             input=json.dumps({"kind": "List", "apiVersion": "v1", "items": [node_class(), *NODE_POOLS]}),
         )
-        karpenter.start(local_cluster, socket_dir)
-        yield karpenter
-    finally:
-        if karpenter.process is not None and karpenter.process.poll() is None:
-            kubectl("delete", "nodepools", "--all", "--wait=false", check=False)
+        with in_network_namespace([str(KARPENTER_BIN)], karpenter.log, port, None, env, workdir) as process:
+            karpenter.process = process
+            karpenter.wait_until_ready()
             try:
-                wait_until(
-                    "karpenter to remove its nodes",
-                    lambda: not node_claims() and not karpenter_nodes(),
-                    timeout=60,
-                )
-            except AssertionError as left:
-                print(f"{left}: removed by hand")
-        karpenter.stop()
-        shutil.rmtree(socket_dir)
+                yield karpenter
+            finally:
+                if process.poll() is None:
+                    kubectl("delete", "nodepools", "--all", "--wait=false", check=False)
+                    try:
+                        wait_until(
+                            "karpenter to remove its nodes",
+                            lambda: not node_claims() and not karpenter_nodes(),
+                            timeout=60,
+                        )
+                    except AssertionError as left:
+                        print(f"{left}: removed by hand")
+    finally:
         _remove_leftovers()
         # The cluster as it was: other tests' operators read NodePools, and an installed API with none in it
         # is a Karpenter that can launch nothing (preflight refuses scale-from-zero runs then).

@@ -128,7 +128,13 @@ def test_a_wave_of_runs_is_placed_once_not_once_per_run() -> None:
     """Forty runs created at once on room for twenty, every pass in the worst order (latest first), with the
     status of each admitted run coming back in between: the first twenty are admitted, and the queue is
     placed a handful of times instead of forty."""
-    ctx = Context(settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x")
+    ctx = Context(
+        settings=Settings(max_active_runs_per_namespace=0),
+        kube=cast(Any, None),
+        s3=None,
+        ec2=cast(Any, None),
+        package_sha256="x",
+    )
     nodes = {
         None: [
             preflight.node_facts(cluster_node(f"n{i}", ["us-west-2a", "us-west-2b"][i % 2])) for i in range(5)

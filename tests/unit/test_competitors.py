@@ -114,3 +114,25 @@ def test_scale_from_zero_runs_share_one_ec2_answer_per_instance_type() -> None:
         result = admission.admit(builder.RunRef(f"r{i}", "team-a", f"uid-{i}"), spec, "", indexes)
         assert result.ok, result
     assert ec2.calls == 2
+
+
+def test_scale_from_zero_runs_admitted_count_against_their_namespaces_limit_at_once() -> None:
+    """Issue 46: a scale-from-zero run skipped admission's memory, so a namespace at its limit started any
+    number of them before the index showed the first active."""
+    admission = Admission(watch_namespaces=[], kube=None, ec2=CountingEc2, max_active_per_namespace=1)
+    spec = api.FSDPTrainingRunSpec.model_validate(
+        {**SPEC, "cluster": {"workers": 1, "efaPerWorker": 0}, "network": {"efa": "disabled"},
+         "preflight": {"scaleFromZero": True}}
+    )  # fmt: skip
+    runs = {
+        ("team-a", f"r{i}"): [{**run(f"r{i}"), "spec": spec.model_dump(by_alias=True)}] for i in (1, 2, 3)
+    }
+    indexes = Indexes(runs=runs, rayclusters={}, ray_pods={}, nodes={None: []}, accelerator_pods={})
+    first = admission.admit(builder.RunRef("r1", "team-a", "uid-r1"), spec, "", indexes)
+    # a placed run's pass in between: it must not make admission forget the first
+    admission.admit(
+        builder.RunRef("r3", "team-a", "uid-r3"), api.FSDPTrainingRunSpec.model_validate(SPEC), "", indexes
+    )
+    second = admission.admit(builder.RunRef("r2", "team-a", "uid-r2"), spec, "", indexes)
+    assert first.ok, first
+    assert second.reason == "NamespaceRunLimit", second

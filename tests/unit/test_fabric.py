@@ -10,7 +10,10 @@ import pytest
 
 from fsdp_operator import api, builder, conditions, fabric, preflight, submission
 from fsdp_operator.jobs import JobObservation
+from fsdp_operator.kube import Indexes
+from fsdp_operator.observe import ray_pods
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_operator.watched import pod_summary
 from fsdp_trainer.contract import FabricLink, FabricPod, FabricReport, ProgressRecord, SweepPoint
 
 pytestmark = pytest.mark.unit
@@ -56,7 +59,17 @@ def slow_into_w1(passed: bool = False, suspect: str | None = "w1") -> FabricRepo
     )
 
 
-def failed_attempt(report: FabricReport, run_spec: api.FSDPTrainingRunSpec, pods: dict[str, str] = PODS):
+# The operator's defaults: 2 nodes per run, 4 per namespace, in a day.
+BUDGET = fabric.LabelBudget(max_per_run=2, max_per_namespace=4, window_seconds=86400, namespace_labelled=0)
+
+
+def failed_attempt(
+    report: FabricReport,
+    run_spec: api.FSDPTrainingRunSpec,
+    pods: dict[str, str] = PODS,
+    budget: fabric.LabelBudget | None = BUDGET,
+    labelled_before: tuple[dt.timedelta, ...] = (),
+):
     record = ProgressRecord(
         run_name="run",
         phase="failed",
@@ -67,11 +80,16 @@ def failed_attempt(report: FabricReport, run_spec: api.FSDPTrainingRunSpec, pods
         error_kind="fabric",
         updated_at=NOW - dt.timedelta(seconds=5),
     )
+    earlier = [
+        api.AvoidedNode(node=f"node-{i}", labelled_at=NOW - ago, why="an earlier attempt's check")
+        for i, ago in enumerate(labelled_before)
+    ]
     status = api.FSDPTrainingRunStatus(
         phase=api.Phase.RUNNING,
         attempt=1,
         job_submission_id=SUBMISSION,
         start_time=NOW - dt.timedelta(minutes=3),
+        fabric=api.FabricStatus(attempt=0, report=report, avoided_nodes=earlier) if earlier else None,
     )
     job = JobObservation(SUBMISSION, "FAILED", "job failed", "", NOW - dt.timedelta(minutes=2))
     obs = Observation(
@@ -82,6 +100,7 @@ def failed_attempt(report: FabricReport, run_spec: api.FSDPTrainingRunSpec, pods
         progress=record,
         pod_nodes=pods,
         run_uri="s3://b/p/team-a/run",
+        fabric_labels=budget,
     )
     return reconcile(run_spec, status, obs)
 
@@ -196,9 +215,75 @@ def test_workers_avoid_labelled_nodes_and_preflight_does_not_count_them() -> Non
 
 
 def test_the_label_says_when_and_its_annotation_why() -> None:
-    patch = fabric.label_patch("x" * 5000, dt.datetime(2026, 12, 4, 18, 30, 5, tzinfo=dt.UTC))
-    assert patch["metadata"]["labels"] == {fabric.DEGRADED_LABEL: "20261204T183005Z"}
+    patch = fabric.label_patch("x" * 5000, dt.datetime(2026, 12, 4, 18, 30, 5, tzinfo=dt.UTC), "team-a")
+    assert patch["metadata"]["labels"] == {
+        fabric.DEGRADED_LABEL: "20261204T183005Z",
+        fabric.DEGRADED_BY_LABEL: "team-a",
+    }
     assert len(patch["metadata"]["annotations"][fabric.DEGRADED_LABEL]) == fabric.MAX_WHY
+
+
+@pytest.mark.parametrize(
+    ("labelled_before", "budget", "why"),
+    [
+        ((dt.timedelta(hours=1), dt.timedelta(hours=2)), BUDGET, "the operator's limit per run"),
+        ((), fabric.LabelBudget(2, 4, 86400, namespace_labelled=4), "the operator's limit per namespace"),
+        ((), None, "operator setting fabric-label-nodes"),
+    ],
+    ids=["run-at-its-limit", "namespace-at-its-limit", "labelling-off"],
+)
+def test_a_forged_failing_report_repeated_labels_no_more_than_the_limits(
+    labelled_before: tuple[dt.timedelta, ...], budget: fabric.LabelBudget | None, why: str
+) -> None:
+    """Issue 46: each restart with a forged failing report labelled one more node, for every team, without
+    end (maxRestarts up to 100, backoff 0). Past the limits the attempt fails as under slowFabric fail."""
+    decision = failed_attempt(slow_into_w1(), spec(), budget=budget, labelled_before=labelled_before)
+    assert decision.avoid_node is None, "a node was labelled past the limits"
+    assert decision.status.phase == api.Phase.FAILED
+    assert "node node-b not labelled" in (decision.status.message or "") and why in (
+        decision.status.message or ""
+    )
+
+
+def test_labels_older_than_the_window_do_not_count() -> None:
+    decision = failed_attempt(slow_into_w1(), spec(), labelled_before=(dt.timedelta(days=2),) * 3)
+    assert decision.avoid_node is not None and decision.avoid_node.node == "node-b"
+
+
+def test_a_namespaces_labels_are_counted_from_the_nodes_within_the_window() -> None:
+    def node(**labels: str) -> dict[str, Any]:
+        return {"metadata": {"name": "n", "labels": labels}}
+
+    since = NOW - dt.timedelta(days=1)
+    nodes = [
+        node(**{fabric.DEGRADED_LABEL: "20261204T170000Z", fabric.DEGRADED_BY_LABEL: "team-a"}),
+        node(**{fabric.DEGRADED_LABEL: "20261201T170000Z", fabric.DEGRADED_BY_LABEL: "team-a"}),  # too old
+        node(**{fabric.DEGRADED_LABEL: "20261204T170000Z", fabric.DEGRADED_BY_LABEL: "team-b"}),
+        node(**{fabric.DEGRADED_BY_LABEL: "team-a"}),  # the platform removed the mark
+        node(),
+    ]
+    assert fabric.labelled_by(nodes, "team-a", since) == 1
+
+
+def test_a_pod_with_the_runs_labels_but_not_owned_by_its_raycluster_names_no_node() -> None:
+    """Issue 46: the pod index trusts labels; a pod the tenant creates with the run's labels and any
+    spec.nodeName made that node the one a forged report names."""
+    cluster = {"metadata": {"name": "run", "namespace": "team-a", "uid": "rc-uid"}}
+
+    def pod(name: str, node: str, owner: str) -> dict[str, Any]:
+        owners = [{"kind": "RayCluster", "name": "run", "uid": owner, "controller": True}]
+        return {"metadata": {"name": name, "ownerReferences": owners}, "spec": {"nodeName": node}}
+
+    pods = [pod("w0", "node-a", "rc-uid"), pod("forged", "node-z", "someone-else")]
+    indexes = Indexes(
+        runs={},
+        rayclusters={("team-a", "run"): [cluster]},
+        ray_pods={("team-a", "run"): [pod_summary(p) for p in pods]},
+    )
+    assert [p["name"] for p in ray_pods(RUN, indexes)] == ["w0"]
+    forged = slow_into_w1().model_copy(update={"suspect_pod": "forged"})
+    nodes = {p["name"]: p["node"] for p in ray_pods(RUN, indexes)}
+    assert failed_attempt(forged, spec(), pods=nodes).avoid_node is None
 
 
 def test_the_pods_that_fell_back_to_sockets_are_named_in_the_status_bounded() -> None:
@@ -214,3 +299,25 @@ def test_the_pods_that_fell_back_to_sockets_are_named_in_the_status_bounded() ->
     )
     degraded = conditions.condition(new.conditions, conditions.TRANSPORT_DEGRADED)
     assert degraded is not None and degraded.status == "True" and "(on w1, " in degraded.message
+
+
+def test_a_runs_first_failing_check_meets_its_namespaces_labels_as_the_nodes_show_them() -> None:
+    """Each run's first failed check counts the namespace's labels too: a namespace of many runs, each
+    failing once, labels no more nodes than the limit."""
+    from typing import cast
+
+    from fsdp_operator.context import Context
+    from fsdp_operator.observe import fabric_label_budget
+    from fsdp_operator.settings import Settings
+
+    ctx = Context(settings=Settings(), kube=cast(Any, None), s3=None, ec2=cast(Any, None), package_sha256="x")
+    marked = {fabric.DEGRADED_LABEL: "20261204T170000Z", fabric.DEGRADED_BY_LABEL: "team-a"}
+    nodes = [{"metadata": {"name": f"n{i}", "labels": marked}} for i in range(4)]
+    indexes = Indexes(runs={}, rayclusters={}, ray_pods={}, nodes={None: nodes})
+    record = ProgressRecord(
+        run_name="run", phase="failed", max_steps=100, submission_id=SUBMISSION, fabric=slow_into_w1(),
+        updated_at=NOW,
+    )  # fmt: skip
+    budget = fabric_label_budget(ctx, RUN, spec(), record, indexes, NOW)
+    assert budget is not None and budget.namespace_labelled == 4
+    assert budget.refusal([], NOW) is not None, "a fifth node of the namespace would be labelled"

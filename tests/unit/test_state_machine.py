@@ -5,7 +5,9 @@ Each test is one row: a status, what a pass observed, and the decision the opera
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -199,6 +201,66 @@ def test_cluster_drift_compares_what_the_run_needs() -> None:
         }
     }
     assert "replicas 1 (want 2)" in (builder.cluster_drift(desired, edited) or "")
+
+
+def edited(desired: dict[str, Any], group: int, change: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """A copy of the RayCluster with one group's pod template (0: the head) changed in place by `change`."""
+    copied = copy.deepcopy(desired)
+    groups = [copied["spec"]["headGroupSpec"], *copied["spec"]["workerGroupSpecs"]]
+    change(groups[group]["template"]["spec"])
+    return copied
+
+
+@pytest.mark.parametrize(
+    ("group", "change", "named"),
+    [
+        (1, lambda pod: pod.update(serviceAccountName="admin"), "gpu-workers serviceAccountName"),
+        (0, lambda pod: pod.update(hostNetwork=True), "head hostNetwork"),
+        (1, lambda pod: pod["tolerations"].append({"operator": "Exists"}), "gpu-workers tolerations"),
+        (1, lambda pod: pod.setdefault("volumes", []).append({"name": "h", "hostPath": {"path": "/"}}),
+         "gpu-workers volumes"),
+        (0, lambda pod: pod["containers"][0]["securityContext"].update(privileged=True),
+         "head container ray-head securityContext"),
+        (1, lambda pod: pod["containers"][0].setdefault("env", []).append(
+            {"name": "T", "valueFrom": {"secretKeyRef": {"name": "other-teams", "key": "token"}}}),
+         "gpu-workers container ray-worker env"),
+        (1, lambda pod: pod["containers"].append({"name": "sidecar", "image": "x"}),
+         "gpu-workers container sidecar added"),
+        (1, lambda pod: pod["containers"][0]["resources"]["limits"].update({"nvidia.com/gpu": "8"}),
+         "gpu-workers container ray-worker limits.nvidia.com/gpu 8"),
+    ],
+    ids=["service-account", "host-network", "toleration", "host-path", "privileged", "secret-env", "sidecar",
+         "more-gpus"],
+)  # fmt: skip
+def test_a_pod_template_edited_past_what_the_run_was_granted_is_drift(
+    group: int, change: Callable[[dict[str, Any]], None], named: str
+) -> None:
+    """Issue 46: edits to the RayCluster's pod templates (a service account, privileged, hostPath,
+    tolerations) went unnoticed; only images and replicas were compared."""
+    run = builder.RunRef("run", "ns", "uid-1")
+    desired = builder.build_raycluster(spec(), run, "img@sha256:" + "a" * 64, "us-west-2a")
+    drift = builder.cluster_drift(desired, edited(desired, group, change))
+    assert drift is not None and named in drift, drift
+
+
+def test_an_operator_upgrade_with_other_default_sizes_is_not_drift() -> None:
+    """A cluster made by an operator whose default worker memory and CPU were others (176Gi before Karpenter's
+    estimate, 170Gi now) is not restarted by the upgrade; only devices beyond what was built are drift."""
+    run = builder.RunRef("run", "ns", "uid-1")
+    desired = builder.build_raycluster(spec(), run, "img@sha256:" + "a" * 64, "us-west-2a")
+
+    def older_defaults(pod: dict[str, Any]) -> None:
+        for kind in ("requests", "limits"):
+            pod["containers"][0]["resources"][kind].update(memory="176Gi", cpu="47")
+
+    assert builder.cluster_drift(desired, edited(desired, 1, older_defaults)) is None
+
+
+def test_kueues_tolerations_on_a_queued_runs_templates_are_not_drift() -> None:
+    run = builder.RunRef("run", "ns", "uid-1")
+    queued = builder.build_raycluster(spec(cluster={"queueName": "q"}), run, "img", None)
+    flavor = {"key": "flavor", "operator": "Exists", "effect": "NoSchedule"}
+    assert builder.cluster_drift(queued, edited(queued, 1, lambda p: p["tolerations"].append(flavor))) is None
 
 
 def test_provisioning_past_its_deadline_deletes_the_cluster_and_waits_again() -> None:

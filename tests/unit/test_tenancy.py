@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from fsdp_operator import api, builder, conditions, tenancy
-from fsdp_operator.reconcile import Observation, reconcile
+from fsdp_operator.reconcile import Observation, creates_cluster_next, reconcile
 from fsdp_operator.settings import Settings
 
 RUN = builder.RunRef(name="run", namespace="team-a", uid="0f1e2d3c-0000-4000-8000-000000000001")
@@ -137,6 +137,35 @@ def test_a_refused_run_fails_naming_the_field_and_nothing_is_created() -> None:
     assert decision.status.phase == api.Phase.FAILED and not decision.create_cluster
     failed = conditions.condition(decision.status.conditions, conditions.FAILED)
     assert failed is not None and failed.reason == tenancy.NOT_ALLOWED and refusal in failed.message
+
+
+@pytest.mark.parametrize(
+    "phase", [api.Phase.PROVISIONING, api.Phase.CLUSTER_READY, api.Phase.RUNNING, api.Phase.RESTARTING]
+)
+def test_a_cluster_rebuilt_after_a_loss_is_checked_against_the_grants_as_they_are_then(
+    phase: api.Phase,
+) -> None:
+    """Issue 46's exploit: a Secret added to a running run's secretEnv (or a grant withdrawn since its first
+    cluster) reached the RayCluster rebuilt after the first was lost, unchecked."""
+    asked = spec(runtimeEnv={"secretEnv": {"HF_TOKEN": {"name": "hf", "key": "token"}}})
+    running = api.FSDPTrainingRunStatus(phase=phase, attempt=1, job_submission_id="run-1")
+    assert creates_cluster_next(asked, running, cluster_exists=False), "the glue would not check the grants"
+    refused = tuple(tenancy.refusals(asked, tenancy.NamespacePolicy("team-a"), PLATFORM))
+    now = dt.datetime(2026, 12, 6, tzinfo=dt.UTC)
+    decision = reconcile(asked, running, Observation(now=now, generation=2, cluster=None, refusals=refused))
+    assert not decision.create_cluster, "a RayCluster would be built with a Secret never granted"
+    assert decision.status.phase == api.Phase.FAILED
+    failed = conditions.condition(decision.status.conditions, conditions.FAILED)
+    assert failed is not None and failed.reason == tenancy.NOT_ALLOWED
+    assert failed.message.startswith("spec.runtimeEnv.secretEnv.HF_TOKEN.name: Secret 'hf' is not granted")
+    assert decision.stop_job == "run-1"  # the job of a lost cluster, if Ray still knows it
+
+
+def test_a_run_with_its_cluster_or_finished_is_not_checked_again() -> None:
+    running = api.FSDPTrainingRunStatus(phase=api.Phase.RUNNING)
+    assert not creates_cluster_next(spec(), running, cluster_exists=True)
+    assert not creates_cluster_next(spec(), api.FSDPTrainingRunStatus(phase=api.Phase.FAILED), False)
+    assert not creates_cluster_next(spec(suspend=True), running, cluster_exists=False)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ same reads against a real S3 API and the dashboard's HTTP are in tests/cluster/t
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from collections.abc import Iterator
@@ -20,7 +21,14 @@ from pydantic import ValidationError
 from fsdp_operator import api, conditions, submission
 from fsdp_operator.builder import RunRef
 from fsdp_operator.reconcile import MAX_EVIDENCE_LINES, MAX_TRAINER_TEXT, Observation, reconcile
-from fsdp_operator.records import MAX_LIST_PAGES, MAX_RECORD_BYTES, RecordTooLarge, RunStorage
+from fsdp_operator.records import (
+    MANIFEST_BYTES_PER_PASS,
+    MAX_LIST_PAGES,
+    MAX_RECORD_BYTES,
+    STACKS_BYTES_PER_PASS,
+    RecordTooLarge,
+    RunStorage,
+)
 from fsdp_operator.statuspatch import merge_patch
 from fsdp_trainer import runlog
 from fsdp_trainer.contract import (
@@ -183,6 +191,61 @@ def test_a_giant_checkpoint_manifest_is_refused_naming_it() -> None:
     with pytest.raises(RecordTooLarge, match=f"{MANIFEST_FILE}.*{MAX_RECORD_BYTES[MANIFEST_FILE]}"):
         RunStorage(s3, URI).complete_checkpoints()
     assert s3.read_bytes() <= MAX_RECORD_BYTES[MANIFEST_FILE] + 1
+
+
+def manifest_json(step: int, files: dict[str, int]) -> bytes:
+    manifest = {"runName": "hostile", "step": step, "tokensSeen": 0, "worldSize": 1,
+                "createdAt": NOW.isoformat(), "files": files}  # fmt: skip
+    return json.dumps(manifest).encode()
+
+
+def listing_of(s3: TenantS3, prefix: str) -> None:
+    """The stand-in lists what was put under `prefix`, in one page."""
+    s3.list_objects_v2 = lambda **request: {  # type: ignore[method-assign]
+        "Contents": [{"Key": k, "Size": size} for k, (_, size) in s3.objects.items() if k.startswith(prefix)]
+    }
+
+
+def test_manifests_of_checkpoints_never_completed_are_read_within_a_pass_budget_and_not_kept() -> None:
+    """Issue 46: every manifest was kept for the run's life; a hundred just-under-1-MiB manifests of
+    checkpoints that never complete took the operator past its memory limit, and again after its restart."""
+    s3 = TenantS3()
+    run = "runs/team-b/hostile/"
+    cap = MAX_RECORD_BYTES[MANIFEST_FILE]
+    for i in range(100):  # no DCP metadata: never complete
+        s3.put(f"{run}checkpoint_{i:06d}/{MANIFEST_FILE}", manifest_json(i, {"x": 1}), size=cap - 1)
+    listing_of(s3, run)
+    storage = RunStorage(s3, URI)
+    with pytest.raises(RecordTooLarge, match="add up to more than the operator reads in a pass"):
+        storage.complete_checkpoints()
+    assert s3.read_bytes() <= MANIFEST_BYTES_PER_PASS < 10 * cap, s3.read_bytes()  # of 100 MiB written
+    assert storage._complete == {}, "something was kept of a checkpoint that is not complete"
+
+
+def test_a_complete_checkpoints_manifest_is_read_once_and_only_its_summary_kept() -> None:
+    s3 = TenantS3()
+    run = "runs/team-b/hostile/"
+    s3.put(f"{run}checkpoint_000005/{MANIFEST_FILE}", manifest_json(5, {".metadata": 1, "shard": 3}))
+    s3.put(f"{run}checkpoint_000005/.metadata", b"m")
+    s3.put(f"{run}checkpoint_000005/shard", b"abc")
+    listing_of(s3, run)
+    storage = RunStorage(s3, URI)
+    [first] = storage.complete_checkpoints()
+    read = s3.read_bytes()
+    [again] = storage.complete_checkpoints()
+    assert (first.ref.step, again) == (5, first) and s3.read_bytes() == read
+    s3.objects[f"{run}checkpoint_000005/shard"] = (b"ab", 2)  # a file shrank: judged again, incomplete
+    assert storage.complete_checkpoints() == [] and storage._complete == {}
+
+
+def test_the_ranks_forensics_answers_are_read_within_a_pass_budget() -> None:
+    s3 = TenantS3()
+    cap = MAX_RECORD_BYTES["rank-*.json"]
+    keys = [f"runs/team-b/hostile/forensics/attempt-1/rank-{i}.json" for i in range(100)]
+    for key in keys:
+        s3.put(key, b"{}", size=cap - 1)
+    assert RunStorage(s3, URI).rank_stacks(keys) == []
+    assert s3.read_bytes() <= STACKS_BYTES_PER_PASS + cap < 20 * cap, s3.read_bytes()  # of 100 MiB written
 
 
 def test_a_prefix_of_millions_of_objects_costs_a_bounded_number_of_list_requests() -> None:
@@ -400,3 +463,33 @@ def test_logs_and_errors_reach_the_terminal_escaped(capsys: pytest.CaptureFixtur
         "\tindented",
         "progress 50%",
     ]
+
+
+def test_status_messages_and_events_quoting_tenant_text_are_inert() -> None:
+    """Issue 46: a run's message kept ESC (and C1 CSI) from Ray's job message, so `kubectl get trainingruns`
+    printed the tenant's terminal escapes."""
+    from tests.support.decision_inputs import job, observe, spec, status
+
+    failed = dataclasses.replace(job("FAILED"), message=f"boom{ESCAPES}\tat step 3")
+    decision = reconcile(spec(recovery={"maxRestarts": 0}), status(), observe(job=failed))
+    texts = [decision.status.message or "", *(c.message for c in decision.status.conditions)]
+    texts += [conditions.bounded(event.message) for event in decision.events]  # as runpass.py sends them
+    assert any("boom" in text for text in texts), texts
+    for text in texts:
+        assert not any(control in text for control in ("\x1b", "\x07", "\x9b", "\u202e", "\t")), text
+
+
+def test_a_hung_ranks_names_in_status_forensics_are_bounded_and_inert() -> None:
+    from fsdp_operator import hangs
+    from fsdp_trainer.contract import RankStacks
+
+    def rank(number: int, step: int) -> RankStacks:
+        return RankStacks(
+            rank=number, world_size=2, pod="p" * 100_000 + ESCAPES, node="n" * 100_000 + ESCAPES,
+            step=step, in_collective=False, training_thread_top=f"frame{ESCAPES}" * 1000, written_at=NOW,
+        )  # fmt: skip
+
+    found = hangs.suspect([rank(0, 5), rank(1, 4)], world_size=2)
+    assert found is not None and found.rank == 1
+    for text in (found.pod or "", found.node or "", found.why):
+        assert len(text) <= 1000 and "\x1b" not in text and "\u202e" not in text, text[-80:]

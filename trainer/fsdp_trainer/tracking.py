@@ -148,6 +148,34 @@ def chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 # The REST client
 
 
+def origin(url: str) -> tuple[str, str]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.netloc.lower()
+
+
+class CredentialsStayWithTheirOrigin(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect as urllib does, except that the tracking server's credentials never go to another
+    origin: urllib copies every header but the body's into the redirected request, Authorization included,
+    so a server (or whoever answers in its name) could send the token anywhere."""
+
+    def redirect_request(
+        self,
+        req: urllib.request.Request,
+        fp: Any,
+        code: int,
+        msg: str,
+        headers: Any,
+        newurl: str,
+    ) -> urllib.request.Request | None:
+        redirected = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if redirected is not None and origin(newurl) != origin(req.full_url):
+            redirected.remove_header("Authorization")
+        return redirected
+
+
+OPENER = urllib.request.build_opener(CredentialsStayWithTheirOrigin)
+
+
 class MlflowClient:
     """The MLflow REST endpoints the tracker uses, each request bounded by a timeout."""
 
@@ -176,7 +204,7 @@ class MlflowClient:
 
     def _send(self, request: urllib.request.Request, timeout: float) -> dict[str, Any]:
         try:
-            with urllib.request.urlopen(request, timeout=timeout) as response:
+            with OPENER.open(request, timeout=timeout) as response:
                 text = response.read().decode() or "{}"
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]

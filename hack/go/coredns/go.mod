@@ -1,4 +1,4 @@
-// Wrapper module: cluster DNS (CoreDNS, five plugins) for the local cluster's real node.
+// Wrapper module: cluster DNS (CoreDNS, six plugins) for the local cluster's real node.
 module fsdp-operator.dev/hack/coredns
 
 go 1.26.0

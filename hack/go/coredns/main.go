@@ -1,6 +1,7 @@
 // Cluster DNS for the local cluster's real node: a CoreDNS with only the plugins it needs (bind, errors,
-// log, cache, kubernetes), built as a library the way CoreDNS documents custom builds. Without the forward
-// plugin, any name outside the cluster domain is REFUSED: nothing is ever sent upstream.
+// log, cache, hosts, kubernetes), built as a library the way CoreDNS documents custom builds. Without the
+// forward plugin, any name outside the cluster domain and the few the Corefile lists in hosts (AWS STS at its
+// real name, answered with the host's end of the pod segment) is REFUSED: nothing is ever sent upstream.
 package main
 
 import (
@@ -10,12 +11,13 @@ import (
 	_ "github.com/coredns/coredns/plugin/bind"
 	_ "github.com/coredns/coredns/plugin/cache"
 	_ "github.com/coredns/coredns/plugin/errors"
+	_ "github.com/coredns/coredns/plugin/hosts"
 	_ "github.com/coredns/coredns/plugin/kubernetes"
 	_ "github.com/coredns/coredns/plugin/log"
 )
 
 func init() {
-	dnsserver.Directives = []string{"bind", "errors", "log", "cache", "kubernetes"}
+	dnsserver.Directives = []string{"bind", "errors", "log", "cache", "hosts", "kubernetes"}
 }
 
 func main() { coremain.Run() }

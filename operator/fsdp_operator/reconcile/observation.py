@@ -9,7 +9,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase, ProvisioningStatus
+from fsdp_operator.api import (
+    FINISHED_PHASES,
+    FSDPTrainingRunSpec,
+    FSDPTrainingRunStatus,
+    Phase,
+    ProvisioningStatus,
+)
+from fsdp_operator.fabric import LabelBudget
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.kueue import WorkloadObservation
 from fsdp_operator.preflight import PreflightResult
@@ -88,6 +95,8 @@ class Observation:
     pod_image_ids: tuple[str, ...] = ()  # containerStatuses[].imageID of the head and worker pods
     pod_problems: tuple[PodProblem, ...] = ()
     pod_nodes: Mapping[str, str] = field(default_factory=dict)  # the run's Ray pods' nodes, by pod name
+    # How many nodes a failed fabric check may still label (fabric.py); None: the platform turned it off.
+    fabric_labels: LabelBudget | None = None
     unschedulable: tuple[str, ...] = ()  # pods waiting for a node, with the scheduler's message
     scale_up: str | None = None  # an autoscaler adding a node for one of them (or held back), in its words
     scale_up_delayed: bool = False  # held back for now (a group at its maximum, in backoff, a pool's limits)
@@ -182,9 +191,10 @@ def _replica_failure(condition: dict[str, Any]) -> str:
 def creates_cluster_next(
     spec: FSDPTrainingRunSpec, status: FSDPTrainingRunStatus, cluster_exists: bool
 ) -> bool:
-    """A run whose next step is a RayCluster (through preflight or Kueue): what it asks of its namespace is
-    checked first (tenancy.py), every time: a grant the platform withdraws holds from the next cluster on."""
-    return not spec.suspend and status.phase in (None, Phase.PENDING, Phase.SUSPENDED) and not cluster_exists
+    """A run that may build a RayCluster this pass: its first (through preflight or Kueue) or one rebuilt
+    after a loss. What it asks of its namespace is checked first (tenancy.py), every time: a grant the
+    platform withdraws holds from the next cluster on, the first or a rebuilt one."""
+    return not spec.suspend and status.phase not in FINISHED_PHASES and not cluster_exists
 
 
 def needs_preflight(

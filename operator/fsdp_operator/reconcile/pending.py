@@ -13,16 +13,15 @@ from fsdp_operator.preflight import (
     WAITING_FOR_EARLIER_RUN,
     WORKER_FITS_NO_NODE,
 )
-from fsdp_operator.reconcile.provisioning import pods_healthy
+from fsdp_operator.reconcile.provisioning import not_allowed, pods_healthy
 from fsdp_operator.reconcile.queueing import enqueue
 from fsdp_operator.reconcile.state import PassState
-from fsdp_operator.tenancy import NOT_ALLOWED
 
 
 def pending(state: PassState) -> None:
     new, obs = state.new, state.obs
     if obs.refusals:  # nothing is created with powers the namespace's users were not given
-        state.finish(Phase.FAILED, NOT_ALLOWED, "; ".join(obs.refusals))
+        not_allowed(state)
         return
     if state.spec.cluster.queue_name is not None:
         enqueue(state, state.spec.cluster.queue_name)

@@ -12,6 +12,7 @@ from fsdp_operator.reconcile.observation import ClusterObservation, PodProblem
 from fsdp_operator.reconcile.running import running
 from fsdp_operator.reconcile.state import PassState
 from fsdp_operator.recovery import Failure
+from fsdp_operator.tenancy import NOT_ALLOWED
 
 
 def bringing_up(state: PassState) -> bool:
@@ -191,6 +192,9 @@ def without_cluster(state: PassState) -> None:
     """No RayCluster although the run is active: created by the glue right after the intent was written
     (Provisioning), or lost (deleted by hand, namespace trouble): (re)create it in the same zone."""
     new, obs = state.new, state.obs
+    if obs.refusals:  # what the spec asks now, against the grants as they are now: nothing ungranted is built
+        not_allowed(state)
+        return
     state.decision.create_cluster = True
     if obs.action_error:
         if (
@@ -205,6 +209,12 @@ def without_cluster(state: PassState) -> None:
     elif state.condition_is(conditions.CLUSTER_READY, "True") and not obs.action_error:
         state.condition(conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared")
         state.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")
+
+
+def not_allowed(state: PassState) -> None:
+    """The run asks for what its namespace does not grant (tenancy.py): Failed, naming each field, and no
+    RayCluster built."""
+    state.finish(Phase.FAILED, NOT_ALLOWED, "; ".join(state.obs.refusals))
 
 
 def cluster_modified(state: PassState, drift: str) -> None:

@@ -201,6 +201,15 @@ def avoiding_slow_node(state: PassState, failure: Failure) -> Failure:
             else "no node to avoid: the slow links share no single pod the operator saw placed"
         )
         return dataclasses.replace(failure, message=f"{failure.message} ({why})")
+    budget = obs.fabric_labels
+    refused = (
+        "the platform turned automatic labelling off (operator setting fabric-label-nodes)"
+        if budget is None
+        else budget.refusal([a.labelled_at for a in checked.avoided_nodes], obs.now)
+    )
+    if refused is not None:
+        unlabelled = f"{failure.message} (node {node} not labelled: {refused})"
+        return dataclasses.replace(failure, message=unlabelled)
     why = f"{obs.run_uri} attempt {new.attempt}: {checked.report.message}"
     avoided = api.AvoidedNode(node=node, labelled_at=obs.now, why=conditions.bounded(why))
     checked.avoided_nodes = [*checked.avoided_nodes, avoided][-api.MAX_AVOIDED_NODES :]
