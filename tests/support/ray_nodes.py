@@ -31,8 +31,23 @@ class LocalRayCluster:
     env: dict[str, str]
     nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
-    def start_node(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-        """One more node (`args` add to `ray start`), returned once its raylet has registered."""
+    def start_nodes(self, count: int, *args: str) -> list[subprocess.Popen[bytes]]:
+        """`count` more nodes (`args` add to `ray start`), each started once the one before has registered:
+        started at once, one `ray start` failed to find its own node in the GCS (Deadline Exceeded)."""
+        return [self._start(*args) for _ in range(count)]
+
+    def _start(self, *args: str) -> subprocess.Popen[bytes]:
+        node, log = self._launch(*args)
+        index = len(self.nodes) - 1
+
+        def running() -> bool:
+            assert node.poll() is None, f"Ray node {index} exited:\n{log.read_text()[-3000:]}"
+            return "Ray runtime started" in log.read_text()
+
+        wait_until(f"Ray node {index} to start (log {log})", running, timeout=120)
+        return node
+
+    def _launch(self, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
         index = len(self.nodes)
         log = self.logs / f"node-{index}.log"
         port = self.address.rsplit(":", 1)[1]
@@ -49,16 +64,10 @@ class LocalRayCluster:
             node = subprocess.Popen(
                 [str(RAY), "start", *where, "--node-ip-address=127.0.0.1", *ports,
                  f"--temp-dir={self.session}", "--disable-usage-stats", "--block", *args],
-                env={**self.env, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
         self.nodes.append(node)
-
-        def started() -> bool:
-            assert node.poll() is None, f"Ray node {index} exited:\n{log.read_text()[-3000:]}"
-            return "Ray runtime started" in log.read_text()
-
-        wait_until(f"Ray node {index} to start (log {log})", started, timeout=120)
-        return node
+        return node, log
 
 
 @contextmanager
@@ -73,7 +82,9 @@ def local_ray_cluster(logs: Path, env: dict[str, str], *head_args: str) -> Itera
         address, session, logs, {**os.environ, **env, **SEVERAL_NODES_ON_ONE_MACHINE, "RAY_ADDRESS": address}
     )
     try:
-        cluster.start_node("--include-dashboard=false", f"--ray-client-server-port={free_port()}", *head_args)
+        cluster.start_nodes(
+            1, "--include-dashboard=false", f"--ray-client-server-port={free_port()}", *head_args
+        )
         yield cluster
     finally:
         for node in reversed(cluster.nodes):

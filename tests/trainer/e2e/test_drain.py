@@ -96,8 +96,7 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
         "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5",  # Ray's default 5 s: the notice comes sooner
     }
     with local_ray_cluster(tmp_path, env, "--num-cpus=0") as cluster:
-        cluster.start_node("--num-cpus=1")
-        drained = cluster.start_node("--num-cpus=1")
+        _, drained = cluster.start_nodes(2, "--num-cpus=1")
         trainer_log = tmp_path / "trainer.log"
         with trainer_log.open("wb") as out:
             trainer = subprocess.Popen(
@@ -115,7 +114,7 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
             wait_until("the run to train 3 steps", lambda: training_at() >= 3, timeout=120, interval=0.3)
             notice_sent = time.time()
             os.kill(drained.pid, signal.SIGTERM)  # the pod's deletion: `ray start` drains its node
-            cluster.start_node("--num-cpus=1")  # the replacement node
+            cluster.start_nodes(1, "--num-cpus=1")  # the replacement node
             returncode = trainer.wait(timeout=RUN_TIMEOUT_S)
         finally:
             stop_process(trainer)
@@ -132,10 +131,13 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
     )
     assert len(attempts) == 2, f"two attempts expected (drained, resumed), found {len(attempts)}"
     trained_first, trained_second = training_steps(attempts[0]), training_steps(last)
+    trained_again = min(r.updated_at for r in last if r.phase == "training" and r.step in trained_second)
     print(
         f"notice (SIGTERM) -> drain checkpoint at step {drain.drain_checkpoint_step} durable: "
         f"{drain.updated_at.timestamp() - notice_sent:.2f} s "
-        f"({drain.drain_checkpoint_seconds:.2f} s from the step boundary that took the notice)"
+        f"({drain.drain_checkpoint_seconds:.2f} s from the step boundary that took the notice); "
+        f"training again {trained_again.timestamp() - notice_sent:.1f} s after the notice "
+        f"(drain window {DRAIN_SECONDS} s)"
     )
     assert max(trained_first) == drain.drain_checkpoint_step, (
         f"steps trained after the drain checkpoint at {drain.drain_checkpoint_step}: "
