@@ -53,15 +53,26 @@ class DrainNotice:
 NoticeReader = Callable[[], int | None]
 
 
-def ray_train_notice() -> int | None:
-    """The notice Ray Train's PreemptionWatcher gave this worker (its `mark_preempt`), read from the worker's
-    own context: no RPC, unlike `ray.train.get_preemption_info()`."""
-    from ray.train.v2._internal.execution.context import get_train_context
+def ray_train_notice_reader() -> NoticeReader | None:
+    """Reads the notice Ray Train's PreemptionWatcher gave this worker (its `mark_preempt`) from the worker's
+    own context: no RPC, unlike `ray.train.get_preemption_info()`. That context is Ray Train v2's internals:
+    where a Ray lacks it (Train v1, a later layout), the run trains on without drain checkpoints, saying so
+    (every rank runs the same Ray, so all ranks skip the check alike)."""
+    try:
+        from ray.train.v2._internal.execution.context import get_train_context
 
-    info = get_train_context().preemption_context.preemption_info
-    if info is None:
+        context = get_train_context().preemption_context
+    except (ImportError, AttributeError, RuntimeError) as error:
+        log.warning("no drain checkpoints: this Ray Train hands no drain notice to its workers (%s)", error)
         return None
-    return info.deadline_ms or 0
+
+    def read() -> int | None:
+        info = context.preemption_info
+        if info is None:
+            return None
+        return info.deadline_ms or 0
+
+    return read
 
 
 class DrainWatch:
@@ -76,7 +87,7 @@ class DrainWatch:
     @classmethod
     def for_launcher(cls, launcher: str) -> DrainWatch:
         """Under Ray Train, Ray's notices; torchrun and a lone process get none (nothing is checked)."""
-        return cls(ray_train_notice if launcher == "ray" else None)
+        return cls(ray_train_notice_reader() if launcher == "ray" else None)
 
     def noticed(self) -> bool:
         """Whether a drain was announced to any rank; every rank calls it at every step boundary and all get
