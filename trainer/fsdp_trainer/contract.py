@@ -799,6 +799,15 @@ class ProgressRecord(ContractModel):
         description="Seconds the latest checkpoint held training up (staging the state off the device); "
         "writing and uploading it continue in the background.",
     )
+    drain_checkpoint_step: int | None = Field(
+        default=None,
+        description="The step of the checkpoint saved when Ray announced that a node of this attempt was "
+        "draining (a preemption); training then held until the node went.",
+    )
+    drain_checkpoint_seconds: float | None = Field(
+        default=None,
+        description="Seconds from the drain notice at a step boundary to that checkpoint durable.",
+    )
     tokens_seen: int = 0
     non_finite_steps: int = Field(
         default=0,

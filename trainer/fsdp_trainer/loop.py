@@ -39,6 +39,7 @@ from fsdp_trainer.errors import ConfigError, ModelError, NonFiniteLossError, cla
 from fsdp_trainer.formats import RowCounts
 from fsdp_trainer.launch import LoopInput
 from fsdp_trainer.metrics import flops_per_token
+from fsdp_trainer.preemption import DrainWatch
 from fsdp_trainer.progress import ProgressWriter, utc_now, versions
 from fsdp_trainer.sharded_model import build_sharded_model
 from fsdp_trainer.storage import Location
@@ -337,6 +338,7 @@ class Trainer:
         config, runtime, training, state = self.config, self.runtime, self.config.training, session.state
         checkpoints, metrics = session.checkpoints, session.metrics
         fault = Fault.from_env()
+        drain = DrainWatch.for_launcher(runtime.launcher)
         first_step = state.step + 1
         self.skipped_in_a_row = 0
         # A checkpoint due at a skipped step is saved after the next applied one (if any): every checkpoint
@@ -374,7 +376,7 @@ class Trainer:
                 state.step = step
                 state.tokens_seen += metrics.throughput.tokens_per_step
                 outcome = StepOutcome.start(step, loss, skip)
-                save_pending = save_pending or checkpoints.due(step)
+                save_pending = drain.noticed() or save_pending or checkpoints.due(step)
                 applied = None
                 if save_pending or metrics.due(step):  # the last step is a logging step
                     applied = self.settle(session, outcome)
@@ -395,6 +397,9 @@ class Trainer:
                         session.batches.layout.samples_per_step,
                     )
                     save_pending = False
+                    if drain.pending:  # durable before the node goes; no step after it until then
+                        self.checkpoint_staged(session)
+                        metrics.exclude(drain.checkpointed(checkpoints, self.progress, step))
 
     def forward_backward(self, session: Session) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The forward and backward passes of one optimizer step over grad_accumulation micro-batches; returns

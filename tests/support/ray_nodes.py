@@ -1,0 +1,92 @@
+"""Several Ray nodes on this machine, each a `ray start --block` process in a process group of its own, as
+each Ray pod runs it: SIGTERM to one is its pod deleted (Ray drains the node); its group stopped, gone."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.support.net import free_port
+from tests.support.processes import stop_process_group
+from tests.support.waiting import wait_until
+
+RAY = Path(sys.executable).with_name("ray")
+# Ray's switch for several nodes on one machine (named for the platforms where it is off by default; "0"
+# refuses a second node). Every node is given 127.0.0.1.
+SEVERAL_NODES_ON_ONE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+
+@dataclass
+class LocalRayCluster:
+    address: str
+    session: Path  # Ray's session files (its socket paths live below it: a short path)
+    logs: Path
+    env: dict[str, str]
+    nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start_nodes(self, count: int, *args: str) -> list[subprocess.Popen[bytes]]:
+        """`count` more nodes (`args` add to `ray start`), each started once the one before has registered:
+        started at once, one `ray start` failed to find its own node in the GCS (Deadline Exceeded)."""
+        return [self._start(*args) for _ in range(count)]
+
+    def _start(self, *args: str) -> subprocess.Popen[bytes]:
+        node, log = self._launch(*args)
+        index = len(self.nodes) - 1
+
+        def running() -> bool:
+            assert node.poll() is None, f"Ray node {index} exited:\n{log.read_text()[-3000:]}"
+            return "Ray runtime started" in log.read_text()
+
+        wait_until(f"Ray node {index} to start (log {log})", running, timeout=120)
+        return node
+
+    def _launch(self, *args: str) -> tuple[subprocess.Popen[bytes], Path]:
+        index = len(self.nodes)
+        log = self.logs / f"node-{index}.log"
+        port = self.address.rsplit(":", 1)[1]
+        where = [f"--port={port}", "--head"] if index == 0 else [f"--address={self.address}"]
+        ports = [
+            f"--node-manager-port={free_port()}",
+            f"--object-manager-port={free_port()}",
+            f"--dashboard-agent-listen-port={free_port()}",
+            f"--dashboard-agent-grpc-port={free_port()}",
+            f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}",
+        ]
+        with log.open("wb") as out:
+            node = subprocess.Popen(
+                [str(RAY), "start", *where, "--node-ip-address=127.0.0.1", *ports,
+                 f"--temp-dir={self.session}", "--disable-usage-stats", "--block", *args],
+                env=self.env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )  # fmt: skip
+        self.nodes.append(node)
+        return node, log
+
+
+@contextmanager
+def local_ray_cluster(logs: Path, env: dict[str, str], *head_args: str) -> Iterator[LocalRayCluster]:
+    """A head node (`head_args` add to its `ray start`); every node's process group is stopped at the end.
+
+    `env` is every node's environment (the workers inherit their raylet's), with RAY_ADDRESS pointing Ray's
+    own lookups at this head even when other Ray instances run here."""
+    address = f"127.0.0.1:{free_port()}"
+    session = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
+    cluster = LocalRayCluster(
+        address, session, logs, {**os.environ, **env, **SEVERAL_NODES_ON_ONE_MACHINE, "RAY_ADDRESS": address}
+    )
+    try:
+        cluster.start_nodes(
+            1, "--include-dashboard=false", f"--ray-client-server-port={free_port()}", *head_args
+        )
+        yield cluster
+    finally:
+        for node in reversed(cluster.nodes):
+            stop_process_group(node)
+        shutil.rmtree(session, ignore_errors=True)
