@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import enum
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +138,18 @@ def observe(
         status.phase == api.Phase.PROVISIONING or (status.phase == api.Phase.RESTARTING and not cluster.ready)
     )
     memory = ctx.runs.of(run.uid)
+    memory.cadence.observed(
+        progress,
+        time.monotonic(),
+        ctx.settings.observe_interval_seconds,
+        spec.recovery.hang_timeout_seconds,
+        quiet=status.phase == api.Phase.RUNNING
+        and progress is not None
+        and progress.phase == "training"
+        and dashboard_error is None
+        and storage_error is None
+        and not forensics_pending(status),
+    )
     return Observation(
         now=now,
         generation=body["metadata"]["generation"],

@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from fsdp_trainer.contract import (
     MANIFEST_FILE,
@@ -56,12 +56,24 @@ STACKS_BYTES_PER_PASS = 16 << 20
 LIST_PAGE_KEYS = 1000
 MAX_LIST_PAGES = 20
 
+Record = TypeVar("Record", bound=BaseModel)
+
 
 class RecordTooLarge(Exception):
     """An object under the run's prefix (or its listing) beyond what the operator reads: the run's storage
     is unreadable until it is removed; the message names the object and the cap."""
 
     reason = "RecordTooLarge"
+
+
+class NotModified(Exception):
+    """The object still has the ETag it was last read with (S3 answered 304, with no body)."""
+
+
+@dataclass(frozen=True)
+class Fetched:
+    body: bytes
+    etag: str | None  # None for an empty object (no byte in range, so no answer to take it from)
 
 
 @dataclass(frozen=True)
@@ -81,11 +93,36 @@ class RunStorage:
         # A complete checkpoint's summary (not its manifest), by directory, with the listing it was judged
         # complete from: read again only when that changes. Nothing is kept of an incomplete one.
         self._complete: dict[str, tuple[frozenset[tuple[str, int]], StoredCheckpoint]] = {}
+        # The records read at every pass (progress.json, mlflow.json), by key: the ETag each was last read
+        # with and what it validated to (None: an incompatible record).
+        self._kept: dict[str, tuple[str, BaseModel | None]] = {}
 
     def _get_json(self, key: str) -> Any | None:
         """The object parsed, None when there is none (see _get_bytes)."""
-        body = self._get_bytes(key)
-        return None if body is None else self._parsed(key, body)
+        fetched = self._get_bytes(key)
+        return None if fetched is None else self._parsed(key, fetched.body)
+
+    def _record(self, key: str, model: type[Record]) -> Record | None:
+        """The object validated as `model`; None when there is none, or it does not validate (written by an
+        incompatible trainer: the status says nothing rather than lie). It is asked for only if its ETag
+        changed since the last read, so an unchanged record (most passes of a quiet run) costs a 304 with
+        no body and no parse."""
+        kept = self._kept.get(key)
+        try:
+            fetched = self._get_bytes(key, if_none_match=kept[0] if kept else None)
+        except NotModified:
+            assert kept is not None
+            return kept[1] if isinstance(kept[1], model) else None
+        self._kept.pop(key, None)
+        if fetched is None:
+            return None
+        try:
+            record: Record | None = model.model_validate(self._parsed(key, fetched.body))
+        except ValidationError:
+            record = None
+        if fetched.etag:
+            self._kept[key] = (fetched.etag, record)
+        return record
 
     def _parsed(self, key: str, body: bytes) -> Any:
         try:
@@ -94,17 +131,23 @@ class RunStorage:
             uri = f"s3://{self.bucket}/{key}"
             raise RecordTooLarge(f"{uri} is nested too deeply to read: it is not read; remove it") from None
 
-    def _get_bytes(self, key: str) -> bytes | None:
-        """The object's bytes, None when there is none. At most its cap (MAX_RECORD_BYTES by file name) is
-        asked for, and one byte more, which tells an object beyond the cap: that one is refused unread."""
+    def _get_bytes(self, key: str, if_none_match: str | None = None) -> Fetched | None:
+        """The object's bytes and ETag, None when there is none; NotModified when it still has the ETag
+        `if_none_match`. At most its cap (MAX_RECORD_BYTES by file name) is asked for, and one byte more,
+        which tells an object beyond the cap: that one is refused unread."""
         name = key.rpartition("/")[2]
         cap = MAX_RECORD_BYTES[STACKS_FILE if name.startswith("rank-") else name]
         uri = f"s3://{self.bucket}/{key}"
+        request = {"Bucket": self.bucket, "Key": key, "Range": f"bytes=0-{cap}"}
+        if if_none_match is not None:
+            request["IfNoneMatch"] = if_none_match
         try:
-            answer = self.s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{cap}")
+            answer = self.s3.get_object(**request)
         except self.s3.exceptions.NoSuchKey:
             return None
         except self.s3.exceptions.ClientError as error:
+            if error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 304:
+                raise NotModified(uri) from None
             if error.response.get("Error", {}).get("Code") != "InvalidRange":
                 raise
             answer = None  # an empty object: no byte is in range
@@ -117,22 +160,14 @@ class RunStorage:
                 f"{uri} is {size + ' bytes' if size.isdigit() else 'larger than that'}, over the "
                 f"operator's cap of {cap} bytes for {key.rpartition('/')[2]}: it is not read; remove it"
             )
-        return body
+        return Fetched(body, None if answer is None else answer.get("ETag"))
 
     def progress(self) -> ProgressRecord | None:
-        raw = self._get_json(self.prefix + PROGRESS_FILE)
-        try:
-            return None if raw is None else ProgressRecord.model_validate(raw)
-        except ValidationError:
-            return None  # written by an incompatible trainer; the status says no progress rather than lie
+        return self._record(self.prefix + PROGRESS_FILE, ProgressRecord)
 
     def mlflow_run(self) -> MlflowRunRef | None:
         """The MLflow run the trainer logs to (tracking on), once it has created one."""
-        raw = self._get_json(self.prefix + MLFLOW_RUN_FILE)
-        try:
-            return None if raw is None else MlflowRunRef.model_validate(raw)
-        except ValidationError:
-            return None
+        return self._record(self.prefix + MLFLOW_RUN_FILE, MlflowRunRef)
 
     def _manifest(self, directory: str) -> CheckpointManifest | None:
         raw = self._get_json(f"{self.prefix}{directory}/{MANIFEST_FILE}")
@@ -210,13 +245,13 @@ class RunStorage:
         found, budget = [], STACKS_BYTES_PER_PASS
         for key in keys:
             try:
-                body = self._get_bytes(key)
-                if body is None:
+                fetched = self._get_bytes(key)
+                if fetched is None:
                     continue
-                budget -= len(body)
+                budget -= len(fetched.body)
                 if budget < 0:
                     break
-                found.append(RankStacks.model_validate(self._parsed(key, body)))
+                found.append(RankStacks.model_validate(self._parsed(key, fetched.body)))
             except (ValidationError, RecordTooLarge, ValueError):
                 continue
         return found

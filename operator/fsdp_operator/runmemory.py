@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_operator.cadence import Cadence
 from fsdp_operator.records import RunStorage
 from fsdp_trainer.contract import RunRecord
 
@@ -41,6 +42,7 @@ class RunMemory:
     action_error: str | None = None  # why the last action failed, for the next pass to decide on
     written: Written | None = None
     created: tuple[float, int] | None = None  # when this process created its RayCluster, for which attempt
+    cadence: Cadence = field(default_factory=Cadence)  # which timer ticks observe it
 
 
 class RunMemories:

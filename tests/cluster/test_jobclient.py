@@ -11,6 +11,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from io import BytesIO
 from pathlib import Path
@@ -220,17 +221,36 @@ def test_the_operator_never_imports_ray() -> None:
     assert found.stdout.strip() == "False"
 
 
-def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded_by_an_action_not_the_observation(
-    dashboard: Dashboard, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@dataclass
+class RunningRun:
+    """A Running run (attempt 2) as observe() sees it: its Ray job on the test's dashboard, its prefix in a
+    bucket of its own on the S3 server."""
+
+    ctx: Any
+    run: Any
+    spec: Any
+    status: Any
+    s3: Any
+    bucket: str
+    submission_id: str = "tiny-01234567-2"
+
+    def observe(self) -> Any:
+        from fsdp_operator import submission
+        from fsdp_operator.kube import Indexes
+        from fsdp_operator.observe import observe
+
+        body = {"metadata": {"name": "tiny", "namespace": "team-a", "uid": self.run.uid, "generation": 1}}
+        config = submission.trainer_config(self.spec, self.run, cpu_only=True)
+        indexes = Indexes(runs={}, rayclusters={}, ray_pods={})
+        return observe(self.ctx, self.run, body, self.spec, self.status, config, indexes)
+
+
+def running_run(dashboard: Dashboard, hang_timeout_seconds: int = 1800) -> RunningRun:
     import boto3
 
-    from fsdp_operator import actions, api, jobs, submission
+    from fsdp_operator import api
     from fsdp_operator.builder import RunRef
     from fsdp_operator.context import Context
-    from fsdp_operator.kube import Indexes
-    from fsdp_operator.observe import observe
-    from fsdp_operator.reconcile import DriverLog, reconcile
     from fsdp_operator.settings import Settings
 
     bucket = f"driver-{os.urandom(4).hex()}"
@@ -239,16 +259,35 @@ def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded_by_an_action_no
     settings = Settings(dashboard_address_mode="override", dashboard_url=dashboard.url)
     kube: Any = type("Kube", (), {"configuration": type("Configuration", (), {"host": "unused"})})
     ctx = Context(settings=settings, kube=kube, s3=s3, ec2=lambda: None, package_sha256="x")
-    run = RunRef(name="tiny", namespace="team-a", uid="0123456789")
     spec = api.FSDPTrainingRunSpec.model_validate(
-        {"model": {"source": "m"}, "checkpoint": {"storagePath": f"s3://{bucket}/runs"}}
+        {
+            "model": {"source": "m"},
+            "checkpoint": {"storagePath": f"s3://{bucket}/runs"},
+            "recovery": {"hangTimeoutSeconds": hang_timeout_seconds},
+        }
     )
     status = api.FSDPTrainingRunStatus(
         phase=api.Phase.RUNNING, attempt=2, job_submission_id="tiny-01234567-2"
     )
-    body = {"metadata": {"name": "tiny", "namespace": "team-a", "uid": run.uid, "generation": 1}}
-    config = submission.trainer_config(spec, run, cpu_only=True)
-    indexes = Indexes(runs={}, rayclusters={}, ray_pods={})
+    run = RunRef(name="tiny", namespace="team-a", uid="0123456789")
+    return RunningRun(ctx, run, spec, status, s3, bucket)
+
+
+def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded_by_an_action_not_the_observation(
+    dashboard: Dashboard, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fsdp_operator import actions, jobs
+    from fsdp_operator.reconcile import DriverLog, reconcile
+
+    running = running_run(dashboard)
+    ctx, run, spec, status, s3, bucket = (
+        running.ctx,
+        running.run,
+        running.spec,
+        running.status,
+        running.s3,
+        running.bucket,
+    )
     dashboard.jobs["tiny-01234567-2"] = {"status": "SUCCEEDED", "driver_node_id": "n1"}
     monkeypatch.setattr(jobs, "MAX_DRIVER_LOG_BYTES", 200)
 
@@ -256,15 +295,59 @@ def test_an_ended_jobs_driver_log_is_kept_in_s3_once_and_bounded_by_an_action_no
         return [path for _, path, _, _ in dashboard.seen if path.startswith("/api/v0/logs/file")]
 
     key = "runs/team-a/tiny/logs/attempt-2/driver.log"
-    obs = observe(ctx, run, body, spec, status, config, indexes)
+    obs = running.observe()
     assert log_reads() == [] and s3.list_objects_v2(Bucket=bucket).get("KeyCount") == 0  # it only read
     decision = reconcile(spec, status, obs)
     assert decision.keep_driver_log == DriverLog("tiny-01234567-2", "n1", 2)
     actions.keep_driver_log(ctx, run, spec, decision.keep_driver_log)
     actions.keep_driver_log(ctx, run, spec, decision.keep_driver_log)  # a pass before the memory was read
-    again = reconcile(spec, status, observe(ctx, run, body, spec, status, config, indexes))
+    again = reconcile(spec, status, running.observe())
     assert again.keep_driver_log is None  # kept: the next pass does not ask again
 
     stored = s3.get_object(Bucket=bucket, Key=key)["Body"].read().decode()
     assert stored.startswith("line 0\n") and len(stored) == 200
     assert log_reads() == ["/api/v0/logs/file?node_id=n1&submission_id=tiny-01234567-2&lines=50000"]
+
+
+def test_a_quiet_running_run_is_observed_every_fourth_tick_and_every_tick_once_it_changes(
+    dashboard: Dashboard, s3_endpoint: str
+) -> None:
+    """A Running run of ten-minute steps whose progress.json stays the same: after QUIET_PASSES passes its
+    timer observes it every MAX_STRETCH ticks (60 s at the default 15 s) and asks its Ray job only then; a
+    new step, or a record that says the training ended, brings it back to every tick."""
+    import datetime as dt
+
+    from fsdp_operator.cadence import MAX_STRETCH, QUIET_PASSES
+    from fsdp_trainer.contract import PROGRESS_FILE
+
+    running = running_run(dashboard)
+    dashboard.jobs[running.submission_id] = {"status": "RUNNING"}
+    cadence = running.ctx.runs.of(running.run.uid).cadence
+
+    def write(step: int, phase: str = "training") -> None:
+        record = {
+            "runName": "tiny",
+            "phase": phase,
+            "step": step,
+            "maxSteps": 10,
+            "stepTimeSeconds": 600,
+            "updatedAt": dt.datetime.now(dt.UTC).isoformat(),
+        }
+        key = f"runs/team-a/tiny/{PROGRESS_FILE}"
+        running.s3.put_object(Bucket=running.bucket, Key=key, Body=json.dumps(record).encode())
+
+    def observed_ticks(passes: int) -> int:
+        """Observes `passes` times; the timer ticks until the next observation."""
+        for _ in range(passes):
+            assert running.observe().progress is not None
+        return 1 + sum(1 for _ in iter(lambda: cadence.due(), True))
+
+    write(3)
+    assert observed_ticks(QUIET_PASSES) == 1  # the first passes of a quiet record keep the base interval
+    job_reads = len(dashboard.seen)
+    assert observed_ticks(1) == MAX_STRETCH
+    assert len(dashboard.seen) == job_reads + 1  # its Ray job asked once in those ticks
+    write(4)
+    assert observed_ticks(1) == 1
+    write(4, phase="finished")
+    assert observed_ticks(QUIET_PASSES + 2) == 1

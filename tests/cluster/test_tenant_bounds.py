@@ -96,6 +96,51 @@ def test_the_checkpoints_listing_stops_at_its_page_cap_and_lists_only_checkpoint
         storage.complete_checkpoints()
 
 
+def test_an_unchanged_progress_record_costs_a_304_without_a_body_and_a_changed_one_is_read(
+    s3_storage: str,
+) -> None:
+    """A quiet run's progress.json is asked for at every pass: the S3 server answers Not Modified, with no
+    body, and the operator keeps the record it parsed last; a rewrite is read at the next pass."""
+    s3, bucket, prefix = s3_run(s3_storage)
+    answers: list[tuple[int, int]] = []  # (HTTP status, body bytes the server sent) of each GetObject
+
+    def heard(http_response: Any, **_: Any) -> None:
+        answers.append((http_response.status_code, int(http_response.headers.get("Content-Length", 0))))
+
+    s3.meta.events.register("after-call.s3.GetObject", heard)
+    key = prefix + PROGRESS_FILE
+
+    def write(step: int) -> int:
+        record = {
+            "runName": "r",
+            "phase": "training",
+            "step": step,
+            "maxSteps": 10,
+            "updatedAt": "2026-12-03T12:00:00Z",
+        }
+        body = json.dumps(record).encode()
+        s3.put_object(Bucket=bucket, Key=key, Body=body)
+        return len(body)
+
+    size = write(5)
+    storage = RunStorage(s3, f"s3://{bucket}/{prefix}")
+    first = storage.progress()
+    assert first is not None and first.step == 5 and answers[-1] == (206, size)
+
+    assert storage.progress() is first, "an unchanged record is not parsed again"
+    assert answers[-1] == (304, 0), f"the second read of an unchanged record was answered {answers[-1]}"
+
+    size = write(6)
+    changed = storage.progress()
+    assert changed is not None and changed.step == 6 and answers[-1] == (206, size)
+
+    s3.delete_object(Bucket=bucket, Key=key)
+    assert storage.progress() is None
+    write(7)
+    again = storage.progress()
+    assert again is not None and again.step == 7
+
+
 class HostileHead(ThreadingHTTPServer):
     """A Ray head that runs the tenant's code: answers a job's status with an endless JSON body (streamed,
     up to `limit` bytes), a driver log without end, and anything else as Ray does. Counts what it sent."""
