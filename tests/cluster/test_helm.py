@@ -125,7 +125,8 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         # Each run's token Secret and NetworkPolicy are created; no Secret there is ever read (the key's
         # get is limited to its own name).
         assert can_i("create", "secrets", namespace, sa)
-        for verb in ("create", "list", "watch"):  # and watched, to be created again if deleted
+        # Watched, to be created again if deleted, and put back (update) if made first or edited.
+        for verb in ("create", "list", "watch", "update"):
             assert can_i(verb, "networkpolicies.networking.k8s.io", namespace, sa), f"{sa} cannot {verb}"
         assert not can_i("delete", "networkpolicies.networking.k8s.io", namespace, sa)
         assert not can_i("get", "secrets", namespace, sa) and not can_i("list", "secrets", namespace, sa)
