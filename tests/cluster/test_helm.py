@@ -107,6 +107,7 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         needed = [
             ("watch", "fsdptrainingruns.fsdp.training.dev"),
             ("create", "rayclusters.ray.io"),
+            ("get", "rayclusters.ray.io"),  # read before it is deleted: the run's own, by UID
             ("delete", "rayclusters.ray.io"),
             ("create", "events"),
             ("list", "events"),  # an autoscaler's word on a pod that waits for a node
@@ -126,7 +127,7 @@ def test_install_grants_the_operator_what_it_needs(namespace: str, crd_installed
         # get is limited to its own name).
         assert can_i("create", "secrets", namespace, sa)
         # Watched, to be created again if deleted, and put back (update) if made first or edited.
-        for verb in ("create", "list", "watch", "update"):
+        for verb in ("create", "get", "list", "watch", "update"):
             assert can_i(verb, "networkpolicies.networking.k8s.io", namespace, sa), f"{sa} cannot {verb}"
         assert not can_i("delete", "networkpolicies.networking.k8s.io", namespace, sa)
         assert not can_i("get", "secrets", namespace, sa) and not can_i("list", "secrets", namespace, sa)
