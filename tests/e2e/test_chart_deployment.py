@@ -49,7 +49,7 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("karpenter.sh", "nodepools", "list"): "scale-from-zero preflight (the demo's nodes exist)",
     ("apps", "daemonsets", "list"): "scale-from-zero preflight: what a node to be added runs beside a worker",
     # test_helm asks whether the chart's account may; test_tenant_after_admission puts one back.
-    ("networking.k8s.io", "networkpolicies", "update"): "a run's NetworkPolicy made first or edited, put back",
+    ("networking.k8s.io", "networkpolicies", "update"): "a run's policy made first or edited, put back",
 }
 # Granted, and used by a demo run only when a race happens, so a run may or may not use them.
 USED_BY_A_DEMO_RUN_ONLY_IN_A_RACE: dict[Grant, str] = {
