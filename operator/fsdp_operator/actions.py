@@ -273,4 +273,4 @@ def delete_run(ctx: Context, body: kopf.Body) -> None:
             except Exception as error:  # a dead head has no job to stop; the cluster goes either way
                 log.warning("%s/%s: could not stop job: %s", meta["namespace"], meta["name"], error)
         ctx.kube.delete_raycluster(meta["namespace"], cluster_name, meta["uid"])
-    ctx.disruptions.pop((meta["namespace"], cluster_name), None)
+    ctx.disruptions.forget((meta["namespace"], cluster_name))

@@ -811,6 +811,11 @@ class GoodputSeconds(ContractModel):
         description="Restarting, and the training time of steps a restart redoes (those after the checkpoint "
         "it resumes from).",
     )
+    lost_to_preemptions: int = Field(
+        default=0,
+        description="The same for restarts after a disruption (a node or pod taken away: status.restarts."
+        "preemptions): what spot capacity and drains cost the run.",
+    )
     idle: int = Field(default=0, description="Suspended (holding no capacity).")
 
 
@@ -824,7 +829,7 @@ class GoodputStatus(ContractModel):
     fraction: float | None = Field(
         default=None,
         description="Goodput: training seconds over the seconds the run held its cluster (provisioning, "
-        "training, checkpoint stall, lost to restarts).",
+        "fabric check, training, checkpoint stall, lost to restarts and to preemptions).",
     )
     worker_seconds_held: int = Field(default=0, description="Worker-seconds the run's clusters held.")
     gpu_seconds_held: int = Field(default=0, description="GPU-seconds the run's clusters held.")

@@ -3,7 +3,6 @@ dashboard), admission, and each run's memory."""
 
 from __future__ import annotations
 
-import datetime as dt
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +10,7 @@ from typing import Any
 
 from fsdp_operator import api, builder, instancetypes, preflight, submission, tenancy
 from fsdp_operator.admission import Admission
+from fsdp_operator.disruption import Disruptions
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
 from fsdp_operator.kube import Kube
 from fsdp_operator.records import RunStorage
@@ -33,8 +33,7 @@ class Context:
     runs: RunMemories = field(default_factory=RunMemories)
     admission: Admission = field(init=False)
     job_clients: dict[tuple[str, DashboardAuth | None], Jobs] = field(default_factory=dict)
-    # (namespace, cluster name) -> when and how a pod of it was last disrupted; the pod itself is soon gone.
-    disruptions: dict[tuple[str, str], tuple[dt.datetime, str]] = field(default_factory=dict)
+    disruptions: Disruptions = field(default_factory=Disruptions)
     ray_auth_key: bytes | None = None  # read at start when settings.ray_token_auth
     # namespace -> when its grants were read, and them (or why they cannot be read)
     policies: dict[str, tuple[float, tenancy.NamespacePolicy | str]] = field(default_factory=dict)
@@ -103,10 +102,6 @@ class Context:
             return None
         assert self.ray_auth_key is not None, "read at start"
         return builder.ray_auth_token(self.ray_auth_key, namespace, cluster_name)
-
-    def disruption_since(self, namespace: str, cluster_name: str, since: dt.datetime | None) -> str | None:
-        seen = self.disruptions.get((namespace, cluster_name))
-        return seen[1] if seen is not None and since is not None and seen[0] >= since else None
 
     def dashboard_auth(self, namespace: str, cluster_name: str) -> DashboardAuth | None:
         """The run's Ray token in Ray's own header (the apiserver's proxy passes it on and strips

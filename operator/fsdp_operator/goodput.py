@@ -6,7 +6,8 @@ the last write. So the categories add up, to the second, to the time from the ru
 `accountedUntil` (its completion once finished). Three moves between categories follow the trainer's record:
 an attempt's fabric check leaves provisioning for fabric check, a new checkpoint's blocking time leaves
 training for checkpoint stall, and a restart moves the steps it will redo (those after the checkpoint it
-resumes from) from training to lost to restarts.
+resumes from) from training to lost to restarts, or to lost to preemptions when a disruption caused it (a
+restart first counted and then known as a preemption moves what it cost so far there too).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import datetime as dt
 
 from fsdp_operator import api, instancetypes
+from fsdp_operator.reconcile.state import PREEMPTED
 from fsdp_trainer.contract import ProgressRecord
 
 # The longest the status's figures lag while nothing else in it changes (one status write a minute).
@@ -30,10 +32,16 @@ def category(status: api.FSDPTrainingRunStatus) -> str | None:
     if phase == api.Phase.SUSPENDED:
         return "idle"
     if phase == api.Phase.RESTARTING:
-        return "lost_to_restarts"
+        return _restart_category(status)
     if phase == api.Phase.RUNNING and _attempt_is_training(status):
         return "training"
     return "provisioning"  # the cluster starting, the job submitted, the trainer setting up
+
+
+def _restart_category(status: api.FSDPTrainingRunStatus) -> str:
+    """Where a restart's time goes: to preemptions when its history entry says a disruption caused it."""
+    history = status.restarts.history
+    return "lost_to_preemptions" if history and history[-1].reason == PREEMPTED else "lost_to_restarts"
 
 
 def _attempt_is_training(status: api.FSDPTrainingRunStatus) -> bool:
@@ -81,12 +89,26 @@ def account(
     if new.phase == api.Phase.RESTARTING and old.phase != api.Phase.RESTARTING and step_time:
         resumed = new.checkpoints.latest.step if new.checkpoints.latest else 0
         redone = max((old.progress.step or 0) - resumed, 0) if _attempt_is_training(old) else 0
-        _move(seconds, "training", "lost_to_restarts", round(redone * step_time))
+        _move(seconds, "training", _restart_category(new), round(redone * step_time))
+    elif _recounted(old, new):  # the same restart, now known as a preemption: what it cost so far moves
+        restart = new.restarts.history[-1]
+        steps = max((old.progress.step or 0) - (restart.resumed_from_step or 0), 0)
+        spent = (now - restart.time).total_seconds() + steps * (step_time or 0.0)
+        _move(seconds, "lost_to_restarts", "lost_to_preemptions", round(spent))
     goodput.accounted_until = now
     if progress is not None:
         goodput.tokens = max(progress.tokens_seen, goodput.tokens)
     _derive(new, goodput, step_time, now)
     return goodput
+
+
+def _recounted(old: api.FSDPTrainingRunStatus, new: api.FSDPTrainingRunStatus) -> bool:
+    """A restart counted by `old` that `new` records as a preemption (reconcile's recount_as_preemption)."""
+    return (
+        old.phase == new.phase == api.Phase.RESTARTING
+        and _restart_category(old) == "lost_to_restarts"
+        and _restart_category(new) == "lost_to_preemptions"
+    )
 
 
 def _move(seconds: api.GoodputSeconds, source: str, target: str, amount: int) -> None:
@@ -119,6 +141,7 @@ def _derive(
         + seconds.training
         + seconds.checkpoint_stall
         + seconds.lost_to_restarts
+        + seconds.lost_to_preemptions
     )
     goodput.fraction = round(seconds.training / held, 4) if held else None
     goodput.gpu_hours_held = round(goodput.gpu_seconds_held / 3600, 3)

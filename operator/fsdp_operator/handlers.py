@@ -17,10 +17,11 @@ import kopf
 from fsdp_operator import actions, api, builder, kopfsession, metrics, preflight
 from fsdp_operator.admission import Admission
 from fsdp_operator.context import Context
+from fsdp_operator.disruption import node_going_away, pod_disruption
 from fsdp_operator.kube import RAY_GROUP, RAY_PLURAL, RAY_VERSION, Indexes, Kube
 from fsdp_operator.runpass import reconcile_run
 from fsdp_operator.settings import Settings
-from fsdp_operator.watched import cluster_reaction, kept, pod_disruption, pod_summary
+from fsdp_operator.watched import cluster_reaction, kept, pod_summary
 
 # kopf's waits between retries of a failed API request, watches included: about a minute in all, as kopf's
 # default (1, 1, 2, 3, 5, 8, 13, 21), but never more than 5 s apart, so that once an apiserver outage ends the
@@ -126,7 +127,21 @@ def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
         disruption = pod_disruption(body)
         if cluster and disruption:
             now = dt.datetime.now(dt.UTC).replace(microsecond=0)
-            ctx.disruptions[(body["metadata"]["namespace"], cluster)] = (now, disruption)
+            ctx.disruptions.pod_seen((body["metadata"]["namespace"], cluster), disruption, now)
+
+    @kopf.on.event(*all_nodes, registry=registry)
+    def on_node_event(body: kopf.Body, type: str, **kwargs: Any) -> None:
+        # Before its pods are evicted, a node going away is marked (a taint, a cordon, its deletion): the
+        # job may fail before the pods' DisruptionTarget is seen, or without one (a spot node reclaimed).
+        name = body["metadata"]["name"]
+        deleted = f"node {name} (the Node was deleted)" if type == "DELETED" else None
+        going_away = node_going_away(body) or deleted
+        # Read only for a node going away: every node's status update is an event.
+        pods = indexes_of(kwargs).ray_pods if going_away else None
+        on_it = [k for k, store in (pods or {}).items() if any(p.get("node") == name for p in store)]
+        ctx.disruptions.node_seen(name, going_away, on_it, dt.datetime.now(dt.UTC).replace(microsecond=0))
+        if deleted:
+            ctx.disruptions.node_gone(name)
 
     @kopf.index(*all_nodes, id="nodes", registry=registry)
     def nodes(body: kopf.Body, **_: Any) -> Any:

@@ -181,7 +181,7 @@ def observe(
         submission_prefix=submission.submission_prefix(run),
         action_error=memory.action_error,
         workload=workload,
-        disruption=ctx.disruption_since(run.namespace, cluster_name, status.attempt_time),
+        disruption=ctx.disruptions.since((run.namespace, cluster_name), status.attempt_time),
         mlflow_run=mlflow_run,
         cluster_name=cluster_name,
         run_uri=storage.uri,

@@ -48,15 +48,6 @@ def cluster_reaction(body: Mapping[str, Any]) -> tuple[Any, ...]:
     return (body["metadata"].get("generation"), seen.ready, seen.deleting, seen.suspended, state)
 
 
-def pod_disruption(body: Mapping[str, Any]) -> str | None:
-    """Why the pod is being taken away (preempted, evicted, drained), from its DisruptionTarget condition."""
-    for condition in (body.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == "DisruptionTarget" and condition.get("status") == "True":
-            why = f"{condition.get('reason', 'Disrupted')}: {condition.get('message', '')}".strip(": ")
-            return f"pod {body['metadata']['name']} ({why})"
-    return None
-
-
 def _memory_limit(body: Mapping[str, Any], container: str) -> str | None:
     for spec in (body.get("spec") or {}).get("containers") or []:
         if spec.get("name") == container:

@@ -6,10 +6,10 @@ import datetime as dt
 from typing import Any
 
 from fsdp_operator import api, conditions
+from fsdp_operator.disruption import pod_disruption
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
 from fsdp_operator.recovery import backoff_seconds, classify
-from fsdp_operator.watched import pod_disruption
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TrainingData, TransportReport
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)

@@ -148,6 +148,8 @@ def step(state: PassState) -> None:
             return
         pending(state)
         return
+    if new.phase == Phase.RESTARTING:  # whatever the cluster is: its pods may be the ones that went
+        state.recount_as_preemption()
     if cluster is None:
         without_cluster(state)
         return

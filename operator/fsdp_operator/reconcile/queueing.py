@@ -8,7 +8,7 @@ from __future__ import annotations
 from fsdp_operator import api, conditions
 from fsdp_operator.api import Phase
 from fsdp_operator.reconcile.observation import RAY_ACTIVE_JOB_STATES
-from fsdp_operator.reconcile.state import PassState
+from fsdp_operator.reconcile.state import PREEMPTED, PassState
 from fsdp_trainer.contract import RestartEntry
 
 
@@ -61,17 +61,17 @@ def preempted(state: PassState) -> None:
     resumed = new.checkpoints.latest.step if new.checkpoints.latest else None
     new.restarts.preemptions += 1
     entry = RestartEntry(
-        time=state.obs.now, reason="Preempted", message=conditions.bounded(why), resumed_from_step=resumed
+        time=state.obs.now, reason=PREEMPTED, message=conditions.bounded(why), resumed_from_step=resumed
     )
     new.restarts.history = [*new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
     new.zone = None
     state.stop_active()
-    state.condition(conditions.JOB_RUNNING, False, "Preempted", why)
+    state.condition(conditions.JOB_RUNNING, False, PREEMPTED, why)
     state.condition(conditions.CLUSTER_READY, False, "SuspendedByKueue", why)
     resumes = f"step {resumed}" if resumed is not None else "the start"
     state.transition(
         Phase.QUEUED,
-        "Preempted",
+        PREEMPTED,
         f"preempted by Kueue ({why}); the job is stopped, checkpoints are kept, and the run resumes from "
         f"{resumes} when Kueue admits it again (no restart is spent)",
         warning=True,

@@ -14,6 +14,8 @@ from fsdp_operator.reconcile.observation import Observation
 from fsdp_operator.recovery import Failure, backoff_seconds
 from fsdp_trainer.contract import RestartEntry
 
+# restarts.history reasons that spend no restart: a disruption, and an elastic run's change of size
+PREEMPTED, RESIZED = "Preempted", "Resized"
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
 
 
@@ -121,11 +123,11 @@ class PassState:
             counted = f"restart {new.restarts.count}/{recovery.max_restarts}"
         else:
             new.restarts.preemptions += 1
-            reason, why = "Preempted", f"{failure.reason} after {disruption}: {failure.message}"
+            reason, why = PREEMPTED, f"{failure.reason} after {disruption}: {failure.message}"
             counted = (
                 f"restart after a disruption (not counted; {new.restarts.count}/{recovery.max_restarts} used)"
             )
-            self.event(True, "Preempted", why)
+            self.event(True, PREEMPTED, why)
         entry = RestartEntry(
             time=self.obs.now,
             reason=reason,
@@ -141,3 +143,21 @@ class PassState:
         )
         self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
         self.transition(Phase.RESTARTING, "Restarting", message, warning=True)
+
+    def recount_as_preemption(self) -> None:
+        """While Restarting: the failure was counted before its attempt's disruption was seen (a job's
+        error travels faster than a node's taint or a pod's DisruptionTarget reaches the operator). The
+        restart it spent is given back and recorded as a preemption, once."""
+        new, disruption = self.new, self.obs.disruption
+        history = new.restarts.history
+        last = history[-1] if history else None
+        counted = last is not None and last.reason not in (PREEMPTED, RESIZED) and new.restarts.count > 0
+        if disruption is None or not counted or last is None:
+            return
+        if new.attempt_time is not None and last.time < new.attempt_time:
+            return  # that restart was of an earlier attempt
+        new.restarts.count -= 1
+        new.restarts.preemptions += 1
+        why = f"{last.reason} after {disruption}: {last.message}"
+        history[-1] = last.model_copy(update={"reason": PREEMPTED, "message": conditions.bounded(why)})
+        self.event(True, PREEMPTED, f"{why} (the restart it had counted is not spent)")

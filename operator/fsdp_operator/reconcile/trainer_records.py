@@ -18,7 +18,7 @@ from fsdp_operator.bounds import CONTROL_CHARACTERS, TRUNCATED, bounded_text
 from fsdp_operator.builder import uses_efa
 from fsdp_operator.jobs import ENDED_JOB_STATUSES
 from fsdp_operator.reconcile.decision import DriverLog
-from fsdp_operator.reconcile.state import PassState
+from fsdp_operator.reconcile.state import RESIZED, PassState
 from fsdp_trainer.contract import (
     LOGS_DIR,
     MAX_URI,
@@ -103,13 +103,13 @@ def absorb_resize(state: PassState, world_size: int | None) -> None:
     message = f"Ray Train resized the workers from {before.world_size} to {world_size} training processes"
     entry = RestartEntry(
         time=state.obs.now,
-        reason="Resized",
+        reason=RESIZED,
         message=message,
         resumed_from_step=progress.resumed_from_step,
         world_size=before.world_size,
     )
     state.new.restarts.history = [*state.new.restarts.history, entry][-api.RESTART_HISTORY_IN_STATUS :]
-    state.event(False, "Resized", message)
+    state.event(False, RESIZED, message)
 
 
 def absorb_storage(state: PassState) -> None:
