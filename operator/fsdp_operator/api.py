@@ -879,6 +879,12 @@ class FSDPTrainingRunStatus(ContractModel):
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
     )
     ray_cluster_name: str | None = None
+    drain_seconds: int | None = Field(
+        default=None,
+        description="The drain window the RayCluster's worker pods were created with (Ray's "
+        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S; their terminationGracePeriodSeconds 15 s more): twice the "
+        "slowest recent checkpoint's save and a margin, 20-300 s, 30 s before any save was measured.",
+    )
     zone: str | None = Field(default=None, description="Availability zone the workers were placed in.")
     job_submission_id: str | None = Field(
         default=None, description="The current attempt's Ray job, recorded before it is submitted."

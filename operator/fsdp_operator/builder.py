@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, fabric, quantity
+from fsdp_operator import api, drainwindow, fabric, quantity
 from fsdp_operator.jobs import DASHBOARD_PORT
 from fsdp_operator.settings import Settings
 from fsdp_trainer.contract import NODE_NAME_ENV, EfaPolicy
@@ -431,6 +431,7 @@ def _worker_group(
     zone: str | None,
     ray_auth: bool,
     platform: Platform,
+    drain_seconds: int,
 ) -> dict[str, Any]:
     cluster = spec.cluster
     resources = {"cpu": cluster.worker_cpu(), "memory": cluster.worker_memory(), GPU: str(cluster.gpus())}
@@ -457,13 +458,16 @@ def _worker_group(
         },
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}, scratch_mount],
     }
-    env = _plain_env({**platform.pod_env, **efa_environment(spec)})
+    # `ray start --block` drains its node this long on SIGTERM: the trainer's checkpoint at the notice.
+    drain = {drainwindow.DRAIN_ENV: str(drain_seconds)}
+    env = _plain_env({**platform.pod_env, **efa_environment(spec), **drain})
     env += (_ray_auth_env(run) if ray_auth else []) + _secret_env(spec)
     # Hang forensics name the node a hung rank ran on.
     env.append({"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}})
     container["env"] = env
     pod: dict[str, Any] = {
         **_pod_common(spec, run),
+        "terminationGracePeriodSeconds": drainwindow.grace_period(drain_seconds),
         "nodeSelector": node_selector,
         # Off any node a fabric check found slow (fabric.py), whichever run's check it was.
         "affinity": {
@@ -500,9 +504,11 @@ def build_raycluster(
     zone: str | None,
     ray_auth: bool = True,
     platform: Platform | None = None,
+    drain_seconds: int = drainwindow.DEFAULT_SECONDS,
 ) -> dict[str, Any]:
     """The RayCluster for a run: head on a non-GPU node, one worker group of GPU+EFA pods in one zone; with
-    ray_auth, every Ray process takes the token of the run's Secret (build_ray_auth_secret).
+    ray_auth, every Ray process takes the token of the run's Secret (build_ray_auth_secret). The workers'
+    drain window (drainwindow.py) is the one recorded in the run's status when the creation was decided.
 
     With a Kueue queue it is created suspended, as Kueue's defaulting webhook would make it (and the
     webhook may not run): Kueue unsuspends it on admission, and the operator never writes spec.suspend."""
@@ -533,7 +539,7 @@ def build_raycluster(
             "rayVersion": RAY_VERSION,
             "enableInTreeAutoscaling": False,
             "headGroupSpec": _head_group(spec, run, image, ray_auth, platform),
-            "workerGroupSpecs": [_worker_group(spec, run, image, zone, ray_auth, platform)],
+            "workerGroupSpecs": [_worker_group(spec, run, image, zone, ray_auth, platform, drain_seconds)],
         },
     }
 

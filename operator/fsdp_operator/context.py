@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsdp_operator import api, builder, instancetypes, preflight, submission, tenancy
+from fsdp_operator import api, builder, drainwindow, instancetypes, preflight, submission, tenancy
 from fsdp_operator.admission import Admission
 from fsdp_operator.disruption import Disruptions
 from fsdp_operator.jobs import DashboardAuth, Jobs, dashboard_url
@@ -70,19 +70,30 @@ class Context:
         return spec.image or self.settings.default_image
 
     def raycluster(
-        self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, image: str, zone: str | None
+        self,
+        run: builder.RunRef,
+        spec: api.FSDPTrainingRunSpec,
+        image: str,
+        status: api.FSDPTrainingRunStatus,
     ) -> dict[str, Any]:
+        """The RayCluster as built for the run's status: its zone (none for a queued run: Kueue's flavor
+        pins it) and the drain window recorded when its creation was decided."""
         return builder.build_raycluster(
-            spec, run, image, zone, ray_auth=self.settings.ray_token_auth, platform=self.platform
+            spec,
+            run,
+            image,
+            None if spec.cluster.queue_name else status.zone,
+            ray_auth=self.settings.ray_token_auth,
+            platform=self.platform,
+            drain_seconds=status.drain_seconds or drainwindow.DEFAULT_SECONDS,
         )
 
     def desired_raycluster(
         self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, status: api.FSDPTrainingRunStatus
     ) -> dict[str, Any]:
         """The RayCluster the run's next creation makes: after the first pull every attempt runs the pinned
-        digest, even if the tag has moved since; Kueue's flavor pins the zone of a queued run."""
-        image = status.image.digest or self.requested_image(spec)
-        return self.raycluster(run, spec, image, None if spec.cluster.queue_name else status.zone)
+        digest, even if the tag has moved since."""
+        return self.raycluster(run, spec, status.image.digest or self.requested_image(spec), status)
 
     def network_policy(self, run: builder.RunRef) -> dict[str, Any]:
         settings = self.settings

@@ -462,7 +462,7 @@ def observe_raycluster(
     # Compared with what it was built from: pinning the digest after the first pull is not a change.
     built_with = (raycluster["metadata"].get("annotations") or {}).get(builder.ANNOTATION_IMAGE)
     desired = (
-        ctx.raycluster(run, spec, built_with, status.zone)
+        ctx.raycluster(run, spec, built_with, status)
         if built_with
         else ctx.desired_raycluster(run, spec, status)
     )

@@ -208,7 +208,10 @@ class RunStorage:
             manifest = self._manifest(directory)
             if manifest is not None and checkpoint_is_complete(manifest, files):
                 ref = CheckpointRef(
-                    uri=f"{self.uri}/{directory}", step=manifest.step, time=manifest.created_at
+                    uri=f"{self.uri}/{directory}",
+                    step=manifest.step,
+                    time=manifest.created_at,
+                    save_seconds=manifest.save_seconds,
                 )
                 stored = StoredCheckpoint(ref, manifest.fingerprint)
                 self._complete[directory] = (seen, stored)

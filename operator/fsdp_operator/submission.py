@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from fsdp_operator import api, fabric
+from fsdp_operator import api, drainwindow, fabric
 from fsdp_operator.builder import RunRef, ray_cluster_name
 from fsdp_trainer import contract
 from fsdp_trainer.contract import AttemptInfo, TrackingConfig, TrainerConfig
@@ -84,8 +84,8 @@ def runtime_env(spec: api.FSDPTrainingRunSpec, package: Path = TRAINER_PACKAGE) 
         pip.append(contract.ADAPTER_REQUIREMENT)
     if pip:
         env["pip"] = pip
-    if spec.runtime_env.env:
-        env["env_vars"] = dict(spec.runtime_env.env)
+    # Ray Train's drain notice within a second (its default 5 s), so that the drain window can be short.
+    env["env_vars"] = {drainwindow.POLL_ENV: str(drainwindow.NOTICE_POLL_SECONDS), **spec.runtime_env.env}
     return env
 
 

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from fsdp_operator import api, builder, submission
+from fsdp_operator.drainwindow import DRAIN_ENV
 from fsdp_trainer import cli
 from fsdp_trainer.contract import AttemptInfo
 from tests.support.manifests import example
@@ -98,10 +99,11 @@ def test_without_efa_there_is_no_efa_request_and_no_efa_environment() -> None:
     worker_pod = _groups(builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None))[1]
     container = worker_pod["template"]["spec"]["containers"][0]
     assert "vpc.amazonaws.com/efa" not in container["resources"]["limits"]
-    assert [e["name"] for e in container["env"]] == ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "FSDP_NODE_NAME"]
+    drain, auth, node = [DRAIN_ENV], ["RAY_AUTH_MODE", "RAY_AUTH_TOKEN"], ["FSDP_NODE_NAME"]
+    assert [e["name"] for e in container["env"]] == drain + auth + node
     without_auth = builder.build_raycluster(CASES["no-efa-p5-selectors"], RUN, IMAGE, None, ray_auth=False)
     without_auth_env = _groups(without_auth)[1]["template"]["spec"]["containers"][0]["env"]
-    assert [e["name"] for e in without_auth_env] == ["FSDP_NODE_NAME"]  # no EFA environment either
+    assert [e["name"] for e in without_auth_env] == drain + node  # no EFA environment either
 
 
 def test_every_ray_process_takes_the_runs_token_from_the_runs_secret() -> None:
@@ -269,3 +271,17 @@ def test_an_adapter_run_gets_peft_from_rays_pip_since_the_dlc_has_none() -> None
     own = example_spec("aws-sample", **lora, **{"runtimeEnv.pip": ["PEFT>=0.20", "rich"]})
     assert submission.runtime_env(own)["pip"] == ["PEFT>=0.20", "rich"]
     assert "pip" not in submission.runtime_env(example_spec("aws-sample"))
+
+
+def test_worker_pods_drain_for_the_window_recorded_and_the_kubelet_waits_past_it() -> None:
+    """Ray drains a worker's node for the window the run's status recorded at creation (drainwindow.py), and
+    the kubelet's SIGKILL waits for Ray to stop after it. The head keeps Kubernetes' default."""
+    head, workers = _groups(builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, None, drain_seconds=47))
+    pod = workers["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env[DRAIN_ENV] == "47" and pod["terminationGracePeriodSeconds"] == 47 + 15
+    assert "terminationGracePeriodSeconds" not in head["template"]["spec"]
+    # Recorded when the creation was decided, so the running cluster is compared with the window it has.
+    default = builder.build_raycluster(CASES["aws-sample"], RUN, IMAGE, None)
+    assert builder.cluster_drift(default, default) is None
+    assert _groups(default)[1]["template"]["spec"]["terminationGracePeriodSeconds"] == 30 + 15

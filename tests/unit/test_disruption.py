@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fsdp_operator import api, goodput
+from fsdp_operator import api, drainwindow, goodput
 from fsdp_operator.disruption import Disruptions, node_going_away
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
@@ -159,3 +159,27 @@ def test_goodput_moves_a_recounted_restarts_cost_to_preemptions() -> None:
     # From then on the restart's time is the preemption's.
     assert goodput.category(new) == "lost_to_preemptions"
     assert goodput.category(old) == "lost_to_restarts"
+
+
+def saved(*seconds: float | None) -> list[CheckpointRef]:
+    return [
+        CheckpointRef(uri=f"s3://b/p/run/checkpoint_{i}", step=10 * i, time=NOW, save_seconds=s)
+        for i, s in enumerate(seconds, start=1)
+    ]
+
+
+def test_the_drain_window_leaves_twice_the_slowest_recent_save_within_its_bounds() -> None:
+    assert drainwindow.window([]) == drainwindow.window(saved(None)) == 30  # nothing measured: the default
+    assert drainwindow.window(saved(1.2, 0.8)) == 20  # 1 + 2.4 + 15 = 18.4: the least
+    assert drainwindow.window(saved(12.5, 30.2, None)) == 77  # 1 + 60.4 + 15
+    assert drainwindow.window(saved(900.0)) == 300  # a save too slow for any drain: the most
+
+
+def test_a_restarts_new_cluster_gets_the_window_of_the_saves_seen_and_records_it_first() -> None:
+    lost = failed_then_restarting(None)
+    lost.next_check_time = NOW  # the backoff is over
+    seen = tuple(saved(4.0, 6.0))  # the checkpoints in storage, their manifests' save times
+    no_cluster = Observation(now=NOW + dt.timedelta(seconds=5), generation=1, cluster=None, checkpoints=seen)
+    decision = reconcile(SPEC, lost, no_cluster)
+    assert decision.create_cluster, decision.status.message
+    assert decision.status.drain_seconds == 1 + 12 + 15

@@ -618,7 +618,8 @@ class CheckpointSaver:
         missing = {file: size for file, size in all_files.items() if stored.get(file) != size}
         if missing:
             raise OSError(f"missing or wrong sizes in storage for {sorted(missing)}")
-        manifest = manifest.model_copy(update={"files": all_files})
+        saved = (dt.datetime.now(dt.UTC) - manifest.created_at).total_seconds()  # created_at: save begun
+        manifest = manifest.model_copy(update={"files": all_files, "save_seconds": round(saved, 3)})
         location.child(MANIFEST_FILE).write_text(manifest.to_json())
         size = sum(all_files.values())
         log.info("checkpoint step %d complete at %s (%d bytes)", manifest.step, location.uri, size)

@@ -853,6 +853,12 @@ class CheckpointManifest(ContractModel):
         description="Hash of the packed training samples it was trained on: the saved data position means "
         "the same samples only while this matches (the trainer checks it; the operator cannot).",
     )
+    save_seconds: float | None = Field(
+        default=None,
+        ge=0,
+        description="Seconds from the step boundary that began the save to this manifest's writing: the "
+        "checkpoint's time to durable, which the operator sizes its pods' drain window by.",
+    )
     global_batch_size: int | None = Field(
         default=None,
         ge=1,
@@ -883,6 +889,11 @@ class CheckpointRef(ContractModel):
     uri: str
     step: int
     time: dt.datetime
+    save_seconds: float | None = Field(
+        default=None,
+        description="Seconds from the step boundary that began the save to the checkpoint complete in "
+        "storage (its manifest's saveSeconds): what a drain must leave room for.",
+    )
 
 
 class RestartEntry(ContractModel):

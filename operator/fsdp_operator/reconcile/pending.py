@@ -37,7 +37,7 @@ def pending(state: PassState) -> None:
         new.next_check_time = None
         state.start_active()
         new.image.requested = new.image.requested or obs.requested_image
-        state.decision.create_cluster = True
+        state.create_cluster()
         message = "RayCluster created; waiting for KubeRay"
         state.condition(conditions.CLUSTER_READY, False, "Creating", message)
         pods_healthy(state)  # in this write, not the next pass's: none can be stuck before any exists

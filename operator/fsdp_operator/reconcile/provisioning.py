@@ -195,7 +195,7 @@ def without_cluster(state: PassState) -> None:
     if obs.refusals:  # what the spec asks now, against the grants as they are now: nothing ungranted is built
         not_allowed(state)
         return
-    state.decision.create_cluster = True
+    state.create_cluster()
     if obs.action_error:
         if (
             not state.condition_is(conditions.CLUSTER_READY, "False")
@@ -205,7 +205,8 @@ def without_cluster(state: PassState) -> None:
         state.condition(conditions.CLUSTER_READY, False, "CreateFailed", obs.action_error)
     if new.phase == Phase.RUNNING:
         state.fail_attempt(Failure(False, "ClusterLost", "the RayCluster was deleted while the job ran"))
-        state.decision.create_cluster = state.decision.status.phase == Phase.RESTARTING
+        if state.decision.status.phase == Phase.RESTARTING:
+            state.create_cluster()
     elif state.condition_is(conditions.CLUSTER_READY, "True") and not obs.action_error:
         state.condition(conditions.CLUSTER_READY, False, "ClusterLost", "the RayCluster disappeared")
         state.event(True, "ClusterRecreated", "RayCluster recreated after it disappeared")

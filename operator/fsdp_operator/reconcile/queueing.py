@@ -19,7 +19,7 @@ def enqueue(state: PassState, queue: str) -> None:
     new.start_time = new.start_time or state.obs.now
     new.next_check_time = None
     new.zone = None  # Kueue's flavor chooses it
-    state.decision.create_cluster = True
+    state.create_cluster()
     state.condition(
         conditions.PREFLIGHT, True, "DelegatedToKueue", f"Kueue admits the run through LocalQueue {queue}"
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Literal
 
-from fsdp_operator import api, conditions
+from fsdp_operator import api, conditions, drainwindow
 from fsdp_operator.api import FSDPTrainingRunSpec, FSDPTrainingRunStatus, Phase
 from fsdp_operator.reconcile.decision import Decision, Event
 from fsdp_operator.reconcile.observation import Observation
@@ -28,6 +28,12 @@ class PassState:
         self.new = status.model_copy(deep=True)
         self.new.observed_generation = obs.generation
         self.decision = Decision(status=self.new)
+
+    def create_cluster(self) -> None:
+        """Decides the RayCluster's creation, its worker pods' drain window recorded first (the cluster is
+        built, and later compared, with it)."""
+        self.decision.create_cluster = True
+        self.new.drain_seconds = drainwindow.window(self.new.checkpoints.recent)
 
     def event(self, warning: bool, reason: str, message: str) -> None:
         self.decision.events.append(Event("Warning" if warning else "Normal", reason, message))

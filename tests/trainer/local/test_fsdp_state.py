@@ -5,6 +5,7 @@ configuration, and the batch loader's position and stream cursors come back from
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -83,13 +84,17 @@ def test_an_async_checkpoint_holds_its_steps_state_while_training_goes_on(run: L
     train_step(app)
     at_save = weights(app)
     checkpoints = saver(run)
+    began = time.monotonic()
     checkpoints.start(app, checkpoint.checkpoint_name(1, "a"), loss=4.0)
     for _ in range(3):  # the save is in flight: these steps change the weights it is writing
         train_step(app, checkpoints)
     result = checkpoints.wait()
+    waited = time.monotonic() - began
     checkpoints.close()
     assert result is not None and result.manifest is not None
     assert (result.manifest.step, result.manifest.fingerprint) == (1, FINGERPRINT)
+    # The manifest says how long the save took to be complete, which the operator sizes its drains by.
+    assert result.manifest.save_seconds is not None and 0 < result.manifest.save_seconds <= waited + 0.01
     assert not all(torch.equal(at_save[name], now) for name, now in weights(app).items())
 
     found = checkpoint.find_resume_point(run, "auto", "job-2", FINGERPRINT)
