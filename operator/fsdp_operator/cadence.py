@@ -7,15 +7,25 @@ within two bounds that keep what the status promises:
 - a quiet run's failure, end or new checkpoint is seen within MAX_STRETCH observe intervals (60 s by
   default).
 
-Only the timer's passes are skipped: a change of the run's spec or of its RayCluster is acted on at once."""
+Only the timer's passes are skipped: a change of the run's spec or of its RayCluster is acted on at once.
+
+Nor is Ray's dashboard asked for a running job at every pass: while the trainer's own progress record, written
+by this attempt within PROGRESS_ANSWERS intervals, says it is training, the job is running as Ray last said.
+A trainer that dies stops writing, so its record goes stale and Ray is asked: a failure is seen at most
+PROGRESS_ANSWERS intervals later than at every pass (30 s by default, within the 60 s above), and Ray is asked
+at least every JOB_ASKED_AT_LEAST intervals all the same."""
 
 from __future__ import annotations
 
+import datetime as dt
 from dataclasses import dataclass
 
+from fsdp_operator.jobs import JobObservation
 from fsdp_trainer.contract import ProgressRecord
 
 QUIET_PASSES = 3  # passes without a change of progress before the interval grows
+PROGRESS_ANSWERS = 2  # observe intervals a training record answers for the job's state
+JOB_ASKED_AT_LEAST = 8  # observe intervals (2 minutes by default)
 MAX_STRETCH = 4  # the longest interval, in observe intervals
 HANG_SHARE = 4  # and at most this part of the hang timeout
 
@@ -42,6 +52,8 @@ class Cadence:
     changed_at: float = 0.0
     unchanged_passes: int = 0
     ticks_to_skip: int = 0
+    job: JobObservation | None = None  # as Ray last answered, and when (monotonic seconds)
+    job_asked_at: float = 0.0
 
     def due(self) -> bool:
         """At a timer tick: whether this one observes the run (else one tick fewer is left to skip)."""
@@ -62,3 +74,23 @@ class Cadence:
         step = progress.step_time_seconds if progress is not None else None
         interval = observe_interval(base, self.unchanged_passes, now - self.changed_at, step, hang_timeout)
         self.ticks_to_skip = max(0, int(interval / base + 1e-9) - 1)  # whole ticks, never past the interval
+
+    def job_answered_by(
+        self, submission: str, progress: ProgressRecord | None, wall: dt.datetime, now: float, base: float
+    ) -> JobObservation | None:
+        """The job's state without asking Ray: what Ray last said of `submission` (RUNNING), while this
+        attempt's trainer wrote a training record within PROGRESS_ANSWERS intervals of `wall` and Ray was
+        asked within JOB_ASKED_AT_LEAST intervals of `now`. None: ask Ray."""
+        known = self.job
+        running = known is not None and known.submission_id == submission and known.status == "RUNNING"
+        training = (
+            progress is not None
+            and progress.submission_id == submission
+            and progress.phase == "training"
+            and (wall - progress.updated_at).total_seconds() < PROGRESS_ANSWERS * base
+        )
+        recent = now - self.job_asked_at < JOB_ASKED_AT_LEAST * base
+        return known if running and training and recent else None
+
+    def job_asked(self, job: JobObservation, now: float) -> None:
+        self.job, self.job_asked_at = job, now

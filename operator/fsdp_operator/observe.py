@@ -106,13 +106,6 @@ def observe(
         cluster = ready_for_elastic(cluster, spec, sum(1 for p in pods if not p["head"] and p.get("ready")))
     workload = observe_kueue_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
-    job, dashboard_error = None, None
-    watched = job_to_observe(status)
-    if watched and not spec.suspend:
-        try:
-            job = ctx.jobs(run.namespace, cluster_name).observe(watched)
-        except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
-            dashboard_error = f"{type(error).__name__}: {error}"[:500]
     progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None
     answered, answers = 0, None
     storage_error_reason = "StorageError"
@@ -132,12 +125,25 @@ def observe(
             storage_error, storage_error_reason = str(error)[:1000], RecordTooLarge.reason
         except Exception as error:  # storage trouble must not stop the state machine: a condition says so
             storage_error = f"{storage.uri}: {type(error).__name__}: {error}"[:500]
+    memory = ctx.runs.of(run.uid)
+    job, dashboard_error = None, None
+    watched = job_to_observe(status)
+    if watched and not spec.suspend:
+        if status.phase == api.Phase.RUNNING:  # else the pass acts on the job: Ray is asked
+            job = memory.cadence.job_answered_by(
+                watched, progress, now, time.monotonic(), ctx.settings.observe_interval_seconds
+            )
+        if job is None:
+            try:
+                job = ctx.jobs(run.namespace, cluster_name).observe(watched)
+                memory.cadence.job_asked(job, time.monotonic())
+            except Exception as error:  # the head may be down, restarting or black-holed; the machine decides
+                dashboard_error = f"{type(error).__name__}: {error}"[:500]
     scheduling = observe_scheduling(ctx, run.namespace, pods, cluster, spec)
     # The cluster of the next attempt on its way to ready: the first, or one recreated while Restarting.
     provisioning = cluster is not None and (
         status.phase == api.Phase.PROVISIONING or (status.phase == api.Phase.RESTARTING and not cluster.ready)
     )
-    memory = ctx.runs.of(run.uid)
     memory.cadence.observed(
         progress,
         time.monotonic(),

@@ -8,7 +8,8 @@ from __future__ import annotations
 import datetime as dt
 from collections.abc import Callable
 
-from fsdp_operator.cadence import MAX_STRETCH, Cadence
+from fsdp_operator.cadence import MAX_STRETCH, PROGRESS_ANSWERS, Cadence
+from fsdp_operator.jobs import JobObservation
 from fsdp_trainer.contract import ProgressRecord
 from tests.support.clock import Clock
 
@@ -74,3 +75,62 @@ def test_a_run_whose_passes_matter_keeps_the_base_interval() -> None:
     for tick in range(20):
         assert cadence.due()
         cadence.observed(quiet, tick * BASE, BASE, 1800.0, quiet=False)
+
+
+SUBMISSION = "run-0f1e2d3c-1"
+
+
+def training(written_at: float, submission: str = SUBMISSION, phase: str = "training") -> ProgressRecord:
+    return ProgressRecord(
+        run_name="r",
+        phase=phase,  # type: ignore[arg-type]
+        submission_id=submission,
+        step=5,
+        max_steps=100,
+        updated_at=EPOCH + dt.timedelta(seconds=written_at),
+    )
+
+
+def test_ray_is_asked_for_a_running_job_only_when_the_trainers_record_cannot_answer() -> None:
+    cadence = Cadence()
+    wall = EPOCH + dt.timedelta(seconds=100)
+    # Nothing known from Ray yet: ask.
+    assert cadence.job_answered_by(SUBMISSION, training(95), wall, 100.0, BASE) is None
+    running = JobObservation(SUBMISSION, "RUNNING")
+    cadence.job_asked(running, 100.0)
+    # This attempt's trainer wrote a training record 25 s ago (under two intervals): Ray's last answer stands.
+    later = wall + dt.timedelta(seconds=15)
+    assert cadence.job_answered_by(SUBMISSION, training(90), later, 115.0, BASE) is running
+    # Whatever the record cannot vouch for is asked: a record too old (a trainer that died stops writing),
+    # another attempt's, one that says the trainer ended, a job Ray did not last call running.
+    assert cadence.job_answered_by(SUBMISSION, training(84), later, 115.0, BASE) is None
+    assert (
+        cadence.job_answered_by(SUBMISSION, training(110, submission="run-0f1e2d3c-0"), later, 115.0, BASE)
+        is None
+    )
+    assert cadence.job_answered_by(SUBMISSION, training(110, phase="failed"), later, 115.0, BASE) is None
+    assert cadence.job_answered_by(SUBMISSION, None, later, 115.0, BASE) is None
+    cadence.job_asked(JobObservation(SUBMISSION, "PENDING"), 115.0)
+    assert cadence.job_answered_by(SUBMISSION, training(110), later, 116.0, BASE) is None
+
+
+def test_a_trainer_that_dies_is_seen_within_two_intervals_and_ray_is_asked_every_two_minutes_anyway() -> None:
+    """On the test's clock: a pass every interval, the trainer writing every 10 s until it dies at 300 s."""
+    cadence, asked = Cadence(), []
+    died = 300.0
+    for tick in range(1, 60):
+        now = tick * BASE
+        last_write = min(now - now % 10, died)
+        job = cadence.job_answered_by(
+            SUBMISSION, training(last_write), EPOCH + dt.timedelta(seconds=now), now, BASE
+        )
+        if job is None:
+            asked.append(now)
+            cadence.job_asked(JobObservation(SUBMISSION, "RUNNING" if now < died else "FAILED"), now)
+    # While it trains, Ray is asked every JOB_ASKED_AT_LEAST intervals (120 s), not every 15 s.
+    before = [t for t in asked if t < died]
+    assert before == [15.0, 135.0, 255.0], before
+    # Dead at 300 s: the pass that would have seen it at once (315 s) and PROGRESS_ANSWERS intervals more at
+    # most; here its last record, written as it died, is too old for an answer from 330 s.
+    seen = min(t for t in asked if t >= died)
+    assert seen <= died + (1 + PROGRESS_ANSWERS) * BASE and seen == 330.0, seen
