@@ -43,6 +43,7 @@ class RunMemory:
     written: Written | None = None
     created: tuple[float, int] | None = None  # when this process created its RayCluster, for which attempt
     cadence: Cadence = field(default_factory=Cadence)  # which timer ticks observe it
+    figures_written_at: float | None = None  # when its progress or goodput was last written (monotonic)
 
 
 class RunMemories:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import logging
+import time
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -34,7 +35,7 @@ from fsdp_operator.reconcile import (
     reconcile,
     refused_spec,
 )
-from fsdp_operator.statuspatch import merge_patch
+from fsdp_operator.statuspatch import FIGURES, figures_wait, merge_patch
 from fsdp_operator.watched import kept
 
 log = logging.getLogger("fsdp_operator")
@@ -139,9 +140,14 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     # The intent, before any side effect: a stale pass fails here (Conflict) and does nothing.
     old = stored.get("status") or {}
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
+    written = None if memory.figures_written_at is None else time.monotonic() - memory.figures_written_at
+    if figures_wait(patch, decision.acts, old, written, ctx.settings.observe_interval_seconds):
+        patch = {}  # a later pass writes them (statuspatch.FIGURES_EVERY_INTERVALS)
     if patch:
         stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
         ctx.runs.wrote(run.uid, meta["resourceVersion"], kept(stored_now))
+        if patch.keys() & FIGURES:
+            memory.figures_written_at = time.monotonic()
         actions.fault_point("after-status-write", new.attempt)
     metrics.record_pass(stored, new, obs.now, (obs.storage_error, obs.dashboard_error, obs.action_error))
     actions.act(ctx, run, spec, config, decision)

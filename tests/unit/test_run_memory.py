@@ -26,6 +26,7 @@ def test_forgetting_a_run_is_one_removal_of_everything_kept_about_it() -> None:
     memory.action_error, memory.archived_driver_log, memory.created = "boom", "r-1", (0.0, 1)
     memory.written_record = cast(RunRecord, object())
     memory.cadence.ticks_to_skip = 3
+    memory.figures_written_at = 12.5
     fresh = RunMemory()
     remembered = [
         f.name for f in dataclasses.fields(RunMemory) if getattr(memory, f.name) != getattr(fresh, f.name)

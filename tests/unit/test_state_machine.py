@@ -15,7 +15,7 @@ import pytest
 from fsdp_operator import api, builder, conditions, preflight
 from fsdp_operator.jobs import job_not_found
 from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, PodsProgress, reconcile
-from fsdp_operator.statuspatch import merge_patch
+from fsdp_operator.statuspatch import FIGURES_EVERY_INTERVALS, figures_wait, merge_patch
 from fsdp_trainer.contract import LOGS_DIR, RUN_RECORD_FILE, CheckpointRef, RestartEntry
 from tests.support.decision_inputs import JOB_ID, NOW, job, observe, record, spec, status
 
@@ -517,3 +517,27 @@ def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
     assert "images" not in indexed["status"]
     [free] = preflight.free_worker_nodes(spec(), [indexed], [preflight.placement_of(pod("gpu-1", "3"))])
     assert (free.gpus, free.efa) == (1, 1)
+
+
+def test_a_training_runs_figures_alone_are_written_at_most_every_two_observe_intervals() -> None:
+    training = {"phase": "Running", "progress": {"step": 40, "loss": 2.1}}
+    figures = {"progress": {"step": 44, "loss": 2.0}, "goodput": {"fraction": 0.81}}
+    assert FIGURES_EVERY_INTERVALS == 2
+
+    def waits(
+        patch: dict[str, Any], old: dict[str, Any], since: float | None = 15.0, acts: bool = False
+    ) -> bool:
+        return figures_wait(patch, acts, old, since, interval=15.0)
+
+    assert waits(figures, training)
+    assert not waits(figures, training, since=30.0)  # their turn
+    assert not waits(figures, training, since=None)  # not written by this process
+    # Anything beyond the figures is written at once, with them: a checkpoint, a phase, a condition...
+    assert not waits({**figures, "checkpoints": {"latest": {"step": 40}}}, training)
+    # ...and whatever the pass does, whose intent goes first.
+    assert not waits(figures, training, acts=True)
+    # The first step, and a setup stage's figures, are not held back: goodput counts training from the first
+    # step the status shows, and a stage's hang bound from when the status first showed it.
+    assert not waits(figures, {"phase": "Running", "progress": {"stage": "loading-model"}})
+    assert not waits(figures, {"phase": "ClusterReady"})
+    assert not waits({}, training)

@@ -38,3 +38,17 @@ class Decision:
     avoid_node: api.AvoidedNode | None = None  # label the node a fabric check found slow (fabric.py)
     events: list[Event] = field(default_factory=list)
     requeue_after: float | None = None
+
+    @property
+    def acts(self) -> bool:
+        """Whether the pass does anything beyond writing the status: an action or an Event."""
+        return bool(
+            self.create_cluster
+            or self.delete_cluster
+            or self.submit_attempt is not None
+            or self.stop_job
+            or self.keep_driver_log
+            or self.request_forensics
+            or self.avoid_node
+            or self.events
+        )
