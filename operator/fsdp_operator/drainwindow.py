@@ -6,7 +6,8 @@ It is Ray's RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S in the worker pods (`ray start
 long on SIGTERM) and their terminationGracePeriodSeconds a little beyond it (the kubelet's SIGKILL comes after
 Ray has stopped). Derived, when a RayCluster is created, from the slowest save of the run's recent checkpoints
 (their manifests' saveSeconds): the notice's poll, twice that save, and a margin for the rest of the step the
-notice arrives in. Kubernetes' and Ray's 30 s until a checkpoint has been measured.
+notice arrives in. Before any save was measured, the save is estimated from the size of a worker's checkpoint
+shards (localdisk.py); Kubernetes' and Ray's 30 s where the model's size is unknown.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from fsdp_operator import api
 from fsdp_trainer.contract import CheckpointRef
 
-DEFAULT_SECONDS = 30  # Ray's and Kubernetes' own default, before any save was measured
+DEFAULT_SECONDS = 30  # Ray's and Kubernetes' own default: no save measured, the model's size unknown
+# Until a save is measured, a worker's checkpoint shards are taken to reach storage at this rate (2 Gbit/s:
+# one process's upload, well under what a GPU instance's network carries).
+ASSUMED_SAVE_BYTES_PER_SECOND = 250 * 10**6
 MIN_SECONDS = 20
 # A spot instance is reclaimed two minutes after its notice, and Karpenter drains at once: a window longer
 # than that saves nothing there, while kubectl drain and Karpenter's consolidation honour it.
@@ -31,12 +36,20 @@ RAY_STOP_SECONDS = 15
 DRAIN_ENV = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
 
 
-def window(checkpoints: Iterable[CheckpointRef]) -> int:
-    """Seconds of drain for a new RayCluster, from the saves measured so far (none: the default)."""
+def estimated_save_seconds(spec: api.FSDPTrainingRunSpec) -> float | None:
+    """A save's seconds before any was measured: a worker's checkpoint shards at the assumed rate."""
+    disk = spec.worker_disk()
+    return None if disk.parameters is None else disk.checkpoint_shards / ASSUMED_SAVE_BYTES_PER_SECOND
+
+
+def window(checkpoints: Iterable[CheckpointRef], estimate: float | None) -> int:
+    """Seconds of drain for a new RayCluster, from the slowest save measured so far, else the estimate, else
+    the default."""
     saves = [c.save_seconds for c in checkpoints if c.save_seconds is not None]
-    if not saves:
+    save = max(saves) if saves else estimate
+    if save is None:
         return DEFAULT_SECONDS
-    needed = NOTICE_POLL_SECONDS + SAVE_FACTOR * max(saves) + MARGIN_SECONDS
+    needed = NOTICE_POLL_SECONDS + SAVE_FACTOR * save + MARGIN_SECONDS
     return min(max(math.ceil(needed), MIN_SECONDS), MAX_SECONDS)
 
 

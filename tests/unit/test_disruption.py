@@ -169,10 +169,22 @@ def saved(*seconds: float | None) -> list[CheckpointRef]:
 
 
 def test_the_drain_window_leaves_twice_the_slowest_recent_save_within_its_bounds() -> None:
-    assert drainwindow.window([]) == drainwindow.window(saved(None)) == 30  # nothing measured: the default
-    assert drainwindow.window(saved(1.2, 0.8)) == 20  # 1 + 2.4 + 15 = 18.4: the least
-    assert drainwindow.window(saved(12.5, 30.2, None)) == 77  # 1 + 60.4 + 15
-    assert drainwindow.window(saved(900.0)) == 300  # a save too slow for any drain: the most
+    assert drainwindow.window(saved(1.2, 0.8), None) == 20  # 1 + 2.4 + 15 = 18.4: the least
+    assert drainwindow.window(saved(12.5, 30.2, None), 3.0) == 77  # 1 + 60.4 + 15: measured, not estimated
+    assert drainwindow.window(saved(900.0), None) == 300  # a save too slow for any drain: the most
+    # Nothing measured: the estimate, else Kubernetes' and Ray's default.
+    assert drainwindow.window(saved(None), 20.0) == 56
+    assert drainwindow.window([], None) == 30
+
+
+def test_before_any_save_the_window_is_estimated_from_a_workers_checkpoint_shards() -> None:
+    """Qwen2.5-1.5B on two workers: 1.54e9 parameters x 12 bytes (fp32 weights, AdamW's two moments) / 2 is
+    9.3 GB a worker, 37 s at 250 MB/s: 1 + 74 + 15 s. An unknown model gets the default."""
+    qwen = api.FSDPTrainingRunSpec.model_validate(
+        {"model": {"source": "Qwen/Qwen2.5-1.5B"}, "checkpoint": {"storagePath": "s3://b/p"}}
+    )
+    assert drainwindow.window([], drainwindow.estimated_save_seconds(qwen)) == 88
+    assert drainwindow.estimated_save_seconds(SPEC) is None  # model.source "m" names no size
 
 
 def test_a_restarts_new_cluster_gets_the_window_of_the_saves_seen_and_records_it_first() -> None:

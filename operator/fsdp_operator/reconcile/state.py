@@ -33,7 +33,8 @@ class PassState:
         """Decides the RayCluster's creation, its worker pods' drain window recorded first (the cluster is
         built, and later compared, with it)."""
         self.decision.create_cluster = True
-        self.new.drain_seconds = drainwindow.window(self.new.checkpoints.recent)
+        estimate = drainwindow.estimated_save_seconds(self.spec)
+        self.new.drain_seconds = drainwindow.window(self.new.checkpoints.recent, estimate)
 
     def event(self, warning: bool, reason: str, message: str) -> None:
         self.decision.events.append(Event("Warning" if warning else "Normal", reason, message))
