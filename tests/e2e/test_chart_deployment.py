@@ -41,7 +41,6 @@ Grant = tuple[str, str, str]  # (apiGroup, resource[/subresource], verb)
 # Granted, and used by the operator in situations a demo run on the local cluster does not reach.
 UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
     ("kueue.x-k8s.io", "workloads", "list"): "only while Kueue holds a run's RayCluster",
-    ("", "events", "list"): "an autoscaler's events about a Ray pod that waits for a node (none waits here)",
     # Used under the chart's RBAC by test_real_pods' slowed-link test, whose fabric check finds a slow node.
     ("", "nodes", "patch"): "the fabric check's label on a node it found slow (none is slow here)",
     # Read by scale-from-zero runs' preflight (test_karpenter, test_preflight_launchers); test_helm asks
@@ -55,6 +54,8 @@ UNUSED_BY_A_DEMO_RUN: dict[Grant, str] = {
 USED_BY_A_DEMO_RUN_ONLY_IN_A_RACE: dict[Grant, str] = {
     ("fsdp.training.dev", "fsdptrainingruns", "get"): "a pass reads its run again after a write conflict",
     ("", "events", "patch"): "a repeated event (count bump); a clean run posts each event once",
+    # Also an autoscaler's events about a Ray pod that waits for a node, which none does here.
+    ("", "events", "list"): "a pass that finds a pod placed and its containers not yet created (image pulls)",
     ("networking.k8s.io", "networkpolicies", "get"): "a pass whose create found the policy made by another",
 }
 
