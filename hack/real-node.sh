@@ -404,6 +404,14 @@ stop() {
     [[ -e $pid ]] && stop_pid "$(cat "$pid")"
     rm -f "$pid"
   done
+  # Whatever of the node outlived the above, by its own directory in its command line: seen three times, a
+  # containerd (and the flock that started it) left running after a stop, the namespace holder already gone.
+  local left
+  left=$(pgrep -f -- "$NODE_DIR/" || true)
+  for pid in $left; do
+    log "stopping $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120), left after the node's stop"
+    stop_pid "$pid"
+  done
   ip link show "$HOST_LINK" >/dev/null 2>&1 && ip link del "$HOST_LINK"
   # The cgroups, deepest first, once empty (a killed process leaves its cgroup a moment later).
   while read -r dir; do
