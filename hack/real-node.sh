@@ -386,8 +386,11 @@ stop() {
   local dir procs
   while read -r dir; do
     [[ -d $dir ]] || continue
-    procs=$(find "$dir" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u)
-    [[ -n $procs ]] && kill -KILL $procs 2>/dev/null
+    # `|| true` on both: a container's cgroup that goes while it is read (find exits 1, pipefail) and a process
+    # that ended before the kill each failed this line, and `set -e` ended the whole stop here, leaving the
+    # node's containerd, its flock, CoreDNS, kube-router and the socats running (reproduced with a drain test).
+    procs=$(find "$dir" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u || true)
+    [[ -n $procs ]] && { kill -KILL $procs 2>/dev/null || true; }
   done < <(cgroup_dirs)
   [[ -n $holder ]] && empty_containerd_root
   # Then every process in the node's network namespace (containerd, its shims, CoreDNS, kube-router, the
@@ -404,24 +407,23 @@ stop() {
     [[ -e $pid ]] && stop_pid "$(cat "$pid")"
     rm -f "$pid"
   done
-  # Whatever of the node outlived the above, by its own directory in its command line: seen three times, a
-  # containerd (and the flock that started it) left running after a stop, the namespace holder already gone.
+  # Whatever of the node outlived the above, by its own directory in its command line.
   local left
   left=$(pgrep -f -- "$NODE_DIR/" || true)
   for pid in $left; do
     log "stopping $(tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | cut -c1-120), left after the node's stop"
     stop_pid "$pid"
   done
-  ip link show "$HOST_LINK" >/dev/null 2>&1 && ip link del "$HOST_LINK"
+  ip link show "$HOST_LINK" >/dev/null 2>&1 && { ip link del "$HOST_LINK" || true; }
   # The cgroups, deepest first, once empty (a killed process leaves its cgroup a moment later).
   while read -r dir; do
     [[ -d $dir ]] || continue
     for _ in $(seq 50); do
-      find "$dir" -depth -type d -exec rmdir {} + 2>/dev/null
+      find "$dir" -depth -type d -exec rmdir {} + 2>/dev/null || true # not empty yet: again
       [[ -d $dir ]] || break
       sleep 0.2
     done
-    [[ -d $dir ]] && log "could not remove cgroup $dir: $(find "$dir" -name cgroup.procs -exec cat {} + | tr '\n' ' ')"
+    [[ -d $dir ]] && log "could not remove cgroup $dir: $(find "$dir" -name cgroup.procs -exec cat {} + | tr '\n' ' ' || true)"
   done < <(cgroup_dirs)
   return 0
 }
