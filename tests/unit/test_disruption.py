@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from fsdp_operator import api, drainwindow, goodput
+from fsdp_operator import api, conditions, drainwindow, goodput
 from fsdp_operator.disruption import Disruptions, node_going_away
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_operator.reconcile.state import FINAL_FAILURE_HOLD_SECONDS
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RestartEntry
 
 pytestmark = pytest.mark.unit
@@ -108,10 +109,10 @@ def failed_then_restarting(
     )
 
 
-def observe(disruption: str | None) -> Observation:
+def observe(disruption: str | None, at: dt.datetime = NOW + dt.timedelta(seconds=5)) -> Observation:
     ended = JobObservation("run-0f1e2d3c-1", "FAILED", "NCCL error", "", NOW - dt.timedelta(minutes=1))
     return Observation(
-        now=NOW + dt.timedelta(seconds=5),
+        now=at,
         generation=1,
         cluster=ClusterObservation(ready=True, message=""),
         job=ended,
@@ -195,3 +196,55 @@ def test_a_restarts_new_cluster_gets_the_window_of_the_saves_seen_and_records_it
     decision = reconcile(SPEC, lost, no_cluster)
     assert decision.create_cluster, decision.status.message
     assert decision.status.drain_seconds == 1 + 12 + 15
+
+
+def exhausted_and_held() -> api.FSDPTrainingRunStatus:
+    """A run whose last restart's attempt failed before its disruption was seen: the failure is held."""
+    status = failed_then_restarting(None, restart_time=NOW - dt.timedelta(minutes=5))  # of attempt 3
+    status.phase, status.attempt, status.attempt_time = api.Phase.RUNNING, 4, NOW - dt.timedelta(minutes=2)
+    status.restarts.count, status.next_check_time = 3, None
+    held = reconcile(SPEC, status, observe(None))
+    assert held.stop_job == "run-0f1e2d3c-1" and held.requeue_after == FINAL_FAILURE_HOLD_SECONDS
+    return held.status
+
+
+def test_a_failure_past_max_restarts_waits_for_its_disruption_before_it_fails_the_run() -> None:
+    held = exhausted_and_held()
+    failed = conditions.condition(held.conditions, conditions.FAILED)
+    assert held.phase == api.Phase.RESTARTING and held.restarts.count == 3, held.message
+    assert failed is not None and (failed.status, failed.reason) == ("Unknown", "JobFailed"), failed
+    assert f"failing in {FINAL_FAILURE_HOLD_SECONDS}s unless" in held.message
+    # Seen within the hold, the node going away makes the failure a preemption: no restart spent.
+    why = "node gpu-1a-7 (Karpenter is disrupting the node: taint karpenter.sh/disrupted:NoSchedule)"
+    status = reconcile(SPEC, held, observe(why)).status
+    assert status.phase == api.Phase.RESTARTING and (status.restarts.count, status.restarts.preemptions) == (
+        3,
+        1,
+    )
+    assert status.restarts.history[-1].reason == "Preempted" and why in status.restarts.history[-1].message
+    assert conditions.condition(status.conditions, conditions.FAILED).status == "False"  # type: ignore[union-attr]
+    # After the backoff the attempt after it is submitted, as after any preemption.
+    assert status.next_check_time is not None
+    resumed = reconcile(SPEC, status, observe(why, at=status.next_check_time))
+    assert resumed.submit_attempt == 5, resumed.status.message
+
+
+def test_a_held_failure_with_no_disruption_fails_the_run_when_the_hold_ends_and_not_before() -> None:
+    held = exhausted_and_held()
+    assert held.next_check_time is not None
+    end = held.next_check_time  # the hold's end: FINAL_FAILURE_HOLD_SECONDS after the failure was seen
+    early = reconcile(SPEC, held, observe(None, at=end - dt.timedelta(seconds=1)))
+    assert early.status.phase == api.Phase.RESTARTING and early.submit_attempt is None
+    assert early.requeue_after is not None and early.requeue_after <= 1
+    over = reconcile(SPEC, held, observe(None, at=end))
+    failed = conditions.condition(over.status.conditions, conditions.FAILED)
+    assert over.status.phase == api.Phase.FAILED and over.status.restarts.count == 3
+    assert failed is not None and (failed.status, failed.reason) == ("True", "RestartsExhausted"), failed
+    assert "JobFailed after 3 restarts (maxRestarts 3): NCCL error" in failed.message
+
+
+def test_a_failure_held_when_the_run_is_suspended_is_not_held_after_it_resumes() -> None:
+    suspended = api.FSDPTrainingRunSpec.model_validate({**SPEC.model_dump(by_alias=True), "suspend": True})
+    status = reconcile(suspended, exhausted_and_held(), observe(None)).status
+    assert status.phase == api.Phase.SUSPENDED
+    assert conditions.condition(status.conditions, conditions.FAILED).status == "False"  # type: ignore[union-attr]

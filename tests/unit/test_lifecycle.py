@@ -9,6 +9,7 @@ from fsdp_operator import api, conditions
 from fsdp_operator.disruption import pod_disruption
 from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
+from fsdp_operator.reconcile.state import FINAL_FAILURE_HOLD_SECONDS
 from fsdp_operator.recovery import backoff_seconds, classify
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TrainingData, TransportReport
 
@@ -55,7 +56,7 @@ def progress(step: int = 20, **extra: Any) -> ProgressRecord:
 
 
 def observe(**fields: Any) -> Observation:
-    return Observation(now=NOW, generation=1, **{"cluster": READY, **fields})
+    return Observation(**{"now": NOW, "generation": 1, "cluster": READY, **fields})
 
 
 def test_running_job_reports_progress_checkpoints_and_pins_the_image() -> None:
@@ -137,11 +138,16 @@ def test_permanent_failure_fails_without_using_restarts() -> None:
     assert failed_cond is not None and failed_cond.reason == "InvalidConfig"
 
 
-def test_restarts_run_out() -> None:
+def test_restarts_run_out_once_the_last_failure_was_held_for_a_disruption() -> None:
     status = running(restarts={"count": 3, "history": []})
-    decision = reconcile(spec(), status, observe(job=job("FAILED", "boom")))
-    assert decision.status.phase == api.Phase.FAILED
-    assert conditions.condition(decision.status.conditions, conditions.FAILED).reason == "RestartsExhausted"  # type: ignore[union-attr]
+    held = reconcile(spec(), status, observe(job=job("FAILED", "boom"))).status
+    assert held.phase == api.Phase.RESTARTING and held.restarts.count == 3, held.message
+    later = NOW + dt.timedelta(seconds=FINAL_FAILURE_HOLD_SECONDS)
+    decision = reconcile(spec(), held, observe(now=later, job=job("FAILED", "boom")))
+    assert decision.status.phase == api.Phase.FAILED and decision.status.restarts.count == 3
+    failed = conditions.condition(decision.status.conditions, conditions.FAILED)
+    assert failed is not None and failed.status == "True" and failed.reason == "RestartsExhausted", failed
+    assert "JobFailed after 3 restarts (maxRestarts 3)" in failed.message and "boom" in failed.message
 
 
 def test_job_unknown_to_ray_is_a_lost_job_and_restarts() -> None:
@@ -312,8 +318,10 @@ def test_an_attempt_lost_with_a_disrupted_pod_restarts_without_spending_a_restar
         and entry.resumed_from_step == 20
     )
     assert "Preempted" in [e.reason for e in decision.events]
-    # The same loss without a disruption spends the (empty) budget.
-    plain = reconcile(no_restarts, running(), observe(job=lost, checkpoints=CKPT))
+    # The same loss without a disruption spends the (empty) budget, once the failure's hold is over.
+    held = reconcile(no_restarts, running(), observe(job=lost, checkpoints=CKPT)).status
+    later = NOW + dt.timedelta(seconds=FINAL_FAILURE_HOLD_SECONDS)
+    plain = reconcile(no_restarts, held, observe(now=later, job=lost, checkpoints=CKPT))
     assert plain.status.phase == api.Phase.FAILED
     assert conditions.condition(plain.status.conditions, conditions.FAILED).reason == "RestartsExhausted"
 

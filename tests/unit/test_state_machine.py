@@ -317,7 +317,9 @@ def test_pods_that_cannot_pull_show_at_once_and_fail_the_run_after_the_bound() -
 
 
 def test_a_failed_run_is_finished_and_not_succeeded_so_kubectl_wait_returns() -> None:
-    decision = reconcile(spec(recovery={"maxRestarts": 0}), status(), observe(job=job("FAILED")))
+    no_restarts = spec(recovery={"maxRestarts": 0})
+    held = reconcile(no_restarts, status(), observe(job=job("FAILED")))  # waits for a disruption first
+    decision = reconcile(no_restarts, held.status, observe(31, job=job("FAILED")))
     assert condition(decision, conditions.FINISHED).status == "True"
     assert condition(decision, conditions.SUCCEEDED).status == "False"
     done = reconcile(spec(), status(), observe(job=job("SUCCEEDED")))

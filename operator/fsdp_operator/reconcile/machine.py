@@ -98,6 +98,8 @@ def suspend(state: PassState) -> None:
     state.condition(
         conditions.SUSPENDED, True, "SuspendedBySpec", "spec.suspend is true; checkpoints are kept"
     )
+    if state.condition_is(conditions.FAILED, "Unknown"):  # a held failure (hold_final_failure) is moot
+        state.condition(conditions.FAILED, False, "SuspendedBySpec", "suspended while a failure was held")
     state.condition(conditions.CLUSTER_READY, False, "Suspended", "the RayCluster is deleted while suspended")
     state.condition(conditions.JOB_RUNNING, False, "Suspended", "the job is stopped while suspended")
     state.transition(
@@ -150,6 +152,8 @@ def step(state: PassState) -> None:
         return
     if new.phase == Phase.RESTARTING:  # whatever the cluster is: its pods may be the ones that went
         state.recount_as_preemption()
+        if state.failure_held():
+            return
     if cluster is None:
         without_cluster(state)
         return

@@ -17,6 +17,9 @@ from fsdp_trainer.contract import RestartEntry
 # restarts.history reasons that spend no restart: a disruption, and an elastic run's change of size
 PREEMPTED, RESIZED = "Preempted", "Resized"
 STILL_ENDING_REQUEUE_SECONDS = 5.0  # a stopped job or a deleted cluster is usually gone within seconds
+# How long a failure past maxRestarts waits for its attempt's disruption: a node's taint or a pod's
+# DisruptionTarget reaches the operator by a watch, seconds after the kubelet or Karpenter writes it.
+FINAL_FAILURE_HOLD_SECONDS = 30
 
 
 class PassState:
@@ -113,12 +116,7 @@ class PassState:
             )
             return
         if disruption is None and new.restarts.count >= recovery.max_restarts:
-            self.finish(
-                Phase.FAILED,
-                "RestartsExhausted",
-                f"{failure.reason} after {new.restarts.count} restarts "
-                f"(maxRestarts {recovery.max_restarts}): {failure.message}",
-            )
+            self.hold_final_failure(failure)
             return
         if new.job_submission_id:
             self.decision.stop_job = new.job_submission_id  # it may still run (hang, cluster edited)
@@ -150,6 +148,51 @@ class PassState:
         )
         self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
         self.transition(Phase.RESTARTING, "Restarting", message, warning=True)
+
+    def hold_final_failure(self, failure: Failure) -> None:
+        """A failure past maxRestarts waits FINAL_FAILURE_HOLD_SECONDS for its attempt's disruption before
+        it ends the run: a job's error can reach the operator before the node's taint or the pod's
+        DisruptionTarget does, and a preemption must not spend the last restart (issue 49). The Failed
+        condition is Unknown meanwhile and carries the failure; `failure_held` decides."""
+        new = self.new
+        if new.job_submission_id:
+            self.decision.stop_job = new.job_submission_id
+        if self.condition_is(conditions.FAILED, "Unknown") is not None:
+            return  # already held: a second failure of the same attempt neither extends nor replaces it
+        self.condition(conditions.FAILED, "Unknown", failure.reason, failure.message)
+        self.condition(conditions.JOB_RUNNING, False, failure.reason, failure.message)
+        new.next_check_time = self.obs.now + dt.timedelta(seconds=FINAL_FAILURE_HOLD_SECONDS)
+        self.requeue(FINAL_FAILURE_HOLD_SECONDS)
+        self.transition(
+            Phase.RESTARTING,
+            "Restarting",
+            f"maxRestarts ({self.spec.recovery.max_restarts}) spent; {failure.reason}: {failure.message}; "
+            f"failing in {FINAL_FAILURE_HOLD_SECONDS}s unless the attempt's node turns out to be going away",
+            warning=True,
+        )
+
+    def failure_held(self) -> bool:
+        """While Restarting on a held failure (hold_final_failure): a disruption seen since makes it a
+        preemption, which restarts as any does; at the hold's end it fails the run. True while the hold
+        decides this pass (still holding, or the run failed)."""
+        held = self.condition_is(conditions.FAILED, "Unknown")
+        if held is None:
+            return False
+        failure = Failure(False, held.reason, held.message)
+        if self.obs.disruption is not None:
+            self.condition(conditions.FAILED, False, PREEMPTED, f"{failure.reason} came with a disruption")
+            self.fail_attempt(failure)
+            return False
+        if self.new.next_check_time is not None and self.new.next_check_time > self.obs.now:
+            self.requeue((self.new.next_check_time - self.obs.now).total_seconds())
+            return True
+        restarts, most = self.new.restarts.count, self.spec.recovery.max_restarts
+        self.finish(
+            Phase.FAILED,
+            "RestartsExhausted",
+            f"{failure.reason} after {restarts} restarts (maxRestarts {most}): {failure.message}",
+        )
+        return True
 
     def recount_as_preemption(self) -> None:
         """While Restarting: the failure was counted before its attempt's disruption was seen (a job's
