@@ -201,8 +201,12 @@ class PassState:
         new, disruption = self.new, self.obs.disruption
         history = new.restarts.history
         last = history[-1] if history else None
-        counted = last is not None and last.reason not in (PREEMPTED, RESIZED) and new.restarts.count > 0
-        if disruption is None or not counted or last is None:
+        if (
+            disruption is None
+            or last is None
+            or last.reason in (PREEMPTED, RESIZED)
+            or new.restarts.count == 0
+        ):
             return
         if new.attempt_time is not None and last.time < new.attempt_time:
             return  # that restart was of an earlier attempt
