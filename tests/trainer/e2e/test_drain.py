@@ -6,8 +6,14 @@ attempt, and Ray Train's restart on the nodes left resumes from exactly that ste
 
 Three Ray nodes on this machine: a head without CPUs (the driver and Ray Train's controller), two nodes of one
 CPU each, one per worker. A third worker node joins once the drain has begun, as the autoscaler's replacement
-would. Periodic checkpoints are out of the way (checkpoint.everySteps above maxSteps); the run may not spend a
-restart (maxFailures 0): Ray Train counts a preemption apart from failures.
+would. Periodic checkpoints are out of the way (checkpoint.everySteps above maxSteps). The run may spend one
+restart (maxFailures 1): Ray Train counts a preemption apart from failures when it sees the drained worker's
+death flagged as a preemption, but at 3 test workers on 2 cores (a stress run) Ray Core once recorded it as
+the node's plain SIGTERM ("terminated expectedly"), and Ray Train's controller, seeing a worker error with no
+preempted worker before the drain's deadline passed, took it for a failure. Which one Ray chose is Ray's and
+is printed; what the trainer owes (a checkpoint at the notice, the next attempt from exactly it, no step
+trained twice) is asserted either way. The operator's own count of restarts does not rest on Ray's: it reads
+the pods' DisruptionTarget and the nodes' marks (tests/e2e/test_real_pods_drain.py).
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
         "runName": run,
         "workers": 2,
         "cpusPerWorker": 1,
-        "maxFailures": 0,
+        "maxFailures": 1,
         "model": {"fromConfig": tiny_qwen2(), "tokenizer": "byte-level"},
         "training": {
             "maxSteps": MAX_STEPS,
@@ -147,7 +153,8 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
         f"{drain.updated_at.timestamp() - notice_sent:.2f} s "
         f"({drain.drain_checkpoint_seconds:.2f} s from the step boundary that took the notice); "
         f"training again {trained_again.timestamp() - notice_sent:.1f} s after the notice "
-        f"(drain window {DRAIN_SECONDS} s)"
+        f"(drain window {DRAIN_SECONDS} s); Ray Train took it for "
+        + ("a preemption" if "interrupted by node preemption" in output else "a worker's failure")
     )
     assert max(trained_first) == drain.drain_checkpoint_step, (
         f"steps trained after the drain checkpoint at {drain.drain_checkpoint_step}: "

@@ -109,6 +109,31 @@ def test_the_budget_counts_from_the_process_start_imports_included(tmp_path: Pat
     assert before - tick <= seen["started"] <= seen["first_line"], seen
 
 
+def test_a_process_descheduled_between_two_clock_reads_still_dates_its_start_right(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The boot clock leads the monotonic one by whatever the machine spent suspended (5 s here); the first
+    read of the pair is 0.4 s late, as on a loaded machine, and must not move the start."""
+    tick = os.sysconf("SC_CLK_TCK")
+    clock = {"now": 1000.0}
+    delays = iter([0.4] + [0.0] * 20)
+
+    def monotonic() -> float:
+        clock["now"] += 1e-6
+        return clock["now"]
+
+    def boot_clock(_: int) -> float:
+        clock["now"] += next(delays)
+        return clock["now"] + 5.0
+
+    started_ticks = int(1004.5 * tick)  # at monotonic 999.5
+    stat = "1 (python3) " + " ".join(["S"] + ["0"] * 18 + [str(started_ticks)] + ["0"] * 30)
+    monkeypatch.setattr(gpu_fsdp.time, "monotonic", monotonic)
+    monkeypatch.setattr(gpu_fsdp.time, "clock_gettime", boot_clock)
+    monkeypatch.setattr(gpu_fsdp.Path, "read_text", lambda _: stat)
+    assert gpu_fsdp.monotonic_at_process_start() == pytest.approx(999.5, abs=1e-3)
+
+
 def test_a_part_running_at_the_alarm_is_stopped_and_recorded_before_the_deadline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
