@@ -625,8 +625,8 @@ class Condition(ContractModel):
         max_length=64,
         description="Preflight, ClusterReady, PodsHealthy, PodsScheduled (False with the scheduler's message "
         "while a worker pod waits for a node), JobRunning, Finished (True when the run ended "
-        "either way: wait on it), Succeeded (False when the run failed), Failed (Unknown while a failure past "
-        "maxRestarts waits 30 s for a disruption that would excuse it), Suspended, "
+        "either way: wait on it), Succeeded (False when the run failed), Failed (Unknown while a failure "
+        "past maxRestarts waits 30 s for a disruption that would excuse it), Suspended, "
         "TransportDegraded, FabricVerified (the attempt's fabric check: False below "
         "network.minBusBandwidthGbps, naming the slow pod and node), ImageConsistent, StorageReadable or "
         "Admitted (by Kueue, for runs with a queue).",
