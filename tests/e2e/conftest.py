@@ -11,7 +11,7 @@ from typing import Any
 import boto3
 import pytest
 
-from tests.support.demo import BUCKET, CORPUS, lifecycle_env
+from tests.support.demo import BUCKET, CHAT_CORPUS, CORPUS, lifecycle_env
 from tests.support.karpenter import Karpenter, running_karpenter
 from tests.support.kube import delete_namespace, fresh_namespace, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
@@ -26,6 +26,7 @@ def s3(local_cluster: LocalCluster) -> Any:
     if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
         client.create_bucket(Bucket=BUCKET, CreateBucketConfiguration={"LocationConstraint": "us-west-2"})
     client.upload_file(str(REPO / "examples" / "data" / "stdlib-docstrings.jsonl"), BUCKET, CORPUS)
+    client.upload_file(str(REPO / "examples" / "data" / "stdlib-chat.jsonl"), BUCKET, CHAT_CORPUS)
     return client
 
 

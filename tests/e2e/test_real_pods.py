@@ -23,11 +23,12 @@ import pytest
 from fsdp_trainer.contract import PROGRESS_FILE, ProgressRecord
 from kubectl_trainingrun.cli import RunObjects, metric_histories
 from tests.support.chart import CHART
-from tests.support.demo import BUCKET
+from tests.support.demo import BUCKET, CHAT_CORPUS
 from tests.support.gitops import assert_in_sync
 from tests.support.image import operator_image
 from tests.support.kube import kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
+from tests.support.manifests import CHATML
 from tests.support.operator_process import TEST_S3_PREFIXES, OperatorProcess
 from tests.support.paths import REPO, cluster_settings
 from tests.support.probe_pod import TOLERATE_REAL_NODE, run_probe
@@ -454,6 +455,24 @@ def admitted(probe: str) -> str | None:
     return None if probe.startswith("error") else probe
 
 
+# A chat fine-tune of the demo's tiny model: conversations in the messages format, ChatML (the byte-level
+# tokenizer has no template), the loss on the assistant turns, long enough for the median conversation (568
+# bytes); evaluated at steps 4, 8 and 12.
+CHAT_RUN = {
+    "model.fromConfig.max_position_embeddings": 1024,
+    "training.maxSteps": 12,
+    "training.sequenceLength": 1024,
+    "training.microBatchSize": 2,
+    "training.learningRate": 1e-2,
+    "training.warmupSteps": 0,
+    "checkpoint.everySteps": 12,
+    "data.source": f"s3://{BUCKET}/{CHAT_CORPUS}",
+    "data.format": "messages",
+    "data.chatTemplate": CHATML,
+    "data.evalEvery": 4,
+}
+
+
 def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reaches_the_dashboard(
     namespace: str,
     crd_installed: None,
@@ -519,14 +538,22 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
             "get", "pods", "-n", OPERATOR_NAMESPACE, "-l", f"app.kubernetes.io/instance={release}"
         )["items"]
         assert operator_pod["spec"]["nodeName"] == real_node.name
-        # One worker: the run is here to be driven by the operator's pod, not to train on two.
-        manifest = real_pods_run(
-            namespace, cleanupPolicy="KeepCluster", **{"training.maxSteps": 20, "cluster.workers": 1}
-        )
-        finished = wait_for_phase(namespace, manifest["metadata"]["name"], "Succeeded", timeout=RUN_TIMEOUT)
+        # One worker: the run is here to be driven by the operator's pod, not to train on two. It is a chat
+        # fine-tune (issue 48: the spec's chat fields through the operator to the trainer in the DLC's image).
+        manifest = real_pods_run(namespace, cleanupPolicy="KeepCluster", **{"cluster.workers": 1, **CHAT_RUN})
+        run = manifest["metadata"]["name"]
+        finished = wait_for_phase(namespace, run, "Succeeded", timeout=RUN_TIMEOUT)
         # The operator's pod got through, start to end, with nothing to restart.
-        assert finished["status"]["checkpoints"]["latest"]["step"] == 20
+        assert finished["status"]["checkpoints"]["latest"]["step"] == CHAT_RUN["training.maxSteps"]
         assert finished["status"]["restarts"]["count"] == 0, finished["status"]["restarts"]
+        # The loss on the answers alone, on held-out conversations, fell at each evaluation.
+        runs = RunObjects(s3, f"s3://{BUCKET}/runs/{namespace}/{run}")
+        records = [record for history in metric_histories(runs) for record in history]
+        learned = {r.training_data.learned for r in records if r.training_data}
+        assert learned == {"assistant turns"}, records[-1]
+        evaluated = list(dict.fromkeys(r.eval_loss for r in records if r.eval_loss is not None))
+        print(f"chat fine-tune on a real pod: eval loss on the answers {evaluated}")
+        assert len(evaluated) == 3 and evaluated[0] > evaluated[1] > evaluated[2], evaluated
         [head] = [p for p in pods_of(namespace, manifest["metadata"]["name"]) if node_type(p) == "head"]
         dashboard = f"http://{head['status']['podIP']}:8265/api/jobs/"
         other = f"{namespace}-other"

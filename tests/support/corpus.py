@@ -54,13 +54,6 @@ class CountingTokenizer:
         return self.inner(text, add_special_tokens=add_special_tokens)
 
 
-# ChatML (Qwen's turn markup), for tokenizers without a chat template of their own: data.chatTemplate.
-CHATML = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
 def write_chat_jsonl(path: Path, conversations: int, seed: int = 5) -> Path:
     """Conversations in the messages format, their answers of very different lengths (1 to 30 words)."""
     rng = random.Random(seed)

@@ -15,6 +15,7 @@ from tests.support.waiting import wait_until
 
 BUCKET = "fsdp-e2e"
 CORPUS = "data/stdlib-docstrings.jsonl"
+CHAT_CORPUS = "data/stdlib-chat.jsonl"  # conversations made from the same text (examples/data/README.md)
 # A bound on a 40-80-step run, not a target: at the start of a CI run, beside the other worker's real pods and
 # both clusters' first start, one was not done after 300 s (the operator had seen its Ray job PENDING).
 RUN_TIMEOUT = 600

@@ -11,6 +11,12 @@ from tests.support.paths import REPO
 
 DELETE = object()  # as a value in `with_changes`: remove the field
 
+# ChatML (Qwen's turn markup), for tokenizers without a chat template of their own: data.chatTemplate.
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def with_changes(spec: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     """A copy of `spec` with dotted-path changes ({"cluster.workers": 3}) applied."""

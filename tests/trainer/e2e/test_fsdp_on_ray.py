@@ -39,8 +39,7 @@ from fsdp_trainer.contract import (
     ProgressRecord,
     TrainerConfig,
 )
-from tests.support.corpus import CHATML
-from tests.support.manifests import tiny_qwen2
+from tests.support.manifests import CHATML, tiny_qwen2
 from tests.support.net import free_port
 from tests.support.paths import REPO
 from tests.support.processes import stop_process_group

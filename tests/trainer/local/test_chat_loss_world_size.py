@@ -19,7 +19,8 @@ from fsdp_trainer.chunked_loss import IGNORE_INDEX
 from fsdp_trainer.contract import DataSpec, FsdpSpec
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.validate import Validator
-from tests.support.corpus import CHATML, write_chat_jsonl
+from tests.support.corpus import write_chat_jsonl
+from tests.support.manifests import CHATML
 from tests.support.net import free_port
 from tests.support.tiny_model import tiny_lm
 

@@ -12,7 +12,8 @@ from fsdp_trainer import data, optim
 from fsdp_trainer.contract import DataSpec
 from fsdp_trainer.data import LABELS, TOKENS, build_datasets
 from fsdp_trainer.model import byte_level_tokenizer
-from tests.support.corpus import CHATML, write_chat_jsonl
+from tests.support.corpus import write_chat_jsonl
+from tests.support.manifests import CHATML
 from tests.support.tiny_model import tiny_lm
 
 CPU = torch.device("cpu")

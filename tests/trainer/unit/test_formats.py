@@ -16,7 +16,7 @@ from fsdp_trainer.data import LABELS, TOKENS, build_datasets
 from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.formats import Encoder, Example
 from fsdp_trainer.model import byte_level_tokenizer
-from tests.support.corpus import CHATML
+from tests.support.manifests import CHATML
 
 TOKENIZER = byte_level_tokenizer()
 CHAT = [

@@ -23,7 +23,8 @@ from fsdp_trainer.contract import AdapterSpec, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import ConfigError
 from fsdp_trainer.model import byte_level_tokenizer
 from fsdp_trainer.sharded_model import build_sharded_model
-from tests.support.corpus import CHATML, write_chat_jsonl
+from tests.support.corpus import write_chat_jsonl
+from tests.support.manifests import CHATML
 from tests.support.tiny_model import tiny_lm
 from tests.support.trainer_runs import config, history, train
 
