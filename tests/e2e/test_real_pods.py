@@ -546,14 +546,14 @@ def test_the_operator_as_a_real_pod_drives_a_run_by_cluster_dns_and_only_it_reac
         # The operator's pod got through, start to end, with nothing to restart.
         assert finished["status"]["checkpoints"]["latest"]["step"] == CHAT_RUN["training.maxSteps"]
         assert finished["status"]["restarts"]["count"] == 0, finished["status"]["restarts"]
-        # The loss on the answers alone, on held-out conversations, fell at each evaluation.
+        # The loss on the answers alone, on held-out conversations, fell (3.61, 3.25, 3.22 when written).
         runs = RunObjects(s3, f"s3://{BUCKET}/runs/{namespace}/{run}")
         records = [record for history in metric_histories(runs) for record in history]
         learned = {r.training_data.learned for r in records if r.training_data}
         assert learned == {"assistant turns"}, records[-1]
         evaluated = list(dict.fromkeys(r.eval_loss for r in records if r.eval_loss is not None))
         print(f"chat fine-tune on a real pod: eval loss on the answers {evaluated}")
-        assert len(evaluated) == 3 and evaluated[0] > evaluated[1] > evaluated[2], evaluated
+        assert len(evaluated) == 3 and evaluated[-1] < evaluated[0] - 0.2, evaluated
         [head] = [p for p in pods_of(namespace, manifest["metadata"]["name"]) if node_type(p) == "head"]
         dashboard = f"http://{head['status']['podIP']}:8265/api/jobs/"
         other = f"{namespace}-other"
