@@ -14,8 +14,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import json
 import shlex
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,8 @@ from fsdp_trainer.contract import (
 RAY_VERSION = "2.58.0"
 SHARD_BYTES = 1024
 ACTIVE = ("PENDING", "RUNNING")
+STEP_SECONDS_ENV = "LOAD_BENCH_STEP_SECONDS"
+FAULT_ENV = "LOAD_BENCH_FAULT"
 
 
 @dataclass
@@ -43,7 +47,7 @@ class Job:
     entrypoint: str
     metadata: dict[str, str]
     runtime_env: dict[str, Any]
-    config: TrainerConfig
+    config: TrainerConfig | None  # None: not the trainer (a RayJob's job)
     status: str = "RUNNING"
     message: str = ""
     start_time: int = field(default_factory=lambda: int(time.time() * 1000))
@@ -70,18 +74,40 @@ class Job:
         }
 
 
-def config_of(entrypoint: str) -> TrainerConfig:
-    """The trainer config the operator put on the entrypoint (`python -m fsdp_trainer --config JSON ...`)."""
+def config_of(entrypoint: str) -> TrainerConfig | None:
+    """The trainer config the operator put on the entrypoint (`python -m fsdp_trainer --config JSON ...`);
+    None for any other entrypoint."""
     words = shlex.split(entrypoint)
+    if "--config" not in words:
+        return None
     return TrainerConfig.model_validate_json(words[words.index("--config") + 1])
 
 
+def fault_of(env: dict[str, str]) -> tuple[str, float] | None:
+    """LOAD_BENCH_FAULT's `fail:SECONDS` or `hang:SECONDS`."""
+    if FAULT_ENV not in env:
+        return None
+    kind, _, seconds = env[FAULT_ENV].partition(":")
+    if kind not in ("fail", "hang"):
+        raise ValueError(f"{FAULT_ENV} must be fail:SECONDS or hang:SECONDS, not {env[FAULT_ENV]!r}")
+    return kind, float(seconds)
+
+
 class StandIn:
-    def __init__(self, step_seconds: float) -> None:
+    def __init__(self, step_seconds: float, events: Path | None) -> None:
         self.step_seconds = step_seconds
         self.jobs: dict[str, Job] = {}
         self.packages: set[str] = set()
+        self.faulted: set[str] = set()  # runs whose fault has happened: their later attempts train on
+        self.requests: Counter[str] = Counter()
+        self.events = events.open("a", buffering=1) if events else None
         self.s3 = boto3.client("s3")  # AWS_ENDPOINT_URL and credentials from the environment
+
+    def event(self, job: Job, kind: str, at: dt.datetime, **figures: Any) -> None:
+        assert job.config is not None
+        if self.events is not None:
+            record = {"run": job.config.run_uri(), "event": kind, "at": at.isoformat(), **figures}
+            self.events.write(json.dumps(record) + "\n")
 
     def put(self, uri: str, body: bytes) -> None:
         bucket, _, key = uri.removeprefix("s3://").partition("/")
@@ -89,8 +115,16 @@ class StandIn:
 
     async def train(self, job: Job) -> None:
         config, now = job.config, lambda: dt.datetime.now(dt.UTC)
+        if config is None:  # not the trainer: runs until stopped
+            await asyncio.Event().wait()
+            return
         run, maximum = config.run_uri(), config.training.max_steps
         every_log, every_checkpoint = max(config.training.log_every, 1), config.checkpoint.every_steps
+        env = job.runtime_env.get("env_vars") or {}
+        step_seconds = float(env.get(STEP_SECONDS_ENV, self.step_seconds))
+        fault = None if run in self.faulted else fault_of(env)
+        fault_at = time.monotonic() + fault[1] if fault else None
+        last_record = now()
 
         def record(phase: str, step: int) -> bytes:
             return ProgressRecord(
@@ -101,15 +135,27 @@ class StandIn:
 
         await asyncio.to_thread(self.put, f"{run}/{PROGRESS_FILE}", record("starting", 0))
         for step in range(1, maximum + 1):
-            await asyncio.sleep(self.step_seconds)
+            await asyncio.sleep(step_seconds)
+            if fault is not None and fault_at is not None and time.monotonic() >= fault_at:
+                self.faulted.add(run)
+                if fault[0] == "fail":
+                    job.status, job.end_time = "FAILED", int(time.time() * 1000)
+                    job.message = f"{FAULT_ENV} failed the job at step {step}"
+                    self.event(job, "failed", now(), step=step)
+                    return
+                self.event(job, "hung", last_record, step=step)  # the hang counts from the last record
+                await asyncio.Event().wait()  # RUNNING, and silent, until stopped
             if step % every_log == 0 or step == maximum:
                 phase = "finished" if step == maximum else "training"
                 await asyncio.to_thread(self.put, f"{run}/{PROGRESS_FILE}", record(phase, step))
+                last_record = now()
             if every_checkpoint and step % every_checkpoint == 0:
                 await asyncio.to_thread(self.checkpoint, job, step)
+                self.event(job, "checkpoint", now(), step=step)
         job.status, job.end_time = "SUCCEEDED", int(time.time() * 1000)
 
     def checkpoint(self, job: Job, step: int) -> None:
+        assert job.config is not None
         directory = f"{job.config.run_uri()}/checkpoint_{step:08d}_{job.submission_id}"
         files = {"__0_0.distcp": SHARD_BYTES, "__1_0.distcp": SHARD_BYTES, DCP_METADATA_FILE: SHARD_BYTES}
         for name, size in files.items():
@@ -122,6 +168,17 @@ class StandIn:
         self.put(f"{directory}/{MANIFEST_FILE}", manifest.to_json().encode())
 
     # -- the job API, as Ray's JobSubmissionClient calls it -----------------------------------------------
+
+    @web.middleware
+    async def count(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/api/"):
+            sender = "kuberay" if request.host.endswith(".svc.cluster.local") else "operator"
+            resource = request.match_info.route.resource
+            self.requests[f"{sender} {request.method} {resource.canonical if resource else '?'}"] += 1
+        return await handler(request)
+
+    async def counts(self, _: web.Request) -> web.Response:
+        return web.json_response(dict(self.requests))
 
     async def version(self, _: web.Request) -> web.Response:
         return web.json_response({"version": "4", "ray_version": RAY_VERSION, "ray_commit": "standin"})
@@ -171,7 +228,7 @@ class StandIn:
         return web.Response(status=500, text="Could not find a log file (a stand-in job has none)")
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self.count])
         app.add_routes(
             [
                 web.get("/api/version", self.version),
@@ -182,13 +239,14 @@ class StandIn:
                 web.get("/api/jobs/{id}", self.get),
                 web.post("/api/jobs/{id}/stop", self.stop),
                 web.get("/api/v0/logs/file", self.logs),
+                web.get("/bench/requests", self.counts),
             ]
         )
         return app
 
 
-async def serve(port: int, port_file: Path | None, step_seconds: float) -> None:
-    runner = web.AppRunner(StandIn(step_seconds).app(), access_log=None)
+async def serve(port: int, port_file: Path | None, step_seconds: float, events: Path | None) -> None:
+    runner = web.AppRunner(StandIn(step_seconds, events).app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
@@ -205,8 +263,9 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--port-file", type=Path)
     parser.add_argument("--step-seconds", type=float, default=1.0)
+    parser.add_argument("--events", type=Path, help="append checkpoints, failures and hangs (JSON lines)")
     args = parser.parse_args()
-    asyncio.run(serve(args.port, args.port_file, args.step_seconds))
+    asyncio.run(serve(args.port, args.port_file, args.step_seconds, args.events))
 
 
 if __name__ == "__main__":
