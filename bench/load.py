@@ -242,7 +242,6 @@ class ProfiledOperator(OperatorProcess):
             **os.environ,
             "FSDP_OPERATOR_LEADER_ELECTION": "false",
             "FSDP_OPERATOR_HEALTH_PORT": "0",
-            "FSDP_OPERATOR_MAX_ACTIVE_RUNS_PER_NAMESPACE": "0",  # 20 runs a namespace, all at once
             **self.env,
             "PYTHONPATH": os.pathsep.join(
                 [str(REPO / "operator"), str(REPO / "trainer"), os.environ.get("MEMRAY_PATH", "")]
@@ -512,6 +511,7 @@ def main() -> None:
             "FSDP_OPERATOR_TRAINER_DEVICE": "cpu",
             "FSDP_OPERATOR_AWS_ENDPOINT_URL": cluster.s3_endpoint,
             "FSDP_OPERATOR_S3_PREFIXES": f"s3://{BUCKET}/",  # granted to every namespace of the bench
+            "FSDP_OPERATOR_MAX_ACTIVE_RUNS_PER_NAMESPACE": "0",  # a hundred runs a namespace, all at once
             "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "15",  # the default (tests observe every 2 s)
             "FSDP_OPERATOR_METRICS_PORT": str(metrics_port),
             "MALLOC_ARENA_MAX": "2",  # as the operator's image sets it (Dockerfile.operator)
@@ -549,23 +549,27 @@ def main() -> None:
             kuberay_through(None)
             stop_process(standin)
             stop_process(audit_copy)
-            for namespace in run_namespaces:
-                for run in kubectl("get", "fsdptrainingruns", "-n", namespace, "-o", "name").stdout.split():
-                    kubectl("patch", run, "-n", namespace, "--type=merge",
-                            "-p", '{"metadata":{"finalizers":null}}', check=False)  # fmt: skip
-            for namespace in run_namespaces + job_namespaces:
-                kubectl(
-                    "delete",
-                    "rayclusters,rayjobs,jobs",
-                    "--all",
-                    "-n",
-                    namespace,
-                    "--wait=false",
-                    check=False,
-                )
-                kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+            tear_down(api_client, run_namespaces + job_namespaces)
             kubectl("delete", "nodes", "-l", BENCH_LABEL, "--wait=false", check=False)
     publish("load", results, load_table(results), args.output, not args.no_doc)
+
+
+def tear_down(api_client: k8s.ApiClient, namespaces: list[str]) -> None:
+    """The bench's namespaces deleted, with everything in them: the runs' finalizers taken off first (the
+    operator is stopped), many at once, since a thousand one by one take minutes."""
+    custom = k8s.CustomObjectsApi(api_client)
+
+    def release(namespace: str, name: str) -> None:
+        custom.patch_namespaced_custom_object("fsdp.training.dev", "v1alpha1", namespace, "fsdptrainingruns",
+                                              name, {"metadata": {"finalizers": None}})  # fmt: skip
+
+    runs = [(namespace, run["metadata"]["name"]) for namespace in namespaces
+            for run in custom.list_namespaced_custom_object("fsdp.training.dev", "v1alpha1", namespace,
+                                                            "fsdptrainingruns")["items"]]  # fmt: skip
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda key: release(*key), runs))
+    for namespace in namespaces:
+        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def kuberay_through(proxy: str | None) -> None:

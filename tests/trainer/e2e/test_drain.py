@@ -18,6 +18,7 @@ the pods' DisruptionTarget and the nodes' marks (tests/e2e/test_real_pods_drain.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -77,6 +78,31 @@ def drain_lines(output: str) -> str:
 
 def training_steps(records: list[ProgressRecord]) -> set[int]:
     return {r.step for r in records if r.phase == "training" and r.loss is not None and r.step > 0}
+
+
+def gap_by_phase(notice_sent: float, drain: ProgressRecord, resumed: list[ProgressRecord]) -> str:
+    """Where the seconds from the notice to training again go, from the progress records' own times: the
+    drain checkpoint (the trainer's), Ray Train's restart up to the resumed attempt's first record (Ray's: the
+    drained worker group's end, the new one's placement and processes), then the resumed attempt's setup
+    stages up to its first step (the trainer's). Each line: the seconds until that mark."""
+    marks = [
+        ("the drain checkpoint durable", drain.updated_at),
+        ("the resumed attempt's first record (Ray Train's restart)", resumed[0].updated_at),
+    ]
+    stages: set[str] = set()
+    for record in resumed:
+        if record.phase == "training":
+            marks.append(("the first step", record.updated_at))
+            break
+        if record.stage is not None and record.stage.value not in stages:
+            stages.add(record.stage.value)
+            marks.append((f"stage {record.stage.value} began", record.updated_at))
+    times = [notice_sent, *(at.timestamp() for _, at in marks)]
+    lines = [
+        f"  {end - start:6.2f} s until {name}"
+        for (name, _), (start, end) in zip(marks, itertools.pairwise(times), strict=True)
+    ]
+    return f"the notice to training again, {times[-1] - notice_sent:.1f} s:\n" + "\n".join(lines)
 
 
 def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
@@ -156,6 +182,7 @@ def test_a_drained_node_costs_no_step(s3_endpoint: str, tmp_path: Path) -> None:
         f"(drain window {DRAIN_SECONDS} s); Ray Train took it for "
         + ("a preemption" if "interrupted by node preemption" in output else "a worker's failure")
     )
+    print(gap_by_phase(notice_sent, drain, last))
     assert max(trained_first) == drain.drain_checkpoint_step, (
         f"steps trained after the drain checkpoint at {drain.drain_checkpoint_step}: "
         f"{sorted(s for s in trained_first if s > (drain.drain_checkpoint_step or 0))}"
