@@ -25,7 +25,15 @@ from fsdp_operator.cadence import MAX_STRETCH
 from fsdp_operator.records import CHECKPOINT_DIR_PREFIX, MAX_RECORD_BYTES
 from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
 from fsdp_trainer.progress import STORE_INTERVAL_SECONDS
-from tests.support.demo import BUCKET, CORPUS, RUN_TIMEOUT, SMALL, demo_manifest, lifecycle_env
+from tests.support.demo import (
+    BUCKET,
+    CORPUS,
+    RUN_TIMEOUT,
+    SMALL,
+    demo_manifest,
+    keys_under,
+    lifecycle_env,
+)
 from tests.support.kube import apply, kubectl, kubectl_json
 from tests.support.local_cluster import LocalCluster
 from tests.support.moto_recorder import RecordedRequest, recorded_requests
@@ -292,4 +300,8 @@ def test_a_hostile_tenant_fails_only_its_own_runs_beside_another_teams_run(
         for ns in (namespace, hostile):
             kubectl("delete", "fsdptrainingruns", "--all", "-n", ns, "--timeout=60s", check=False)
         proc.stop()
+        # The local S3 server keeps objects in its memory for the whole suite: ~100 MiB it need not hold.
+        hoarded = [{"Key": key} for key in keys_under(s3, hoard_prefix)]
+        if hoarded:
+            s3.delete_objects(Bucket=BUCKET, Delete={"Objects": hoarded})
         print(f"--- operator log ---\n{proc.log.read_text()[-8000:]}")
