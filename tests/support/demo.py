@@ -22,7 +22,7 @@ RUN_TIMEOUT = 600
 # One GPU worker, no EFA and a one-CPU head: several such runs fit the fake nodes at once (the system node
 # takes only two default heads), and each trains on one Ray Train worker, not two. The tests about what the
 # operator does use it: a worker process is about a quarter of an attempt's CPU (41-50 vs 59 CPU-s here).
-SMALL = {
+SMALL: dict[str, Any] = {
     "cluster.workers": 1,
     "cluster.gpusPerWorker": 1,
     "cluster.efaPerWorker": 0,

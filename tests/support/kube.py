@@ -117,12 +117,17 @@ def _custom_objects(kubeconfig: str) -> Any:
     return client.CustomObjectsApi(config.new_client_from_config_dict(yaml.safe_load(kubeconfig)))
 
 
+def custom_objects() -> Any:
+    """The CustomObjectsApi of the cluster KUBECONFIG names."""
+    return _custom_objects(Path(os.environ["KUBECONFIG"]).read_text())
+
+
 def get_custom(what: str, call: Callable[[Any], Any]) -> Any:
     """call(a CustomObjectsApi) for the cluster KUBECONFIG names; an error says what was read."""
     from kubernetes.client.exceptions import ApiException
 
     try:
-        return call(_custom_objects(Path(os.environ["KUBECONFIG"]).read_text()))
+        return call(custom_objects())
     except ApiException as error:
         raise AssertionError(f"GET {what}: {error.status} {error.reason}: {error.body}") from None
 

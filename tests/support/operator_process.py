@@ -17,6 +17,7 @@ from tests.support.processes import stop_process
 # The platform's S3 grant of the tests' operators: the examples' buckets (the demo's, and the one of the AWS
 # sample, named by runs that only wait for capacity) and the e2e tier's.
 TEST_S3_PREFIXES = "s3://fsdp-demo/,s3://my-training-bucket/,s3://fsdp-e2e/"
+OBSERVE_INTERVAL_SECONDS = 2  # the tests' operators observe a running run this often (the product's is 15)
 
 
 @dataclass
@@ -35,7 +36,7 @@ class OperatorProcess:
             # probe server whose port other test sessions on this machine could hold.
             "FSDP_OPERATOR_LEADER_ELECTION": "false",
             "FSDP_OPERATOR_HEALTH_PORT": "0",
-            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": "2",
+            "FSDP_OPERATOR_OBSERVE_INTERVAL_SECONDS": str(OBSERVE_INTERVAL_SECONDS),
             "FSDP_OPERATOR_S3_PREFIXES": TEST_S3_PREFIXES,
             **self.env,
             "PYTHONPATH": f"{REPO / 'operator'}:{REPO / 'trainer'}",
