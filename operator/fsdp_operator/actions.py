@@ -219,10 +219,10 @@ def write_run_record(
     memory = ctx.runs.of(run.uid)
     previous = memory.written_record
     try:
-        if previous is None:
-            stored = storage.read_run_record()
-            previous = stored if stored is not None and stored.uid == run.uid else None
-        restarts = list(previous.restarts) if previous else []
+        if previous is not None:
+            restarts = list(previous.restarts)
+        else:
+            restarts = storage.read_run_restarts(run.uid) or []
         restarts += [r for r in status.restarts.history if r not in restarts]
         record = RunRecord(
             run_name=run.name,

@@ -27,6 +27,7 @@ from fsdp_trainer.contract import (
     MlflowRunRef,
     ProgressRecord,
     RankStacks,
+    RestartEntry,
     RunRecord,
     checkpoint_is_complete,
     forensics_dir,
@@ -34,16 +35,18 @@ from fsdp_trainer.contract import (
 )
 
 CHECKPOINT_DIR_PREFIX = "checkpoint_"
+RESTART_ENTRY_KEYS = frozenset(field.alias or name for name, field in RestartEntry.model_fields.items())
 STACKS_FILE = "rank-*.json"  # a rank's answer to a forensics request (its cap's key)
 # The most the operator reads of each object the trainer (or anyone with the run's prefix) writes. Each is
 # many times what a real one holds: progress.json and mlflow.json a few KiB, a manifest ~50 bytes per file of
-# the checkpoint (a 512-rank one ~30 KiB), run.json the config (fromConfig at most 64 KiB) and the restarts.
+# the checkpoint (a 512-rank one ~30 KiB), run.json the config (fromConfig at most 64 KiB) and the restarts
+# (~300 bytes each: 1 MiB keeps some 3,000). Parsing JSON costs 10-20 times its size at its worst shapes.
 MAX_RECORD_BYTES = {
     PROGRESS_FILE: 256 << 10,
     STACKS_FILE: 1 << 20,  # every thread's stack and 40 log lines: a few KiB to ~100 KiB
     MLFLOW_RUN_FILE: 16 << 10,
     MANIFEST_FILE: 1 << 20,
-    RUN_RECORD_FILE: 4 << 20,
+    RUN_RECORD_FILE: 1 << 20,
 }
 # What one pass reads in all of the objects that come many to a run: checkpoint manifests not yet known
 # complete, and the ranks' forensics answers (a 512-rank run's are a few MiB). A run that keeps a hundred
@@ -259,10 +262,19 @@ class RunStorage:
                 continue
         return found
 
-    def read_run_record(self) -> RunRecord | None:
+    def read_run_restarts(self, uid: str) -> list[RestartEntry] | None:
+        """The restarts run.json keeps, if it is the run's of this uid: all the operator reads back of it.
+        Nothing else of the record is read, and no entry with a key a restart entry has not is validated
+        (then None): pydantic makes an error of each such key, and a 4 MiB run.json of 400k of them, validated
+        whole, cost the operator 150 MiB. So a record of any shape under its cap costs about its parse."""
         raw = self._get_json(self.prefix + RUN_RECORD_FILE)
+        restarts = raw.get("restarts", []) if isinstance(raw, dict) else None
+        if raw is None or raw.get("uid") != uid or not isinstance(restarts, list):
+            return None
+        if not all(isinstance(entry, dict) and entry.keys() <= RESTART_ENTRY_KEYS for entry in restarts):
+            return None
         try:
-            return None if raw is None else RunRecord.model_validate(raw)
+            return [RestartEntry.model_validate(entry) for entry in restarts]
         except ValidationError:
             return None
 

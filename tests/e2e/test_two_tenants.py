@@ -23,7 +23,7 @@ from bench.doc_section import write_section
 from fsdp_operator.builder import ray_cluster_name
 from fsdp_operator.cadence import MAX_STRETCH
 from fsdp_operator.records import CHECKPOINT_DIR_PREFIX, MAX_RECORD_BYTES
-from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
+from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE, RUN_RECORD_FILE
 from fsdp_trainer.progress import STORE_INTERVAL_SECONDS
 from tests.support.demo import (
     BUCKET,
@@ -166,12 +166,10 @@ def just_under(cap: int, shaped: Callable[[int], dict[str, Any]]) -> bytes:
 def fill_with_the_largest_reads(s3: Any, prefix: str) -> dict[str, int]:
     """What a tenant with its run's prefix writes to cost the operator the most memory per object it reads
     at every pass, each just under the operator's cap for it: MANIFESTS manifests of checkpoints that never
-    complete (no DCP metadata beside them) listing ~100k files each, and a valid progress record holding a
-    ~256 KiB error. Returns the bytes of each by name.
-
-    Not run.json, read once per run and operator start (cap 4 MiB): one just under its cap, of ~400k keys
-    that no record has, grew this operator's peak RSS by 153 MiB when tried here (the parse, then a
-    validation error per key), over PEAK_RSS_GROWTH_MIB; it waits for the operator to bound that read."""
+    complete (no DCP metadata beside them) listing ~100k files each, a valid progress record holding a
+    ~256 KiB error, and a run.json (read once per run and operator start) of ~75k keys no record has. Returns
+    the bytes of each by name. (run.json's cap was 4 MiB and it was validated whole: one of 400k such keys
+    grew this operator's peak RSS by 153 MiB, the parse and then a validation error per key.)"""
     now = dt.datetime.now(dt.UTC).isoformat()
     manifest = just_under(
         MAX_RECORD_BYTES[MANIFEST_FILE],
@@ -186,7 +184,12 @@ def fill_with_the_largest_reads(s3: Any, prefix: str) -> dict[str, int]:
                    "error": "x" * n},
     )  # fmt: skip
     s3.put_object(Bucket=BUCKET, Key=prefix + PROGRESS_FILE, Body=progress)
-    return {MANIFEST_FILE: len(manifest), PROGRESS_FILE: len(progress)}
+    record = just_under(
+        MAX_RECORD_BYTES[RUN_RECORD_FILE],
+        lambda n: {"uid": "", "restarts": [], **{f"{i:05x}": 0 for i in range(n)}},
+    )
+    s3.put_object(Bucket=BUCKET, Key=prefix + RUN_RECORD_FILE, Body=record)
+    return {MANIFEST_FILE: len(manifest), PROGRESS_FILE: len(progress), RUN_RECORD_FILE: len(record)}
 
 
 def manifest_reads(requests: list[RecordedRequest], prefix: str) -> tuple[int, int]:
@@ -270,7 +273,7 @@ def test_a_hostile_tenant_fails_only_its_own_runs_beside_another_teams_run(
         read_per_pass = manifests_read * written[MANIFEST_FILE] / max(passes, 1) / (1 << 20)
         print(
             f"hostile prefix: {MANIFESTS} manifests of {written[MANIFEST_FILE]} bytes, {PROGRESS_FILE} of "
-            f"{written[PROGRESS_FILE]}; the operator read {manifests_read} manifests in {passes} passes of "
+            f"{written[PROGRESS_FILE]}, {RUN_RECORD_FILE} of {written[RUN_RECORD_FILE]}; the operator read {manifests_read} manifests in {passes} passes of "
             f"the hostile run ({read_per_pass:.1f} MiB a pass); operator RSS "
             f"{rss_before / 1024:.0f} MiB before, peak {peak_after / 1024:.0f} MiB (+{peak_growth:.0f}), "
             f"{rss_after / 1024:.0f} MiB after, {cpu_share:.2f} CPU; the other run's status lag {lags} "

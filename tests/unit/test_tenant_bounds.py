@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import functools
+import gc
 import json
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -45,6 +48,7 @@ from fsdp_trainer.contract import (
     Versions,
 )
 from kubectl_trainingrun import cli
+from tests.support.process_usage import memory_kib, reset_peak
 
 NOW = dt.datetime(2026, 12, 3, 12, 0, tzinfo=dt.UTC)
 GIB = 1 << 30
@@ -148,7 +152,7 @@ def progress_json(**fields: Any) -> bytes:
     [
         (PROGRESS_FILE, RunStorage.progress),
         (MLFLOW_RUN_FILE, RunStorage.mlflow_run),
-        (RUN_RECORD_FILE, RunStorage.read_run_record),
+        (RUN_RECORD_FILE, lambda storage: storage.read_run_restarts("uid")),
     ],
 )
 def test_a_multi_gigabyte_record_is_refused_after_reading_its_cap_naming_object_and_cap(
@@ -169,6 +173,43 @@ def test_a_record_within_its_cap_is_read_as_before() -> None:
     s3.put(f"runs/team-b/hostile/{PROGRESS_FILE}", progress_json(step=7))
     record = RunStorage(s3, URI).progress()
     assert record is not None and record.step == 7
+
+
+def peak_growth_kib(work: Callable[[], object]) -> int:
+    """How far this process's peak resident memory (the kernel's VmHWM) rose above its size while `work` ran:
+    what the allocator's Python and native parts (pydantic's errors) took together."""
+    gc.collect()
+    before = reset_peak(os.getpid())
+    work()
+    return memory_kib(os.getpid(), "VmHWM") - before
+
+
+def test_a_run_record_of_any_shape_under_its_cap_costs_its_parse_not_an_error_per_key() -> None:
+    """run.json is read back for its uid and restarts (once per run and operator start). One just under its
+    cap with keys no record has costs about what parsing it does, where validating it whole cost a validation
+    error per key (+150 MiB for a 4 MiB one): keys beside the restarts are not read, and a restart entry with
+    them makes the restarts unreadable (none carried over)."""
+    cap = MAX_RECORD_BYTES[RUN_RECORD_FILE]
+    entry = {"time": NOW.isoformat(), "reason": "JobFailed"}
+    junk = {f"k{i:06x}": 0 for i in range((cap - 200) // 14)}  # 14 bytes a key: just under the cap
+    shapes = {
+        "beside the restarts": ({"uid": "uid", "restarts": [entry], **junk}, ["JobFailed"]),
+        "in a restart entry": ({"uid": "uid", "restarts": [entry, {**entry, **junk}]}, None),
+    }
+    for shape, (record, carried) in shapes.items():
+        body = json.dumps(record).encode()
+        assert len(body) <= cap, len(body)
+        s3 = TenantS3()
+        s3.put(f"runs/team-b/hostile/{RUN_RECORD_FILE}", body)
+        storage = RunStorage(s3, URI)
+        parse = peak_growth_kib(functools.partial(json.loads, body))
+        read = peak_growth_kib(functools.partial(storage.read_run_restarts, "uid"))
+        assert read < 2 * parse + 4096, f"{shape}: reading it took {read} KiB, parsing it {parse} KiB"
+        restarts = storage.read_run_restarts("uid")
+        assert (restarts if restarts is None else [r.reason for r in restarts]) == carried, shape
+    s3 = TenantS3()
+    s3.put(f"runs/team-b/hostile/{RUN_RECORD_FILE}", json.dumps({"uid": "uid", "restarts": [entry]}).encode())
+    assert RunStorage(s3, URI).read_run_restarts("another run's uid") is None
 
 
 def test_a_record_nested_past_pythons_parser_is_refused_not_raised_as_a_recursion() -> None:
