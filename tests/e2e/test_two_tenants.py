@@ -273,7 +273,8 @@ def test_a_hostile_tenant_fails_only_its_own_runs_beside_another_teams_run(
         read_per_pass = manifests_read * written[MANIFEST_FILE] / max(passes, 1) / (1 << 20)
         print(
             f"hostile prefix: {MANIFESTS} manifests of {written[MANIFEST_FILE]} bytes, {PROGRESS_FILE} of "
-            f"{written[PROGRESS_FILE]}, {RUN_RECORD_FILE} of {written[RUN_RECORD_FILE]}; the operator read {manifests_read} manifests in {passes} passes of "
+            f"{written[PROGRESS_FILE]}, {RUN_RECORD_FILE} of {written[RUN_RECORD_FILE]}; the operator read "
+            f"{manifests_read} manifests in {passes} passes of "
             f"the hostile run ({read_per_pass:.1f} MiB a pass); operator RSS "
             f"{rss_before / 1024:.0f} MiB before, peak {peak_after / 1024:.0f} MiB (+{peak_growth:.0f}), "
             f"{rss_after / 1024:.0f} MiB after, {cpu_share:.2f} CPU; the other run's status lag {lags} "
