@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The local cluster's KubeRay operator, run out of cluster against the local apiserver.
-#   start    start it and wait until it is healthy
+#   start [FLAGS...]   start it (with these flags of KubeRay's too) and wait until it is healthy
 #   kill     SIGKILL it, as when its pod dies (RayClusters stay as they are; nothing reconciles them)
 set -euo pipefail
 
@@ -12,7 +12,7 @@ start)
   log "starting the KubeRay operator out of cluster"
   start_daemon kuberay "$root/bin/ray-operator" --kubeconfig "$STATE/kubeconfig" \
     --enable-leader-election=false --metrics-addr "127.0.0.1:$KUBERAY_METRICS_PORT" \
-    --health-probe-bind-address "127.0.0.1:$KUBERAY_HEALTH_PORT"
+    --health-probe-bind-address "127.0.0.1:$KUBERAY_HEALTH_PORT" "${@:2}"
   # Generous: a loaded 2-core machine can be several times slower than usual.
   wait_for "KubeRay operator" 180 curl -sf "http://127.0.0.1:$KUBERAY_HEALTH_PORT/healthz"
   ;;
