@@ -94,9 +94,9 @@ def gap_by_phase(notice_sent: float, drain: ProgressRecord, resumed: list[Progre
         if record.phase == "training":
             marks.append(("the first step", record.updated_at))
             break
-        if record.stage is not None and record.stage.value not in stages:
-            stages.add(record.stage.value)
-            marks.append((f"stage {record.stage.value} began", record.updated_at))
+        if record.stage is not None and str(record.stage) not in stages:
+            stages.add(str(record.stage))
+            marks.append((f"stage {record.stage} began", record.updated_at))
     times = [notice_sent, *(at.timestamp() for _, at in marks)]
     lines = [
         f"  {end - start:6.2f} s until {name}"
