@@ -30,16 +30,23 @@ API_RETRY_BACKOFFS = (1, 1, 2, 3, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5)
 AWS_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 15, "retries": {"max_attempts": 2}}
 
 
+def aws_config(settings: Settings) -> Any:
+    """The AWS clients' config: bounded calls, and a connection for each handler thread (botocore keeps 10,
+    so that further threads would open and throw away one per call)."""
+    from botocore.config import Config
+
+    return Config(**AWS_TIMEOUTS, max_pool_connections=settings.worker_threads)  # type: ignore[arg-type]
+
+
 def register(registry: kopf.OperatorRegistry, settings: Settings) -> None:
     """Registers the handlers on `registry`; `settings` fixes the observation interval."""
     import boto3
-    from botocore.config import Config
 
     region, endpoint = settings.aws_region, settings.aws_endpoint_url
-    bounded = Config(**AWS_TIMEOUTS)  # type: ignore[arg-type]
+    bounded = aws_config(settings)
     ctx = Context(
         settings=settings,
-        kube=Kube(),
+        kube=Kube(connections=settings.worker_threads),
         s3=boto3.client("s3", region_name=region, endpoint_url=endpoint, config=bounded),
         # Built on first use: only scale-from-zero runs ask EC2, and its service model costs ~16 MB.
         ec2=functools.cache(

@@ -38,12 +38,17 @@ class Conflict(Exception):
 class Kube:
     """The few Kubernetes calls the handlers make, on one API client, each with a timeout."""
 
-    def __init__(self) -> None:
+    def __init__(self, connections: int) -> None:
+        """`connections`: the most requests in flight at once (the handler threads). The client's pool is
+        otherwise five per CPU of the node, whatever the threads: with fewer, each request past the pool
+        opens a connection and a TLS handshake and throws it away (1,000 runs on 2 CPUs: thousands)."""
         try:
             config.load_incluster_config()
         except config.ConfigException:
             config.load_kube_config()
-        api_client = client.ApiClient()
+        configuration = client.Configuration.get_default_copy()
+        configuration.connection_pool_maxsize = connections
+        api_client = client.ApiClient(configuration)
         api_client.user_agent = USER_AGENT  # tells the operator's requests apart in audit logs and metrics
         self.api_client = api_client
         self.custom = client.CustomObjectsApi(api_client)

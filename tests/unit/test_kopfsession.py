@@ -1,4 +1,5 @@
-"""kopf's session: the credentials kopf would use, with a bounded connection pool."""
+"""kopf's session: the credentials kopf would use, with a bounded connection pool; the operator's own clients'
+pools."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from kubernetes.config import kube_config
 
 from fsdp_operator import handlers, kopfsession
+from fsdp_operator.kube import Kube
 from fsdp_operator.settings import Settings
 
 
@@ -70,3 +72,22 @@ def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
 
     assert len(namespaced) == 4, namespaced  # runs, RayClusters, pods, NetworkPolicies
     assert asyncio.run(limit()) == len(namespaced) * len(namespaces) + 1 + kopfsession.REQUEST_CONNECTIONS
+
+
+def test_the_operators_clients_keep_a_connection_for_every_handler_thread(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With fewer pooled connections than threads, each request past the pool opens a connection (and a TLS
+    handshake) and throws it away: thousands a minute at 1,000 runs. The Kubernetes client's pool is five per
+    CPU of the node, botocore's 10, whatever the threads."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
+        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
+        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
+    )
+    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+    settings = Settings(worker_threads=48)
+    kube = Kube(connections=settings.worker_threads)
+    assert kube.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] == 48
+    assert handlers.aws_config(settings).max_pool_connections == 48
