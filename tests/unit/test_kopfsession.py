@@ -38,11 +38,10 @@ def test_the_pool_holds_every_watch_stream_and_a_few_requests(monkeypatch: pytes
     assert kopfsession.connection_limit([], 3) == 3 + 1 + 8
 
 
-def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    """A watch added to the handlers but not to the pool's count takes the request slots: every patch and
-    Event then waits behind the watches until it times out (a 200-run load stalled this way)."""
+@pytest.fixture
+def kubeconfig(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A kubeconfig of a server nobody listens on, as the kubernetes client's default: clients are built,
+    no request is made."""
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
@@ -51,6 +50,14 @@ def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
     )
     # The kubernetes client reads $KUBECONFIG once, at import.
     monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
+
+
+@pytest.mark.usefixtures("kubeconfig")
+def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A watch added to the handlers but not to the pool's count takes the request slots: every patch and
+    Event then waits behind the watches until it times out (a 200-run load stalled this way)."""
     found = kopf.ConnectionInfo(server="https://127.0.0.1:1", scheme="Bearer", token="t", insecure=True)
     monkeypatch.setattr(kopf, "login_via_client", lambda **_: found)
     namespaces = ["team-a", "team-b", "team-c"]
@@ -74,19 +81,11 @@ def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
     assert asyncio.run(limit()) == len(namespaced) * len(namespaces) + 1 + kopfsession.REQUEST_CONNECTIONS
 
 
-def test_the_operators_clients_keep_a_connection_for_every_handler_thread(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+@pytest.mark.usefixtures("kubeconfig")
+def test_the_operators_clients_keep_a_connection_for_every_handler_thread() -> None:
     """With fewer pooled connections than threads, each request past the pool opens a connection (and a TLS
     handshake) and throws it away: thousands a minute at 1,000 runs. The Kubernetes client's pool is five per
     CPU of the node, botocore's 10, whatever the threads."""
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        "apiVersion: v1\nkind: Config\ncurrent-context: c\n"
-        "clusters: [{name: c, cluster: {server: 'https://127.0.0.1:1'}}]\n"
-        "users: [{name: u, user: {token: t}}]\ncontexts: [{name: c, context: {cluster: c, user: u}}]\n"
-    )
-    monkeypatch.setattr(kube_config, "KUBE_CONFIG_DEFAULT_LOCATION", str(kubeconfig))
     settings = Settings(worker_threads=48)
     kube = Kube(connections=settings.worker_threads)
     assert kube.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] == 48
