@@ -269,7 +269,7 @@ class RunStorage:
         whole, cost the operator 150 MiB. So a record of any shape under its cap costs about its parse."""
         raw = self._get_json(self.prefix + RUN_RECORD_FILE)
         restarts = raw.get("restarts", []) if isinstance(raw, dict) else None
-        if raw is None or raw.get("uid") != uid or not isinstance(restarts, list):
+        if not isinstance(raw, dict) or raw.get("uid") != uid or not isinstance(restarts, list):
             return None
         if not all(isinstance(entry, dict) and entry.keys() <= RESTART_ENTRY_KEYS for entry in restarts):
             return None

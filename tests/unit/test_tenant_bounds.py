@@ -207,9 +207,15 @@ def test_a_run_record_of_any_shape_under_its_cap_costs_its_parse_not_an_error_pe
         assert read < 2 * parse + 4096, f"{shape}: reading it took {read} KiB, parsing it {parse} KiB"
         restarts = storage.read_run_restarts("uid")
         assert (restarts if restarts is None else [r.reason for r in restarts]) == carried, shape
-    s3 = TenantS3()
-    s3.put(f"runs/team-b/hostile/{RUN_RECORD_FILE}", json.dumps({"uid": "uid", "restarts": [entry]}).encode())
-    assert RunStorage(s3, URI).read_run_restarts("another run's uid") is None
+    not_this_runs = [  # (record, the uid asked for)
+        ({"uid": "uid", "restarts": [entry]}, "another run's uid"),
+        ([entry], "uid"),
+        ({"uid": "uid", "restarts": {"0": entry}}, "uid"),
+    ]
+    for record, uid in not_this_runs:
+        s3 = TenantS3()
+        s3.put(f"runs/team-b/hostile/{RUN_RECORD_FILE}", json.dumps(record).encode())
+        assert RunStorage(s3, URI).read_run_restarts(uid) is None, record
 
 
 def test_a_record_nested_past_pythons_parser_is_refused_not_raised_as_a_recursion() -> None:
