@@ -21,6 +21,21 @@ RAY = Path(sys.executable).with_name("ray")
 # Ray's switch for several nodes on one machine (named for the platforms where it is off by default; "0"
 # refuses a second node). Every node is given 127.0.0.1.
 SEVERAL_NODES_ON_ONE_MACHINE = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+# A raylet hands its workers and drivers ports from --min-worker-port to --max-worker-port (10002-19999 by
+# default), each checked free before it is handed out: two raylets on one machine with one range can hand out
+# a port at once, and the later process dies binding it (a driver's "Failed to start the grpc server ...
+# Address already in use": the DLC tier's two test workers, each with Ray nodes, 2026-12-06). So each test
+# node has a range of its own, by pytest-xdist worker (up to 8) and node (up to NODES_PER_TEST_WORKER).
+WORKER_PORTS_PER_NODE = 200
+NODES_PER_TEST_WORKER = 6
+
+
+def worker_port_flags(node: int) -> list[str]:
+    """`ray start` flags for the worker ports of this test worker's `node`-th Ray node."""
+    test_worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    slot = test_worker * NODES_PER_TEST_WORKER + node % NODES_PER_TEST_WORKER
+    first = 10002 + slot * WORKER_PORTS_PER_NODE
+    return [f"--min-worker-port={first}", f"--max-worker-port={first + WORKER_PORTS_PER_NODE - 1}"]
 
 
 @dataclass
@@ -59,6 +74,7 @@ class LocalRayCluster:
             f"--dashboard-agent-grpc-port={free_port()}",
             f"--metrics-export-port={free_port()}",
             f"--runtime-env-agent-port={free_port()}",
+            *worker_port_flags(index),
         ]
         with log.open("wb") as out:
             node = subprocess.Popen(

@@ -43,6 +43,7 @@ from tests.support.manifests import CHATML, tiny_qwen2
 from tests.support.net import free_port
 from tests.support.paths import REPO
 from tests.support.processes import stop_process_group
+from tests.support.ray_nodes import worker_port_flags
 from tests.support.waiting import wait_until
 
 CORPUS = REPO / "examples" / "data" / "stdlib-docstrings.jsonl"
@@ -115,7 +116,7 @@ def ray_address(s3_endpoint: str, tmp_path_factory: pytest.TempPathFactory) -> I
         head = subprocess.Popen(
             [ray, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
              f"--ray-client-server-port={client_port}", "--num-cpus=2", "--include-dashboard=false",
-             f"--temp-dir={session}", "--disable-usage-stats", "--block"],
+             f"--temp-dir={session}", "--disable-usage-stats", *worker_port_flags(0), "--block"],
             env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     try:
