@@ -62,6 +62,7 @@ from tests.support.local_cluster import LocalCluster
 from tests.support.manifests import example
 from tests.support.net import free_port
 from tests.support.operator_process import OperatorProcess
+from tests.support.process_usage import cpu_seconds, memory_kib
 from tests.support.processes import stop_process
 from tests.support.waiting import wait_until
 
@@ -346,13 +347,10 @@ def rayjob_manifest(name: str, namespace: str, i: int) -> dict[str, Any]:
 
 def proc_stat(pid: int) -> dict[str, float]:
     """RSS and peak RSS (MiB) and CPU seconds of a process, from /proc."""
-    status = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
     return {
-        "rss_mib": int(status["VmRSS"].split()[0]) / 1024,
-        "peak_rss_mib": int(status["VmHWM"].split()[0]) / 1024,
-        "cpu_seconds": (int(fields[11]) + int(fields[12])) / ticks,
+        "rss_mib": memory_kib(pid) / 1024,
+        "peak_rss_mib": memory_kib(pid, "VmHWM") / 1024,
+        "cpu_seconds": cpu_seconds(pid),
     }
 
 

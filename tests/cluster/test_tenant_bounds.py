@@ -25,6 +25,7 @@ from fsdp_trainer.contract import MANIFEST_FILE, PROGRESS_FILE
 from tests.support.kube import apply, kubectl
 from tests.support.manifests import example
 from tests.support.operator_process import OperatorProcess
+from tests.support.process_usage import memory_kib
 from tests.support.runs import conditions_of, rayclusters, run_of, wait_for_phase
 from tests.support.waiting import wait_until
 
@@ -336,8 +337,7 @@ def test_a_1500_deep_from_config_fails_its_own_run_and_every_other_run_goes_on(
 
 def peak_rss_mib(proc: OperatorProcess) -> float:
     assert proc.process is not None
-    status = Path(f"/proc/{proc.process.pid}/status").read_text()
-    return int(next(line for line in status.splitlines() if line.startswith("VmHWM:")).split()[1]) / 1024
+    return memory_kib(proc.process.pid, "VmHWM") / 1024
 
 
 def test_a_hundred_near_cap_manifests_cost_the_operator_a_bounded_peak_rss(
