@@ -244,7 +244,17 @@ def _transfer(
     """One small untimed exchange (it sets the pair's connection up), then LINK_ITERATIONS of `size` bytes;
     the seconds those took. Batched point-to-point: NCCL runs a batch on the group's own communicator, where
     a lone isend/irecv would create a two-rank communicator for the pair, kept (with its buffers and
-    connections) for the rest of the run."""
+    connections) for the rest of the run. In ProcessGroupNCCL::pointToPoint (ProcessGroupNCCL.cpp),
+    `batchP2P = ncclActiveGroupCounter_ > 0` (set by batch_isend_irecv's coalescing, distributed_c10d.py
+    lines 3049-3060 in torch 2.13) takes the device's key (`getKeyFromDevice`), the one the group's
+    collectives use; a lone send/recv takes `getKeySendRecv(rank_, peer)`, "low:high", and initNCCLComm makes
+    that pair's communicator on first use. torch 2.13's ProcessGroupNCCL.hpp (lines 1335-1342) keeps both
+    kinds in one map, devNCCLCommMap_, left only when the group is aborted or shut down. Only
+    eager initialisation (init_process_group(device_id=...), `eagerInit_`, line 1129) sends lone P2P to the
+    group's communicator too; neither distributed.start nor Ray Train (2.58) passes a device_id. Since
+    only a link's two ranks enter its batch, the world communicator must exist before the first one
+    (batch_isend_irecv's docstring): the sweep's all-reduce, always run first, has built it.
+    tests/trainer/local/test_fabric_communicators.py checks the calls; the communicators need two GPUs."""
     _exchange(operation, [torch.ones(1, device=device)], peer, device)
     buffers = [torch.ones(size // 4, dtype=torch.float32, device=device) for _ in range(LINK_ITERATIONS)]
     start = time.perf_counter()
