@@ -47,12 +47,14 @@ import time
 import urllib.request
 import uuid
 from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import boto3
+import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
@@ -117,6 +119,25 @@ SEEN_WITHIN_SECONDS = cadence.MAX_STRETCH * OBSERVE_SECONDS
 HANG_LATE_AT_MOST_SECONDS = max(OBSERVE_SECONDS, HANG_TIMEOUT_SECONDS / cadence.HANG_SHARE)
 
 
+def events_of(
+    custom: k8s.CustomObjectsApi, group: str, version: str, plural: str, stop: threading.Event
+) -> Iterator[dict[str, Any]]:
+    """Every watch event of a kind, in all namespaces, until `stop`. A watch that ends or fails (under the
+    bench's load the apiserver answers 504 "Too large resource version" when its watch cache lags the version
+    a watch resumes from) starts again from a fresh list, so a watcher never dies mid-bench."""
+    while not stop.is_set():
+        try:
+            for event in k8s_watch.Watch().stream(
+                custom.list_cluster_custom_object, group, version, plural, timeout_seconds=30
+            ):
+                yield event
+                if stop.is_set():
+                    return
+        except (k8s.ApiException, urllib3.exceptions.HTTPError) as error:
+            print(f"watch of {plural} restarted: {error}".splitlines()[0], file=sys.stderr)
+            stop.wait(1)
+
+
 class Timeline:
     """When each object was created and when its RayCluster appeared and became ready (monotonic seconds),
     keyed by (kind, namespace, name) of the object that owns the RayCluster."""
@@ -130,22 +151,16 @@ class Timeline:
 
     def watch_clusters(self, api_client: k8s.ApiClient) -> None:
         custom = k8s.CustomObjectsApi(api_client)
-        while not self.stop.is_set():
-            stream = k8s_watch.Watch().stream(
-                custom.list_cluster_custom_object, "ray.io", "v1", "rayclusters", timeout_seconds=30
-            )
-            for event in stream:
-                now, cluster = time.monotonic(), event["object"]
-                owners = cluster["metadata"].get("ownerReferences") or []
-                if not owners:
-                    continue
-                key = (owners[0]["kind"], cluster["metadata"]["namespace"], owners[0]["name"])
-                with self.lock:
-                    self.cluster_added.setdefault(key, now)
-                    if (cluster.get("status") or {}).get("state") == "ready":
-                        self.cluster_ready.setdefault(key, now)
-                if self.stop.is_set():
-                    break
+        for event in events_of(custom, "ray.io", "v1", "rayclusters", self.stop):
+            now, cluster = time.monotonic(), event["object"]
+            owners = cluster["metadata"].get("ownerReferences") or []
+            if not owners:
+                continue
+            key = (owners[0]["kind"], cluster["metadata"]["namespace"], owners[0]["name"])
+            with self.lock:
+                self.cluster_added.setdefault(key, now)
+                if (cluster.get("status") or {}).get("state") == "ready":
+                    self.cluster_ready.setdefault(key, now)
 
     def latencies(self, kind: str, until: dict[tuple[str, str, str], float]) -> list[float]:
         return [until[key] - at for key, at in self.created.items() if key[0] == kind and key in until]
@@ -164,15 +179,8 @@ class RunWatch:
 
     def watch(self, api_client: k8s.ApiClient) -> None:
         custom = k8s.CustomObjectsApi(api_client)
-        while not self.stop.is_set():
-            stream = k8s_watch.Watch().stream(
-                custom.list_cluster_custom_object, "fsdp.training.dev", "v1alpha1", "fsdptrainingruns",
-                timeout_seconds=30,
-            )  # fmt: skip
-            for event in stream:
-                self.saw(event["object"], datetime.now(UTC))
-                if self.stop.is_set():
-                    break
+        for event in events_of(custom, "fsdp.training.dev", "v1alpha1", "fsdptrainingruns", self.stop):
+            self.saw(event["object"], datetime.now(UTC))
 
     def saw(self, run: dict[str, Any], at: datetime) -> None:
         key = (run["metadata"]["namespace"], run["metadata"]["name"])
