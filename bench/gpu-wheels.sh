@@ -26,4 +26,4 @@ done
 mkdir -p "$dir"
 "$python" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$python_version" \
   --implementation cp --platform manylinux_2_17_x86_64 --dest "$dir" "${pins[@]}" >&2
-echo "python -m pip install --quiet --no-deps --no-index --target $dir/site $dir/*.whl && PYTHONPATH=$dir/site\${PYTHONPATH:+:\$PYTHONPATH} python bench/gpu_fsdp.py"
+echo "python3 -m pip install --quiet --no-deps --no-index --target $dir/site $dir/*.whl && PYTHONPATH=$dir/site\${PYTHONPATH:+:\$PYTHONPATH} python3 bench/gpu_fsdp.py"
