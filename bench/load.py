@@ -476,6 +476,12 @@ def main() -> None:
         help="profile the operator with `memray run --aggregate` into this file (memray importable from "
         "MEMRAY_PATH); its RSS and CPU figures are then memray's too, not the operator's",
     )
+    parser.add_argument(
+        "--namespaced",
+        action="store_true",
+        help="the operator watches only the runs' namespaces (default: every namespace, the chart's default, "
+        "so it sees the RayJobs' clusters and pods too, as on a shared cluster)",
+    )
     args = parser.parse_args()
     # A SIGTERM ends the bench through its cleanup (KubeRay restarted as the cluster runs it, nothing left).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -517,7 +523,7 @@ def main() -> None:
     real_node_policies(signal.SIGSTOP, state)
     metrics_port = free_port()
     operator = (ProfiledOperator if args.memray else OperatorProcess)(
-        ",".join(run_namespaces),
+        ",".join(run_namespaces) if args.namespaced else "",  # "": every namespace, as the chart installs it
         {
             "FSDP_OPERATOR_DASHBOARD_ADDRESS_MODE": "override",
             "FSDP_OPERATOR_DASHBOARD_URL": standin_url,
