@@ -32,8 +32,9 @@ DETECTOR_VARIABLES = (hangdetector.ENABLE_ENV, hangdetector.ACTION_ENV, hangdete
 
 @pytest.fixture(autouse=True)
 def clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in DETECTOR_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
+    for name in DETECTOR_VARIABLES:  # unset, and unset again afterwards whatever the driver set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 @pytest.fixture
