@@ -315,6 +315,13 @@ def forensics_command(
         if answer.collectives:
             entered = "\n".join(f"  {c.process_group} #{c.seq} {c.op}" for c in answer.collectives)
             write(f"--- last collectives entered (torch's flight recorder)\n{entered}\n")
+        detector = answer.nccl_hang_detector
+        if detector is not None:
+            confirmed = f", a hang confirmed ({detector.uri})" if detector.confirmed else ""
+            write(f"--- Ray Train's NCCL hang detector: {detector.state}{confirmed}\n")
+            for text in (detector.finding, detector.report):
+                if text:
+                    write(text if text.endswith("\n") else f"{text}\n")
         write(f"--- last log lines\n{answer.recent_log}")
 
 

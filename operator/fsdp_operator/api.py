@@ -754,6 +754,27 @@ class SuspectStatus(ContractModel):
     why: str = Field(max_length=MAX_MESSAGE)
 
 
+class NcclHangDetectorStatus(ContractModel):
+    """Ray Train's NCCL hang detector (NCCL RAS, Ray >= 2.60), as the attempt's rank 0 reported it."""
+
+    state: str = Field(
+        max_length=MAX_CONDITION_REASON,
+        description="observe (the trainer turns it on for GPU runs), fail (the run's own setting), off (CPU "
+        "runs, or the run turned it off), or 'unavailable in Ray X' (the image's Ray lacks it).",
+    )
+    confirmed: bool = Field(
+        default=False,
+        description="It confirmed a hang (a communicator whose ranks disagree made no progress for 120 s) "
+        "and stored NCCL RAS's report and every rank's stack under uri.",
+    )
+    uri: str | None = Field(default=None, max_length=MAX_MESSAGE)
+    finding: str = Field(
+        default="",
+        max_length=MAX_MESSAGE,
+        description="From its last NCCL RAS poll: each communicator whose ranks disagree, the ranks behind.",
+    )
+
+
 class ForensicsStatus(ContractModel):
     attempt: int = Field(description="The attempt declared hung (or whose setup timed out).")
     reason: str = Field(max_length=MAX_CONDITION_REASON, description="Hang or SetupTimeout.")
@@ -768,6 +789,9 @@ class ForensicsStatus(ContractModel):
         default=None,
         description="The rank that most likely hung: one whose training thread is not in a collective while "
         "others wait in one, else the one behind in steps.",
+    )
+    nccl_hang_detector: NcclHangDetectorStatus | None = Field(
+        default=None, description="Ray Train's NCCL hang detector: its state, and what it found of this hang."
     )
 
 

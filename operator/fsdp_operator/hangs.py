@@ -1,4 +1,5 @@
-"""Which rank hung, from every rank's answer to a forensics request (pure)."""
+"""Which rank hung, from every rank's answer to a forensics request, and what Ray Train's NCCL hang detector
+found (pure)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,17 @@ def _behind_in_collectives(answers: list[RankStacks]) -> api.SuspectStatus | Non
             f"training thread is at {answer.training_thread_top or 'an unknown frame'}",
         )
     return None
+
+
+def nccl_hang_detector(answers: list[RankStacks]) -> api.NcclHangDetectorStatus | None:
+    """Ray Train's NCCL hang detector as rank 0 reported it; None where rank 0 did not say (no answer, or a
+    trainer from before the detector)."""
+    report = next((a.nccl_hang_detector for a in answers if a.rank == 0 and a.nccl_hang_detector), None)
+    if report is None:
+        return None
+    return api.NcclHangDetectorStatus(
+        state=bounded_text(report.state, api.MAX_CONDITION_REASON),
+        confirmed=report.confirmed,
+        uri=bounded_text(report.uri, api.MAX_MESSAGE) if report.uri else None,
+        finding=bounded_text(report.finding, api.MAX_MESSAGE),
+    )

@@ -11,7 +11,14 @@ from fsdp_operator.jobs import JobObservation
 from fsdp_operator.reconcile import ClusterObservation, Observation, reconcile
 from fsdp_operator.reconcile.state import FINAL_FAILURE_HOLD_SECONDS
 from fsdp_operator.recovery import backoff_seconds, classify
-from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, TrainingData, TransportReport
+from fsdp_trainer.contract import (
+    CheckpointRef,
+    NcclHangDetectorReport,
+    ProgressRecord,
+    RankStacks,
+    TrainingData,
+    TransportReport,
+)
 
 NOW = dt.datetime(2026, 11, 29, 12, 0, tzinfo=dt.UTC)
 READY = ClusterObservation(ready=True, message="")
@@ -212,6 +219,47 @@ def test_a_hang_asks_every_rank_for_its_stacks_before_stopping_and_names_the_sus
     [entry] = done.status.restarts.history
     assert entry.reason == "Hang" and "suspect rank 0 (pod run-worker-0, node node-a)" in entry.message
     assert "2 of 2 ranks' stacks in s3://b/p/ns/run/forensics/attempt-1" in entry.message
+
+
+def test_what_ray_trains_nccl_hang_detector_found_is_in_status_forensics_and_the_restarts_message() -> None:
+    """Rank 0 answers with Ray Train's NCCL hang detector's findings (issue 47 item 1): they are the
+    detector's, read from what it stored under the run's prefix, and the user sees them in status."""
+    stale = progress(step=14, updated_at=NOW - dt.timedelta(hours=1), world_size=2)
+    old_job = JobObservation("run-0f1e2d3c-1", "RUNNING", start_time=NOW - dt.timedelta(hours=2))
+    hung = spec(recovery={"hangTimeoutSeconds": 600})
+    asked = reconcile(hung, running(), observe(job=old_job, progress=stale, run_uri="s3://b/p/ns/run"))
+    finding = (
+        "communicator 0x514e98cf4e44862b: AllReduce: rank 1 (10.0.77.184 pid 8814) at 1447, others up to 1448"
+    )
+    detector = NcclHangDetectorReport(
+        state="observe", confirmed=True, uri="s3://b/p/ns/run/hang_detector", finding=finding, report="..."
+    )
+    answers = (
+        stacks(0, True, "loop.py:480 in trigger").model_copy(update={"nccl_hang_detector": detector}),
+        stacks(1, True, "distributed_c10d.py:2800 in all_reduce"),
+    )
+    done = reconcile(
+        hung,
+        asked.status,
+        observe(job=old_job, progress=stale, forensics_answered=2, forensics_answers=answers),
+    )
+    found = done.status.forensics.nccl_hang_detector if done.status.forensics else None
+    assert found == api.NcclHangDetectorStatus(
+        state="observe", confirmed=True, uri="s3://b/p/ns/run/hang_detector", finding=finding
+    )
+    [entry] = done.status.restarts.history
+    assert f"NCCL RAS: {finding} (s3://b/p/ns/run/hang_detector)" in entry.message
+    # Where the image's Ray lacks the detector, status says so, and the message adds nothing.
+    unavailable = NcclHangDetectorReport(state="unavailable in Ray 2.58.0")
+    plain = (answers[0].model_copy(update={"nccl_hang_detector": unavailable}), answers[1])
+    done = reconcile(
+        hung,
+        asked.status,
+        observe(job=old_job, progress=stale, forensics_answered=2, forensics_answers=plain),
+    )
+    found = done.status.forensics.nccl_hang_detector if done.status.forensics else None
+    assert found is not None and found.state == "unavailable in Ray 2.58.0" and not found.confirmed
+    assert "NCCL RAS" not in done.status.restarts.history[0].message
 
 
 def test_unreadable_storage_is_a_condition_with_one_event_and_never_a_hang() -> None:

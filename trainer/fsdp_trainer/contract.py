@@ -40,6 +40,9 @@ DRIVER_LOG_FILE = "driver.log"
 MODEL_DIR = "model"
 MLFLOW_RUN_FILE = "mlflow.json"
 FORENSICS_DIR = "forensics"
+# Where Ray Train's NCCL hang detector (Ray >= 2.60) stores its diagnostics of a confirmed hang, under the
+# run's prefix (its experiment directory): ray/train/v2/_internal/constants.py HANG_DETECTOR_DIRNAME.
+HANG_DETECTOR_DIR = "hang_detector"
 # The Kubernetes node of a worker pod, given to it through the downward API: hang forensics name it.
 NODE_NAME_ENV = "FSDP_NODE_NAME"
 DCP_METADATA_FILE = ".metadata"
@@ -958,6 +961,26 @@ class CollectiveRecord(ContractModel):
     )
 
 
+class NcclHangDetectorReport(ContractModel):
+    """Ray Train's NCCL hang detector (NCCL RAS, Ray >= 2.60) as rank 0 found it when the operator asked:
+    whether it ran, and what it stored of a confirmed hang."""
+
+    state: str = Field(
+        max_length=128,
+        description="observe (the trainer's setting), fail (the run's own), off, or 'unavailable in Ray X'.",
+    )
+    confirmed: bool = Field(
+        default=False, description="It stored the diagnostics of a confirmed hang under the run's prefix."
+    )
+    uri: str | None = Field(default=None, description="Where: hang_detector/nccl_ras and stack_traces.")
+    finding: str = Field(
+        default="",
+        max_length=2000,
+        description="From its last NCCL RAS poll: the communicators whose ranks disagree, the ranks behind.",
+    )
+    report: str = Field(default="", max_length=8000, description="The end of NCCL RAS's text report.")
+
+
 class RankStacks(ContractModel):
     """What one rank was doing when the operator asked: every thread's stack and the last lines it logged."""
 
@@ -980,6 +1003,9 @@ class RankStacks(ContractModel):
         description="The last collectives this rank entered, oldest first, from torch's flight recorder "
         "(TORCH_FR_BUFFER_SIZE, which the trainer sets): ranks that entered different numbers of them "
         "show who the others wait for.",
+    )
+    nccl_hang_detector: NcclHangDetectorReport | None = Field(
+        default=None, description="Rank 0's answer only: what Ray Train's NCCL hang detector found."
     )
     written_at: dt.datetime
 

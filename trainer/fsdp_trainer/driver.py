@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+from fsdp_trainer import hangdetector
 from fsdp_trainer.contract import PROGRESS_FILE, AttemptInfo, ErrorKind, ProgressRecord, TrainerConfig
 from fsdp_trainer.errors import DataError, classify
 from fsdp_trainer.forensics import flight_recorder_env
@@ -33,6 +34,8 @@ def ray_train_worker(config: dict[str, Any]) -> None:
 def worker_environment(config: TrainerConfig) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key.startswith(FORWARDED_ENV_PREFIX)}
     env.update(flight_recorder_env())
+    # The hang detector's settings (run_with_ray's, or the run's own): rank 0 reports them with its forensics.
+    env.update({key: os.environ[key] for key in hangdetector.OBSERVE if key in os.environ})
     if config.gpus_per_worker > 0:
         env.update(worker_env(config.network, config.run_name))
         env.update(allocator_env())  # these env_vars override the job's, so only where the job has none
@@ -62,6 +65,7 @@ def run_with_ray(config: TrainerConfig, submission_id: str, attempt: AttemptInfo
     if not ray.is_initialized():
         ray.init()  # RAY_ADDRESS (set inside a Ray job) or a local Ray
     gpu = config.gpus_per_worker > 0
+    log.info("Ray Train's NCCL hang detector: %s", hangdetector.enable(gpu))
     scaling = ScalingConfig(
         # mypy resolves Ray's V1 ScalingConfig; Train V2's takes a (min, max) range.
         num_workers=scaling_workers(config),  # type: ignore[arg-type]

@@ -18,9 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
 
+from fsdp_trainer import hangdetector
 from fsdp_trainer.contract import (
     NODE_NAME_ENV,
     CollectiveRecord,
+    NcclHangDetectorReport,
     RankStacks,
     ThreadStack,
     forensics_request_name,
@@ -120,6 +122,7 @@ class ForensicsWatch:
         self._run, self._attempt, self._rank, self._world_size = run, attempt, rank, world_size
         self._step, self._recent_log, self._poll_seconds = step, recent_log, poll_seconds
         self._relay = relay  # None: every rank reads storage
+        self._started = dt.datetime.now(dt.UTC)  # the worker group's start, near enough
         TIMEOUT_DUMP_DIR.mkdir(parents=True, exist_ok=True)  # NCCL writes its dump there, not creating it
         # The thread that trains: Ray Train V2 runs the loop in a thread of its own, not the main one.
         self._training = threading.get_ident()
@@ -145,6 +148,8 @@ class ForensicsWatch:
                 stacks = capture(
                     self._rank, self._world_size, self._step(), self._recent_log(), self._training
                 )
+                if self._rank == 0:  # one storage read for the attempt: the detector is the controller's
+                    stacks.nccl_hang_detector = detector_report(self._run, self._started)
                 target = self._run.child(rank_stacks_name(self._attempt, self._rank))
                 target.write_text(stacks.model_dump_json(by_alias=True))
                 return
@@ -160,6 +165,16 @@ class ForensicsWatch:
             return False
         self._relay.raise_flag()
         return True
+
+
+def detector_report(run: Location, since: dt.datetime) -> NcclHangDetectorReport:
+    """What Ray Train's NCCL hang detector found since `since`; its state alone when its diagnostics cannot
+    be read."""
+    try:
+        return hangdetector.findings(run, since)
+    except Exception as error:  # the stacks are answered all the same
+        unreadable = f"its diagnostics are unreadable: {type(error).__name__}: {error}"
+        return NcclHangDetectorReport(state=hangdetector.detector_state(), finding=unreadable[:2000])
 
 
 def capture(rank: int, world_size: int, step: int, recent_log: str, training: int | None) -> RankStacks:

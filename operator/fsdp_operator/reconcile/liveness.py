@@ -92,6 +92,7 @@ def collecting_forensics(state: PassState, reason: str, what: str) -> bool:
         return True
     found.concluded_at = obs.now
     found.suspect = hangs.suspect(list(obs.forensics_answers), found.world_size)
+    found.nccl_hang_detector = hangs.nccl_hang_detector(list(obs.forensics_answers))
     return False
 
 
@@ -100,6 +101,9 @@ def suspect_named(state: PassState) -> str:
     if found is None or found.attempt != state.new.attempt or found.concluded_at is None:
         return ""
     answered = f"; {found.ranks_answered} of {found.world_size or '?'} ranks' stacks in {found.uri}"
+    detector = found.nccl_hang_detector
+    if detector is not None and detector.confirmed:
+        answered += f"; NCCL RAS: {detector.finding or 'a hang confirmed'} ({detector.uri})"
     suspect = found.suspect
     if suspect is None:
         return answered
