@@ -42,24 +42,13 @@ from typing import Any
 from tests.support.net import free_port
 
 from doc_section import publish
+from trainer_cpu import MODEL  # its model: a step of tens of milliseconds on 2 cores, a run of ~15 s
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SECTION = "trainer-step-syncs"
 ARMS = ("before", "now", "guard off")
 LOG_EVERY = 10
-# bench/trainer_cpu.py's model and batch: a step of tens of milliseconds on 2 cores, a run of ~15 s.
-MODEL: dict[str, Any] = {
-    "model_type": "qwen2",
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
 # The functions whose calls are timed in the ranks, where the revision has them: the guard's, then the step's
 # forward and backward passes and its gradient norm.
 TIMED_FUNCTIONS = ("all_finite", "global_loss", "non_finite", "accumulate_gradients", "clip_gradients")
