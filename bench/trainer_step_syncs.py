@@ -41,14 +41,14 @@ from typing import Any
 
 from tests.support.net import free_port
 
+import trainer_cpu  # its model and run: a step of tens of milliseconds on 2 cores, a run of ~15 s
 from doc_section import publish
-from trainer_cpu import MODEL  # its model: a step of tens of milliseconds on 2 cores, a run of ~15 s
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SECTION = "trainer-step-syncs"
 ARMS = ("before", "now", "guard off")
-LOG_EVERY = 10
+LOG_EVERY = trainer_cpu.LOG_EVERY  # the run logs (and the ranks time) every so many steps
 # The functions whose calls are timed in the ranks, where the revision has them: the guard's, then the step's
 # forward and backward passes and its gradient norm.
 TIMED_FUNCTIONS = ("all_finite", "global_loss", "non_finite", "accumulate_gradients", "clip_gradients")
@@ -56,23 +56,8 @@ OPTIMIZER_STEP = "AdamW.step"
 
 
 def trainer_config(run_name: str, storage: Path, steps: int) -> dict[str, Any]:
-    return {
-        "runName": run_name,
-        "namespace": "bench",
-        "workers": 2,
-        "cpusPerWorker": 1,
-        "model": {"fromConfig": MODEL},
-        "training": {
-            "maxSteps": steps,
-            "microBatchSize": 4,
-            "sequenceLength": 128,
-            "logEvery": LOG_EVERY,
-            "seed": 1,
-        },
-        "data": {"source": "synthetic", "evalFraction": 0},
-        "checkpoint": {"storagePath": str(storage), "everySteps": 1_000_000, "exportModel": False},
-        "network": {"bandwidthProbeMb": 0},
-    }
+    """bench/trainer_cpu.py's run, without its bandwidth probe: only steps are timed here."""
+    return {**trainer_cpu.trainer_config(run_name, str(storage), steps), "network": {"bandwidthProbeMb": 0}}
 
 
 # The ranks' side: runs under torchrun with the arm's trainer on PYTHONPATH; uses only what every revision has
