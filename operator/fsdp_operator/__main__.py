@@ -48,7 +48,7 @@ async def run(settings: Settings) -> int:
     """Serves the probes and runs kopf (as leader when elected); returns the exit code."""
     executor = ThreadPoolExecutor(settings.worker_threads, thread_name_prefix="handler")
     registry = kopf.OperatorRegistry()
-    register(registry, settings)
+    register(registry, settings, executor)
 
     @kopf.on.startup(registry=registry)
     async def use_our_executor(settings: kopf.OperatorSettings, **_: Any) -> None:

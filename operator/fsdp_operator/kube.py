@@ -324,7 +324,14 @@ class Indexes:
 
     @staticmethod
     def all(index: Any) -> list[Any]:
-        return [value for store in index.values() for value in store] if index is not None else []
+        """Every value of `index`, read from a pass's thread while kopf's event loop may change it: its keys
+        and each store are copied by list(), which walks their dicts without running Python code (no thread
+        can switch in), and a key whose store went meanwhile is skipped. Iterating it directly raised
+        "dictionary changed size during iteration" under load."""
+        if index is None:
+            return []
+        stores = (index.get(key) for key in list(index))
+        return [value for store in stores if store for value in list(store)]
 
     def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
         store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None

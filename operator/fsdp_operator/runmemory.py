@@ -79,7 +79,8 @@ class RunMemories:
         memory = self.of(uid)
         before = memory.written.replaced if memory.written else ()
         memory.written = Written(now, (*before, replaced)[-WRITTEN_VERSIONS:], stored)
-        remembered = [m for m in self._runs.values() if m.written is not None]
+        # Copied first: the event loop's timer ticks add runs meanwhile (see Indexes.all).
+        remembered = [m for m in list(self._runs.values()) if m.written is not None]
         if len(remembered) > WRITTEN_KEPT_FREELY:
             for other in remembered:
                 if other.written is not None and now - other.written.at > WRITTEN_MEMORY_SECONDS:

@@ -4,14 +4,19 @@ pools."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import kopf
 import pytest
+from kopf._cogs.structs.references import Resource
+from kopf._core.actions import invocation
 from kubernetes.config import kube_config
 
-from fsdp_operator import handlers, kopfsession
+from fsdp_operator import builder, handlers, kopfsession
 from fsdp_operator.kube import Kube
 from fsdp_operator.settings import Settings
 
@@ -62,7 +67,7 @@ def test_the_operators_pool_has_a_connection_for_every_watch_it_registers(
     monkeypatch.setattr(kopf, "login_via_client", lambda **_: found)
     namespaces = ["team-a", "team-b", "team-c"]
     registry = kopf.OperatorRegistry()
-    handlers.register(registry, Settings(watch_namespaces=namespaces))
+    handlers.register(registry, Settings(watch_namespaces=namespaces), ThreadPoolExecutor(1))
 
     # kopf's registries of handlers by kind (indexes, events, timers, changes): which resources it watches.
     kinds = (registry._indexing, registry._watching, registry._spawning, registry._changing)
@@ -90,3 +95,79 @@ def test_the_operators_clients_keep_a_connection_for_every_handler_thread() -> N
     kube = Kube(connections=settings.worker_threads)
     assert kube.api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] == 48
     assert handlers.aws_config(settings).max_pool_connections == 48
+
+
+HELD_SECONDS = 6.0
+
+
+@pytest.mark.usefixtures("kubeconfig")
+def test_indexes_and_events_that_need_no_pass_take_no_handler_thread() -> None:
+    """kopf updates its copy of a run (what the next pass starts from) once the run's event has been through
+    the indexes. As sync functions they queued for a handler thread behind every pass under way: at 1,000 runs
+    that copy fell minutes behind and most status writes were refused (409) and read again. With the pool's
+    only thread held by a pass, every index, a pod's and a node's event, and a RayCluster's first sight still
+    complete, through kopf's own invocation."""
+    pool = ThreadPoolExecutor(1)
+    held = threading.Event()
+    pool.submit(held.wait)  # a pass waiting on S3, for HELD_SECONDS
+    release = threading.Timer(HELD_SECONDS, held.set)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings(watch_namespaces=["team-a"]), pool)
+    settings = kopf.OperatorSettings()
+    settings.execution.executor = pool
+    meta = {"namespace": "team-a", "uid": "u-1", "labels": {builder.LABEL_MANAGED_BY: builder.MANAGER}}
+    bodies = {
+        "fsdptrainingruns": {"metadata": {**meta, "name": "r"}, "spec": {}, "status": {"phase": "Running"}},
+        "rayclusters": {"metadata": {**meta, "name": "c", "generation": 1}, "spec": {}, "status": {}},
+        "pods": {
+            "metadata": {**meta, "name": "p", "labels": {**meta["labels"], builder.LABEL_RAY_CLUSTER: "c"}},
+            "spec": {"nodeName": "n", "containers": [{"name": "ray-worker"}]},
+            "status": {"phase": "Running"},
+        },
+        "nodes": {"metadata": {"name": "n", "uid": "n-1", "labels": {}}, "spec": {}, "status": {}},
+    }
+    event_handlers = [*registry._indexing.get_all_handlers(), *registry._watching.get_all_handlers()]
+
+    async def through_kopf() -> dict[str, float]:
+        took = {}
+        for handler in event_handlers:
+            if handler.selector.any_name == "networkpolicies":
+                continue  # restores a policy through the API: a pass's kind of work, in a thread
+            body = kopf.Body(bodies[handler.selector.any_name])
+            kwargs = {"body": body, "type": "MODIFIED", "event": {"type": "MODIFIED", "object": body}}
+            started = time.monotonic()
+            await invocation.invoke(handler.fn, settings=settings, kwargs=kwargs)
+            took[str(handler.id)] = time.monotonic() - started
+        return took
+
+    release.start()
+    try:
+        took = asyncio.run(through_kopf())
+    finally:
+        release.cancel()
+        held.set()
+        pool.shutdown()
+    assert len(took) == 9, took  # six indexes; the events of pods, nodes and RayClusters
+    waited = {handler: round(seconds, 1) for handler, seconds in took.items() if seconds > HELD_SECONDS / 2}
+    assert not waited, f"waited for the pass's thread (seconds): {waited}"
+
+
+@pytest.mark.usefixtures("kubeconfig")
+def test_only_the_operators_rayclusters_are_streamed_to_it() -> None:
+    """Beside 1,000 RayJobs the operator received every event of their 1,000 RayClusters too (a kopf worker
+    and its memory each) only for its handlers to drop them; the apiserver selects its own now. Pods stay
+    whole: preflight counts other workloads' accelerator pods."""
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, Settings(watch_namespaces=["team-a"]), ThreadPoolExecutor(1))
+    settings = kopf.OperatorSettings()
+    for startup in registry._activities.get_all_handlers():
+        if startup.activity == "startup" and startup.id == "register.<locals>.configure":
+            startup.fn(settings=settings)
+
+    def selected(group: str, version: str, plural: str) -> list[str]:
+        resource = Resource(group, version, plural, namespaced=True)
+        return sorted(settings.watching.label_selectors.collect(resource))
+
+    assert selected("ray.io", "v1", "rayclusters") == [f"{builder.LABEL_MANAGED_BY}={builder.MANAGER}"]
+    assert selected("", "v1", "pods") == []
+    assert selected("fsdp.training.dev", "v1alpha1", "fsdptrainingruns") == []
