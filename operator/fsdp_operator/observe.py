@@ -30,6 +30,7 @@ from fsdp_operator.reconcile import (
     ready_for_elastic,
 )
 from fsdp_operator.records import RecordTooLarge, RunStorage
+from fsdp_operator.runmemory import Pull, PullsRead
 from fsdp_trainer.contract import CheckpointRef, ProgressRecord, RankStacks, SlowFabricPolicy, TrainerConfig
 
 log = logging.getLogger("fsdp_operator")
@@ -176,7 +177,7 @@ def observe(
         unschedulable=scheduling.waiting,
         scale_up=scheduling.scale_up,
         scale_up_delayed=scheduling.scale_up_delayed,
-        pods_progress=observe_pods_progress(ctx, run.namespace, pods) if provisioning else None,
+        pods_progress=observe_pods_progress(ctx, run.namespace, pods, memory.pulls) if provisioning else None,
         oom_kills=tuple(
             OomKill(dt.datetime.fromisoformat(finished), message)
             for pod in pods
@@ -272,19 +273,26 @@ def observe_forensics(
     return len(keys), tuple(storage.rank_stacks(keys))
 
 
-def observe_pods_progress(ctx: Context, namespace: str, pods: list[dict[str, Any]]) -> PodsProgress:
+def observe_pods_progress(
+    ctx: Context, namespace: str, pods: list[dict[str, Any]], read: PullsRead
+) -> PodsProgress:
     """How far the cluster's pods have come, with the image pulls under way (the kubelet's Pulling events,
-    read only for pods on a node whose containers are not created yet: one bounded LIST each)."""
+    read only for pods on a node whose containers are not created yet: one bounded LIST each, at most every
+    PULL_READ_EVERY_SECONDS)."""
     pulls: list[tuple[str, str]] = []  # (since, what)
+    now = time.monotonic()
+
+    def pull_of(pod: str) -> Pull:
+        return pull_under_way(ctx.kube.pod_events(namespace, pod))
+
     for pod in pods:
         if not pod.get("node") or pod.get("started"):
             continue
         try:
-            events = ctx.kube.pod_events(namespace, pod["name"])
+            pull = read.of(pod["name"], now, pull_of)
         except Exception as error:
             log.warning("%s: could not read the events of pod %s: %s", namespace, pod["name"], error)
             continue
-        pull = pull_under_way(events)
         if pull is not None:
             since, image = pull
             pulls.append((since, f"pulling image {image} on node {pod['node']}"))

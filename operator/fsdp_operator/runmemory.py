@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,30 @@ WRITTEN_MEMORY_SECONDS = 60.0
 WRITTEN_VERSIONS = 8
 # Runs with a remembered write beyond which older writes are forgotten (a stored run each).
 WRITTEN_KEPT_FREELY = 16
+# A pod placed and not started has its Events read again at most this often to say which image it pulls: a
+# pull of the DLC image takes minutes, and each read is a LIST the apiserver answers by scanning the
+# namespace's Events (read at every pass, they were 5.8 requests per run to start at 1,000 runs).
+PULL_READ_EVERY_SECONDS = 30.0
+
+Pull = tuple[str, str] | None  # (when it began, the image) of a pull under way
+
+
+@dataclass
+class PullsRead:
+    """The pull each waiting pod of a run was last seen doing, and when that was read (monotonic)."""
+
+    read: dict[str, tuple[float, Pull]] = field(default_factory=dict)
+
+    def of(self, pod: str, now: float, read: Callable[[str], Pull]) -> Pull:
+        """`pod`'s pull as read within PULL_READ_EVERY_SECONDS of `now`, else `read(pod)` now (a read that
+        fails raises and is not remembered). Pods not asked about for that long are forgotten."""
+        seen = self.read.get(pod)
+        if seen is not None and now - seen[0] < PULL_READ_EVERY_SECONDS:
+            return seen[1]
+        pull = read(pod)
+        self.read = {p: s for p, s in self.read.items() if now - s[0] < PULL_READ_EVERY_SECONDS}
+        self.read[pod] = (now, pull)
+        return pull
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,7 @@ class RunMemory:
     created: tuple[float, int] | None = None  # when this process created its RayCluster, for which attempt
     cadence: Cadence = field(default_factory=Cadence)  # which timer ticks observe it
     figures_written_at: float | None = None  # when its progress or goodput was last written (monotonic)
+    pulls: PullsRead = field(default_factory=PullsRead)  # its waiting pods' image pulls, as last read
 
 
 class RunMemories:
