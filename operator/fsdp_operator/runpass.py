@@ -58,6 +58,7 @@ def reconcile_run(ctx: Context, body: Mapping[str, Any], indexes: Indexes) -> De
                 return run_pass(ctx, dict(current), indexes)
             except Conflict as conflict:
                 log.info("%s; reading it again", conflict)
+                ctx.runs.refused(meta["uid"], current["metadata"]["resourceVersion"])
                 current = ctx.kube.get_run(meta["namespace"], meta["name"])
         raise kopf.TemporaryError(f"status of {meta['namespace']}/{meta['name']} kept changing", delay=5)
 

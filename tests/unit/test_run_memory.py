@@ -29,6 +29,7 @@ def test_forgetting_a_run_is_one_removal_of_everything_kept_about_it() -> None:
     memory.written_record = cast(RunRecord, object())
     memory.cadence.ticks_to_skip = 3
     memory.figures_written_at = 12.5
+    ctx.runs.refused(RUN.uid, "2")
     memory.pulls.of("r-head", 0.0, lambda pod: ("2026-12-07T00:00:00Z", "ray"))
     fresh = RunMemory()
     remembered = [
