@@ -96,5 +96,5 @@ bench: venv tools ## benchmarks (never in CI): control plane on the local cluste
 	$(PY) bench/load.py
 
 .PHONY: bench-load
-bench-load: venv tools ## 1,000 runs beside 1,000 KubeRay RayJobs, then a 10-minute soak (38 minutes on 2 cores, 2026-12-06)
+bench-load: venv tools ## 1,000 runs beside 1,000 KubeRay RayJobs, then a 10-minute soak (38-88 minutes on 2 cores: its start phase is bounded at 60)
 	$(PY) bench/load.py $(LOAD_ARGS)
