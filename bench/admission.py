@@ -7,7 +7,9 @@ internals.
 The wave is bench/load.py's: N runs of one 1-GPU worker created at once on 100 g6.12xlarge nodes (400
 slots) in two zones. Passes come in creation order, shuffled within windows of 20 (kopf works on several
 events at once), and an admitted run's status (Provisioning, its zone) reaches the index 30 passes later
-(admission remembers what it admitted, as in the operator); then every run still waiting gets one timer pass.
+(admission remembers what it admitted, as in the operator), with its worker pod bound to a node of its zone
+(each binding changes the view admission placed the queue on); then every run still waiting gets one timer
+pass.
 
     python bench/admission.py [--runs 200] [--base 5646f42]
 
@@ -84,13 +86,23 @@ def replay(runs: int, seed: int) -> tuple[float, list[str]]:
         for i in range(runs)
     }
     index = {key: [body] for key, body in bodies.items()}
-    indexes = Indexes(
-        runs=index,
-        rayclusters={},
-        ray_pods={},
-        nodes={None: [node(i) for i in range(100)]},
-        accelerator_pods={},
-    )
+    nodes = [node(i) for i in range(100)]
+    pods: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    indexes = Indexes(runs=index, rayclusters={}, ray_pods={}, nodes={None: nodes}, accelerator_pods=pods)
+    slots = {n["metadata"]["name"]: 4 for n in nodes}
+
+    def came_back(key: tuple[str, str], zone: str | None) -> None:
+        """The admitted run's status write reached the index, and the scheduler bound its worker."""
+        bodies[key]["status"] = {"phase": "Provisioning", "zone": zone}
+        names = [n["metadata"]["name"] for n in nodes if n["metadata"]["labels"][builder.LABEL_ZONE] == zone]
+        at = next(name for name in names if slots[name])
+        slots[at] -= 1
+        labels = {"ray.io/node-type": "worker", builder.LABEL_RAY_CLUSTER: builder.ray_cluster_name(key[1])}
+        pods[(key[0], f"{key[1]}-worker")] = [
+            {"metadata": {"namespace": key[0], "name": f"{key[1]}-worker", "labels": labels},
+             "spec": {"nodeName": at, "containers": [{"resources": {"requests": {builder.GPU: "1"}}}]}}
+        ]  # fmt: skip
+
     rng = random.Random(seed)
     order = list(bodies)
     passes = []
@@ -119,10 +131,10 @@ def replay(runs: int, seed: int) -> tuple[float, list[str]]:
     for n, key in enumerate(passes):
         while arriving and arriving[0][0] <= n:
             _, done, zone = arriving.pop(0)
-            bodies[done]["status"] = {"phase": "Provisioning", "zone": zone}
+            came_back(done, zone)
         one_pass(key)
     for _, done, zone in arriving:
-        bodies[done]["status"] = {"phase": "Provisioning", "zone": zone}
+        came_back(done, zone)
     n = len(passes)
     for key in order:  # the timer, once for every run still waiting
         one_pass(key)

@@ -2,8 +2,10 @@
 
 `Admission.admit` is the one entry point. It owns the queue's placement (preflight.Queue, placed again only
 when the view changes), its memory (runs it admitted that the index does not show yet, parsed specs, free
-nodes per placement) and its lock: one decision at a time, so two runs never split the same nodes. The
-decisions themselves are preflight's pure functions. Before its first decision on a run it also warns, once,
+nodes per placement) and its lock: one decision at a time, so two runs never split the same nodes. A
+placement decides every waiting run of the queue at once: the runs it admits are admitted then, and each
+finds its decision at its own pass instead of placing the queue again. The decisions themselves are
+preflight's pure functions. Before its first decision on a run it also warns, once,
 when the run's pods would have no AWS credentials (credentials.py): before any GPU is held.
 """
 
@@ -31,9 +33,25 @@ PODS_SNAPSHOT_SECONDS = 10.0
 # A run this process admitted reserves its slots until the view shows it admitted (its status write came back)
 # or done with them (finished, suspended); at most this long.
 ADMISSION_MEMORY_SECONDS = 120.0
+# A run admitted by another run's placement takes that decision at its own pass within this long; later, the
+# view it was made on may have gone (a node drained), and the run is placed again. At 1,000 runs a placement
+# costs half a CPU-second, and every worker pod bound changes the view: placed once per run, the queue was
+# placed 1,052 times to start 1,000 runs, one after another under the lock.
+DECIDED_FOR_SECONDS = 60.0
 # EC2's answer about an instance type (GPUs, EFA, zones) changes with AWS's catalogue, not per run: asked once
 # per type this often, not twice per waiting scale-from-zero run per recheck (EC2 throttles per account).
 EC2_FACTS_SECONDS = 600.0
+
+
+@dataclasses.dataclass
+class Admitted:
+    """A run this process admitted, remembered until the index shows it admitted."""
+
+    since: float  # time.monotonic() of the decision
+    holds: preflight.Competitor  # the slots it reserves
+    # Admitted by another run's placement, its own pass still to come: the spec it was decided for and the
+    # result that pass takes.
+    decided: tuple[api.FSDPTrainingRunSpec, preflight.PreflightResult] | None = None
 
 
 class Admission:
@@ -60,7 +78,7 @@ class Admission:
         self.launchers = LauncherReader(kube, ec2, autoscaling)  # what can add nodes: where workers may go
         self.platform = platform or builder.Platform()  # where heads go (the operator's settings)
         self._lock = threading.Lock()
-        self._admitted: dict[str, tuple[float, preflight.Competitor]] = {}  # uid -> when, what
+        self._admitted: dict[str, Admitted] = {}  # run uid ->
         self._pods_view: tuple[float, list[dict[str, Any]]] | None = None
         self._queues: dict[str, preflight.Queue] = {}  # instance type -> its last placement
         # (placement key, with the pods?) -> the nodes and pods it was built from, and the free nodes
@@ -99,7 +117,7 @@ class Admission:
                 name = f"{run.namespace}/{run.name}"
                 own = preflight.Competitor(name, created, spec.cluster.instance_type, True, None, 0)
                 with self._lock:
-                    self._admitted[run.uid] = (time.monotonic(), own)
+                    self._admitted[run.uid] = Admitted(time.monotonic(), own)
             return result
         with self._lock:
             start = time.thread_time()
@@ -153,14 +171,7 @@ class Admission:
         shown active by the index): one team cannot take every node of a shared cluster."""
         if not self.max_active_per_namespace:
             return None
-        shown = indexes.active_runs.get(run.namespace) if indexes.active_runs is not None else None
-        active = set(shown or ())
-        active |= {
-            uid
-            for uid, (_, competitor) in self._admitted.items()
-            if preflight.namespace_of(competitor.name) == run.namespace
-        }
-        active.discard(run.uid)
+        active = self._active_in(run.namespace, indexes) - {run.uid}
         if len(active) < self.max_active_per_namespace:
             return None
         return preflight.PreflightResult(
@@ -169,6 +180,15 @@ class Admission:
             f"namespace {run.namespace} has {len(active)} active runs, the operator's limit per namespace "
             "(max-active-runs-per-namespace); this run starts when one of them ends",
         )
+
+    def _active_in(self, namespace: str, indexes: Indexes) -> set[str]:
+        """The uids of the namespace's runs with clusters: shown active by the index, or admitted here."""
+        shown = indexes.active_runs.get(namespace) if indexes.active_runs is not None else None
+        return set(shown or ()) | {
+            uid
+            for uid, admitted in self._admitted.items()
+            if preflight.namespace_of(admitted.holds.name) == namespace
+        }
 
     @staticmethod
     def active_run(body: Mapping[str, Any]) -> dict[str, str] | None:
@@ -190,8 +210,16 @@ class Admission:
     def _place(
         self, run: builder.RunRef, spec: api.FSDPTrainingRunSpec, created: str, indexes: Indexes
     ) -> preflight.PreflightResult:
+        mine = self._admitted.get(run.uid)
+        if mine is not None and mine.decided is not None:
+            decided_for, result = mine.decided
+            if time.monotonic() - mine.since <= DECIDED_FOR_SECONDS and decided_for == spec:
+                self._admitted[run.uid] = Admitted(time.monotonic(), mine.holds)  # until the index shows it
+                return result
+            del self._admitted[run.uid]  # decided on a view that may be gone, or for another spec
         nodes, pods = self._nodes_and_pods(indexes)
-        competitors = self._competitors(run, indexes, nodes, pods)
+        by_uid = self._competitors(run, indexes, nodes, pods)
+        competitors = list(by_uid.values())
         name = f"{run.namespace}/{run.name}"
         if not any(c.name == name and not c.admitted for c in competitors):  # not in the index (yet)
             free = self._free(preflight.placement_key(spec), spec, nodes, pods)
@@ -209,21 +237,33 @@ class Admission:
             metrics.QUEUE_PLACEMENTS.inc()
         self._queues[instance_type] = queue
         result = queue.results[name]
+        if result.ok:
+            self._admitted[run.uid] = Admitted(time.monotonic(), _holding(name, created, spec, result))
+        self._admit_the_others(queue, run.uid, by_uid, indexes)
         if not result.ok:
             empty = self._free(preflight.placement_key(spec), spec, nodes, pods, empty=True)
             return preflight.worker_fits_no_node(spec, list(empty)) or result
-        self._admitted[run.uid] = (
-            time.monotonic(),
-            preflight.Competitor(
-                name=name,
-                created=created,
-                instance_type=instance_type,
-                admitted=True,
-                zone=result.zone,
-                workers_not_placed=spec.cluster.workers,
-            ),
-        )
         return result
+
+    def _admit_the_others(
+        self, queue: preflight.Queue, uid: str, by_uid: Mapping[str, preflight.Competitor], indexes: Indexes
+    ) -> None:
+        """Every other waiting run the placement admits is admitted now, in the queue's order, as far as its
+        namespace's limit allows: its slots are reserved from this moment, and its own pass takes the
+        decision."""
+        now = time.monotonic()
+        for other, competitor in by_uid.items():
+            result = queue.results.get(competitor.name)
+            if other == uid or competitor.admitted or result is None or not result.ok:
+                continue
+            assert competitor.spec is not None, "a waiting run's record carries its spec"
+            namespace = preflight.namespace_of(competitor.name)
+            if self.max_active_per_namespace and (
+                len(self._active_in(namespace, indexes)) >= self.max_active_per_namespace
+            ):
+                continue
+            holds = _holding(competitor.name, competitor.created, competitor.spec, result)
+            self._admitted[other] = Admitted(now, holds, decided=(competitor.spec, result))
 
     def _nodes_and_pods(self, indexes: Indexes) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
         """Nodes, and the pods that hold GPUs or EFA, from kopf's indexes. An operator that watches only some
@@ -285,10 +325,10 @@ class Admission:
         indexes: Indexes,
         nodes: list[dict[str, Any]],
         pods: list[dict[str, Any]],
-    ) -> list[preflight.Competitor]:
-        """Every run of the operator that wants existing GPU nodes, this one included: admitted ones with
-        workers still to place, and waiting ones (which go first when created earlier, unless they could not
-        fit even on empty nodes: those must not hold up everyone behind them)."""
+    ) -> dict[str, preflight.Competitor]:
+        """Every run of the operator that wants existing GPU nodes, this one included, by uid: admitted ones
+        with workers still to place, and waiting ones (which go first when created earlier, unless they could
+        not fit even on empty nodes: those must not hold up everyone behind them)."""
         placed: dict[tuple[str, str], int] = defaultdict(int)
         for pod in pods:
             labels = pod["metadata"].get("labels") or {}
@@ -352,12 +392,26 @@ class Admission:
         for uid in self._specs.keys() - in_index - {run.uid}:
             del self._specs[uid]
         now = time.monotonic()
-        for uid, (when, competitor) in list(self._admitted.items()):
-            if now - when > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
+        for uid, admitted in list(self._admitted.items()):
+            if now - admitted.since > ADMISSION_MEMORY_SECONDS or uid in done_with_slots:
                 del self._admitted[uid]
             elif uid != run.uid and (uid not in found or not found[uid].admitted):
-                found[uid] = competitor  # admitted by this process; the index has not caught up yet
-        return list(found.values())
+                found[uid] = admitted.holds  # admitted by this process; the index has not caught up yet
+        return found
+
+
+def _holding(
+    name: str, created: str, spec: api.FSDPTrainingRunSpec, result: preflight.PreflightResult
+) -> preflight.Competitor:
+    """What a run admitted by `result` reserves until its workers are placed: all of them, in its zone."""
+    return preflight.Competitor(
+        name=name,
+        created=created,
+        instance_type=spec.cluster.instance_type,
+        admitted=True,
+        zone=result.zone,
+        workers_not_placed=spec.cluster.workers,
+    )
 
 
 def _same_objects(before: list[Any], now: list[Any]) -> bool:

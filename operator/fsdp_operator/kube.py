@@ -333,6 +333,14 @@ class Indexes:
         stores = (index.get(key) for key in list(index))
         return [value for store in stores if store for value in list(store)]
 
+    @staticmethod
+    def count(index: Any) -> int:
+        """How many values `index` holds (read as `all` reads it)."""
+        if index is None:
+            return 0
+        stores = (index.get(key) for key in list(index))
+        return sum(len(store) for store in stores if store)
+
     def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
         store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
         return list(store) if store else []

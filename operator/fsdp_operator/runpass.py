@@ -35,7 +35,7 @@ from fsdp_operator.reconcile import (
     reconcile,
     refused_spec,
 )
-from fsdp_operator.statuspatch import FIGURES, figures_wait, merge_patch
+from fsdp_operator.statuspatch import FIGURES, figures_every, figures_wait, merge_patch
 from fsdp_operator.watched import kept
 
 log = logging.getLogger("fsdp_operator")
@@ -142,8 +142,9 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     old = stored.get("status") or {}
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     written = None if memory.figures_written_at is None else time.monotonic() - memory.figures_written_at
-    if figures_wait(patch, decision.acts, old, written, ctx.settings.observe_interval_seconds):
-        patch = {}  # a later pass writes them (statuspatch.FIGURES_EVERY_INTERVALS)
+    every = figures_every(ctx.settings.observe_interval_seconds, indexes.count(indexes.active_runs))
+    if figures_wait(patch, decision.acts, old, written, every):
+        patch = {}  # a later pass writes them (statuspatch.figures_every)
     if patch:
         stored_now = ctx.kube.write_status(run.namespace, run.name, meta["resourceVersion"], patch)
         ctx.runs.wrote(run.uid, meta["resourceVersion"], kept(stored_now))

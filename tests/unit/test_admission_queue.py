@@ -4,6 +4,7 @@ the operator's passes share one placement while the view holds."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any, cast
 
 from fsdp_operator import api, builder, preflight
@@ -124,22 +125,22 @@ SPEC: dict[str, Any] = {
 }
 
 
-def test_a_wave_of_runs_is_placed_once_not_once_per_run() -> None:
-    """Forty runs created at once on room for twenty, every pass in the worst order (latest first), with the
-    status of each admitted run coming back in between: the first twenty are admitted, and the queue is
-    placed a handful of times instead of forty."""
-    ctx = Context(
-        settings=Settings(max_active_runs_per_namespace=0),
+ZONES = ["us-west-2a", "us-west-2b"]
+
+
+def admission(max_active_per_namespace: int = 0) -> Any:
+    return Context(
+        settings=Settings(max_active_runs_per_namespace=max_active_per_namespace),
         kube=cast(Any, None),
         s3=None,
         ec2=cast(Any, None),
         package_sha256="x",
-    )
-    nodes = {
-        None: [
-            preflight.node_facts(cluster_node(f"n{i}", ["us-west-2a", "us-west-2b"][i % 2])) for i in range(5)
-        ]
-    }
+    ).admission
+
+
+def wave(count: int, nodes: int, same_time: bool = True) -> Indexes:
+    """`count` waiting runs of one 1-GPU worker in namespace "team" (created at once, or a second apart in
+    name order) on `nodes` 4-GPU nodes alternating between two zones."""
     runs = {
         ("team", f"r{i:02d}"): [
             {
@@ -148,23 +149,84 @@ def test_a_wave_of_runs_is_placed_once_not_once_per_run() -> None:
                     "name": f"r{i:02d}",
                     "uid": f"uid-{i}",
                     "generation": 1,
-                    "creationTimestamp": "2026-12-01T00:00:00Z",
+                    "creationTimestamp": f"2026-12-01T00:00:{0 if same_time else i:02d}Z",
                 },
                 "spec": SPEC,
                 "status": {"phase": "Pending"},
             }
         ]
-        for i in range(40)
+        for i in range(count)
     }
-    indexes = Indexes(runs=runs, rayclusters={}, ray_pods={}, nodes=nodes, accelerator_pods={})
-    admitted = []
-    for key in sorted(runs, reverse=True):
-        body = runs[key][0]
+    facts = [preflight.node_facts(cluster_node(f"n{i}", ZONES[i % 2])) for i in range(nodes)]
+    return Indexes(
+        runs=runs, rayclusters={}, ray_pods={}, nodes={None: facts}, accelerator_pods={}, active_runs={}
+    )
+
+
+def latest_first(
+    decide: Any, indexes: Indexes, admitted: Callable[[str, preflight.PreflightResult], None]
+) -> dict[str, preflight.PreflightResult]:
+    """Every run's pass, the latest created first (the worst order), each admitted one's `admitted` before
+    the next pass: every run's result."""
+    results = {}
+    for key in sorted(indexes.runs, reverse=True):
+        body = indexes.runs[key][0]
         ref = builder.RunRef(name=key[1], namespace="team", uid=body["metadata"]["uid"])
         run_spec = api.FSDPTrainingRunSpec.model_validate(SPEC)
-        result = ctx.admission.admit(ref, run_spec, body["metadata"]["creationTimestamp"], indexes)
+        result = results[key[1]] = decide(ref, run_spec, body["metadata"]["creationTimestamp"], indexes)
         if result.ok:
-            admitted.append(key[1])
             body["status"] = {"phase": "Provisioning", "zone": result.zone}  # its status write came back
-    assert sorted(admitted) == [f"r{i:02d}" for i in range(20)]
-    assert ctx.admission.queue_placements <= 2, ctx.admission.queue_placements
+            admitted(key[1], result)
+    return results
+
+
+def admitted_runs(results: dict[str, preflight.PreflightResult]) -> list[str]:
+    return sorted(name for name, result in results.items() if result.ok)
+
+
+def test_a_wave_of_runs_is_placed_once_not_once_per_run() -> None:
+    """Forty runs created at once on room for twenty, with the status of each admitted run coming back in
+    between: the first twenty are admitted, and the queue is placed a handful of times instead of forty."""
+    admit = admission()
+    results = latest_first(admit.admit, wave(40, nodes=5), lambda name, result: None)
+    assert admitted_runs(results) == [f"r{i:02d}" for i in range(20)]
+    assert admit.queue_placements <= 2, admit.queue_placements
+
+
+def worker_pod(run: str, node: str) -> dict[str, Any]:
+    """A run's worker pod bound to `node`: one GPU, as builder.py asks."""
+    labels = {"ray.io/node-type": "worker", builder.LABEL_RAY_CLUSTER: builder.ray_cluster_name(run)}
+    return {
+        "metadata": {"namespace": "team", "name": f"{run}-worker", "labels": labels},
+        "spec": {"nodeName": node, "containers": [{"resources": {"requests": {builder.GPU: "1"}}}]},
+        "status": {"phase": "Pending"},
+    }
+
+
+def test_one_placement_admits_every_run_it_places_though_their_workers_change_the_view() -> None:
+    """Forty-eight runs on room for forty, each admitted run's worker bound to a node before the next pass:
+    every worker pod bound changes the view, so a queue placed for one run's pass at a time was placed once
+    per run (at 1,000 runs, 1,052 placements of half a CPU-second each, one after another). One placement
+    admits the forty first-created runs at once, each one's pass takes its decision, and no zone is given
+    more runs than its nodes hold."""
+    admit = admission()
+    indexes = wave(48, nodes=10, same_time=False)
+    slots = {f"n{i}": 4 for i in range(10)}
+
+    def bind_its_worker(run: str, result: preflight.PreflightResult) -> None:
+        node = next(n for n, free in slots.items() if free and ZONES[int(n[1:]) % 2] == result.zone)
+        slots[node] -= 1  # the scheduler binds it in its zone: a node with room there must exist
+        indexes.accelerator_pods[("team", f"{run}-worker")] = [worker_pod(run, node)]
+
+    results = latest_first(admit.admit, indexes, bind_its_worker)
+    assert admitted_runs(results) == [f"r{i:02d}" for i in range(40)]
+    assert admit.queue_placements == 1, admit.queue_placements
+
+
+def test_a_placement_admits_no_run_past_its_namespaces_limit() -> None:
+    """Room for all five runs of a namespace limited to two active: the placement made for the latest run's
+    pass admits it and the earliest, and every other pass is told its namespace is at its limit."""
+    admit = admission(max_active_per_namespace=2)
+    results = latest_first(admit.admit, wave(5, nodes=2, same_time=False), lambda name, result: None)
+    assert admitted_runs(results) == ["r00", "r04"]
+    assert {results[name].reason for name in ("r01", "r02", "r03")} == {preflight.NAMESPACE_RUN_LIMIT}

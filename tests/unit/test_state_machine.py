@@ -15,7 +15,7 @@ import pytest
 from fsdp_operator import api, builder, conditions, preflight
 from fsdp_operator.jobs import job_not_found
 from fsdp_operator.reconcile import ClusterObservation, Observation, PodProblem, PodsProgress, reconcile
-from fsdp_operator.statuspatch import FIGURES_EVERY_INTERVALS, figures_wait, merge_patch
+from fsdp_operator.statuspatch import FIGURE_WRITES_PER_SECOND, figures_every, figures_wait, merge_patch
 from fsdp_trainer.contract import LOGS_DIR, RUN_RECORD_FILE, CheckpointRef, RestartEntry
 from tests.support.decision_inputs import JOB_ID, NOW, job, observe, record, spec, status
 
@@ -524,12 +524,12 @@ def test_the_pod_index_keeps_only_what_preflight_subtracts() -> None:
 def test_a_training_runs_figures_alone_are_written_at_most_every_two_observe_intervals() -> None:
     training = {"phase": "Running", "progress": {"step": 40, "loss": 2.1}}
     figures = {"progress": {"step": 44, "loss": 2.0}, "goodput": {"fraction": 0.81}}
-    assert FIGURES_EVERY_INTERVALS == 2
+    assert figures_every(15.0, active_runs=1) == 30.0
 
     def waits(
         patch: dict[str, Any], old: dict[str, Any], since: float | None = 15.0, acts: bool = False
     ) -> bool:
-        return figures_wait(patch, acts, old, since, interval=15.0)
+        return figures_wait(patch, acts, old, since, every=30.0)
 
     assert waits(figures, training)
     assert not waits(figures, training, since=30.0)  # their turn
@@ -543,3 +543,12 @@ def test_a_training_runs_figures_alone_are_written_at_most_every_two_observe_int
     assert not waits(figures, {"phase": "Running", "progress": {"stage": "loading-model"}})
     assert not waits(figures, {"phase": "ClusterReady"})
     assert not waits({}, training)
+
+
+def test_the_figures_of_all_runs_together_are_written_at_a_bounded_rate() -> None:
+    """However many runs hold clusters, their figures together cost the apiserver at most
+    FIGURE_WRITES_PER_SECOND writes; a few runs still show theirs every two observe intervals."""
+    assert figures_every(15.0, active_runs=60) == 30.0
+    for runs in (200, 1000, 5000):
+        assert runs / figures_every(15.0, active_runs=runs) <= FIGURE_WRITES_PER_SECOND
+    assert figures_every(15.0, active_runs=1000) == 500.0
