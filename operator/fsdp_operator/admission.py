@@ -252,10 +252,11 @@ class Admission:
         namespace's limit allows: its slots are reserved from this moment, and its own pass takes the
         decision."""
         now = time.monotonic()
-        for other, competitor in by_uid.items():
-            result = queue.results.get(competitor.name)
-            if other == uid or competitor.admitted or result is None or not result.ok:
-                continue
+        uid_of = {competitor.name: other for other, competitor in by_uid.items() if not competitor.admitted}
+        for competitor in queue.waiting:
+            other, result = uid_of.get(competitor.name), queue.results[competitor.name]
+            if other is None or other == uid or not result.ok:
+                continue  # not in the index (this run's own record), or told to wait
             assert competitor.spec is not None, "a waiting run's record carries its spec"
             namespace = preflight.namespace_of(competitor.name)
             if self.max_active_per_namespace and (

@@ -140,7 +140,7 @@ def admission(max_active_per_namespace: int = 0) -> Any:
 
 def wave(count: int, nodes: int, same_time: bool = True) -> Indexes:
     """`count` waiting runs of one 1-GPU worker in namespace "team" (created at once, or a second apart in
-    name order) on `nodes` 4-GPU nodes alternating between two zones."""
+    name order), indexed latest first, on `nodes` 4-GPU nodes alternating between two zones."""
     runs = {
         ("team", f"r{i:02d}"): [
             {
@@ -155,7 +155,7 @@ def wave(count: int, nodes: int, same_time: bool = True) -> Indexes:
                 "status": {"phase": "Pending"},
             }
         ]
-        for i in range(count)
+        for i in reversed(range(count))
     }
     facts = [preflight.node_facts(cluster_node(f"n{i}", ZONES[i % 2])) for i in range(nodes)]
     return Indexes(
