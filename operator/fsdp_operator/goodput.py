@@ -18,7 +18,8 @@ from fsdp_operator import api, instancetypes
 from fsdp_operator.reconcile.state import PREEMPTED
 from fsdp_trainer.contract import ProgressRecord
 
-# The longest the status's figures lag while nothing else in it changes (one status write a minute).
+# How old the figures get before a pass refreshes them while nothing else in the status changes (their write
+# alone may wait longer: statuspatch.figures_every).
 REFRESH_SECONDS = 60
 
 

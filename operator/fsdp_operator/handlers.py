@@ -141,6 +141,9 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, executor: Exec
     def export_runs(**kwargs: Any) -> None:
         metrics.RUNS.index = kwargs["runs"]  # kopf's live index of the runs: each scrape of /metrics reads it
 
+    def unfinished(status: Mapping[str, Any], **_: Any) -> bool:
+        return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
+
     @kopf.index(*resource, id="runs", registry=registry)
     async def runs(body: kopf.Body, **_: Any) -> Any:
         return {(body["metadata"]["namespace"], body["metadata"]["name"]): kept(body)}
@@ -148,6 +151,10 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, executor: Exec
     @kopf.index(*resource, id="active_runs", registry=registry)
     async def active_runs(body: kopf.Body, **_: Any) -> Any:
         return Admission.active_run(body)
+
+    @kopf.index(*resource, id="unfinished_runs", registry=registry)
+    async def unfinished_runs(body: kopf.Body, **_: Any) -> Any:
+        return {None: body["metadata"]["uid"]} if unfinished(body.get("status") or {}) else None
 
     @kopf.index(*ray_clusters, labels=ours, id="rayclusters", registry=registry)
     async def rayclusters(body: kopf.Body, **_: Any) -> Any:
@@ -197,6 +204,7 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, executor: Exec
             accelerator_pods=kwargs.get("accelerator_pods"),
             runs=kwargs.get("runs"),
             active_runs=kwargs.get("active_runs"),
+            unfinished_runs=kwargs.get("unfinished_runs"),
             rayclusters=kwargs.get("rayclusters"),
             ray_pods=kwargs.get("ray_pods"),
         )
@@ -206,9 +214,6 @@ def register(registry: kopf.OperatorRegistry, settings: Settings, executor: Exec
     @kopf.on.update(*resource, field="spec", registry=registry)
     def on_change(body: kopf.Body, **kwargs: Any) -> None:
         reconcile_run(ctx, body, indexes_of(kwargs))
-
-    def unfinished(status: kopf.Status, **_: Any) -> bool:
-        return status.get("phase") not in api.FINISHED_PHASES  # a finished run never changes again
 
     # First tick one interval in: on.create / on.resume make the first pass (a tick at once would race them
     # with the pre-finalizer body and conflict).

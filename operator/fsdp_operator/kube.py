@@ -313,6 +313,7 @@ class Indexes:
     # None -> bound pods requesting GPUs or EFA, and DaemonSets' pods (watched namespaces): preflight's
     accelerator_pods: Any = None
     active_runs: Any = None  # namespace -> uids of its runs whose status shows a cluster held (admission.py)
+    unfinished_runs: Any = None  # None -> uids of the runs not finished (statuspatch.figures_every)
 
     @staticmethod
     def one(index: Any, key: tuple[str, str]) -> Any | None:

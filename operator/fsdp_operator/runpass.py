@@ -142,7 +142,7 @@ def run_pass(ctx: Context, stored: dict[str, Any], indexes: Indexes) -> Decision
     old = stored.get("status") or {}
     patch = merge_patch(old, new.model_dump(mode="json", by_alias=True, exclude_none=True))
     written = None if memory.figures_written_at is None else time.monotonic() - memory.figures_written_at
-    every = figures_every(ctx.settings.observe_interval_seconds, indexes.count(indexes.active_runs))
+    every = figures_every(ctx.settings.observe_interval_seconds, indexes.count(indexes.unfinished_runs))
     if figures_wait(patch, decision.acts, old, written, every):
         patch = {}  # a later pass writes them (statuspatch.figures_every)
     if patch:

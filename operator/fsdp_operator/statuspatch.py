@@ -1,14 +1,14 @@
 """The one status writer's diff: a JSON merge patch (RFC 7386) from the stored status to the new one, and when
-a diff of a training run's figures alone waits for the next pass."""
+a diff of a run's figures alone waits for a later pass."""
 
 from __future__ import annotations
 
 from typing import Any
 
-# A training run's figures (status.progress, goodput) are written at most every `figures_every` seconds: two
-# observe intervals (30 s at the default 15 s), so that a steadily training run costs the apiserver two status
-# writes a minute instead of four; longer once the operator's active runs would write more than
-# FIGURE_WRITES_PER_SECOND between them (every 500 s at 1,000 runs), so that the apiserver the whole
+# A run's figures alone (a training run's status.progress, any run's goodput) are written at most every
+# `figures_every` seconds: two observe intervals (30 s at the default 15 s), so that a steadily training run
+# costs the apiserver two status writes a minute instead of four; longer once the operator's runs would write
+# more than FIGURE_WRITES_PER_SECOND between them (every 500 s at 1,000 runs), so that the apiserver the whole
 # cluster shares carries a bounded rate of figures whatever the number of runs (client-go gives a controller
 # 5 requests a second by default: the figures take at most two). The step `kubectl get` shows lags by as
 # much at most; the operator's metrics carry every pass's figures at once. Anything else in the status (a
@@ -34,21 +34,23 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     return patch
 
 
-def figures_every(interval: float, active_runs: int) -> float:
-    """Seconds between two writes of one training run's figures, with `active_runs` runs holding clusters."""
-    return max(FIGURES_EVERY_INTERVALS * interval, active_runs / FIGURE_WRITES_PER_SECOND)
+def figures_every(interval: float, runs: int) -> float:
+    """Seconds between two writes of one run's figures, with `runs` unfinished runs writing theirs."""
+    return max(FIGURES_EVERY_INTERVALS * interval, runs / FIGURE_WRITES_PER_SECOND)
 
 
 def figures_wait(
     patch: dict[str, Any], acts: bool, old: dict[str, Any], since_written: float | None, every: float
 ) -> bool:
-    """Whether `patch` waits for a later pass: it changes only a training run's figures (the stored status
-    already shows a training step, so nothing that counts from the first step depends on it), the pass does
-    nothing else (`acts`: actions or Events, whose intent must be written first), and the figures were
+    """Whether `patch` waits for a later pass: it changes only figures (a training run's progress and
+    goodput, when the stored status already shows a training step, so nothing that counts from the first
+    step depends on it; any other run's goodput alone, refreshed while it waits or provisions), the pass
+    does nothing else (`acts`: actions or Events, whose intent must be written first), and the figures were
     written less than `every` seconds ago (`since_written`; None: not by this process)."""
     progress = old.get("progress") or {}
     training = (
         old.get("phase") == "Running" and progress.get("step") is not None and not progress.get("stage")
     )
+    figures = patch.keys() <= FIGURES if training else patch.keys() == {"goodput"}
     recent = since_written is not None and since_written < every
-    return bool(patch) and patch.keys() <= FIGURES and training and not acts and recent
+    return bool(patch) and figures and not acts and recent

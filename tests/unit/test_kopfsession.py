@@ -147,7 +147,7 @@ def test_indexes_and_events_that_need_no_pass_take_no_handler_thread() -> None:
         release.cancel()
         held.set()
         pool.shutdown()
-    assert len(took) == 9, took  # six indexes; the events of pods, nodes and RayClusters
+    assert len(took) == 10, took  # seven indexes; the events of pods, nodes and RayClusters
     waited = {handler: round(seconds, 1) for handler, seconds in took.items() if seconds > HELD_SECONDS / 2}
     assert not waited, f"waited for the pass's thread (seconds): {waited}"
 
