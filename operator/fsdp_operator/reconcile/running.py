@@ -145,6 +145,15 @@ def running(state: PassState) -> None:
         state.fail_attempt(avoiding_slow_node(state, failure))
 
 
+SAYS_TRAINING = ": training, step "
+
+
+def says_training(message: object, attempt: object) -> bool:
+    """Whether `message` is attempt `attempt`'s message while it trains: its step and loss, figures rather
+    than news (statuspatch.figures_wait)."""
+    return isinstance(message, str) and message.startswith(f"attempt {attempt}{SAYS_TRAINING}")
+
+
 def what_the_job_does(
     attempt: int, submission_id: str, job_status: str, record: ProgressRecord | None
 ) -> str:
@@ -156,7 +165,7 @@ def what_the_job_does(
         return said
     if record.phase == "training":
         loss = f", loss {record.loss:.4g}" if record.loss is not None else ""
-        return f"attempt {attempt}: training, step {record.step} of {record.max_steps}{loss}"
+        return f"attempt {attempt}{SAYS_TRAINING}{record.step} of {record.max_steps}{loss}"
     if record.phase == "starting" and record.stage is not None:
         return f"{said}: setting up ({record.stage})"
     return said
