@@ -13,9 +13,9 @@ from fsdp_operator.reconcile.running import says_training
 # longer once the operator's runs would write more than FIGURE_WRITES_PER_SECOND between them (every 500 s
 # at 1,000 runs), so that the apiserver the whole cluster shares carries a bounded rate of figures whatever
 # the number of runs (client-go gives a controller 5 requests a second by default: the figures take at most
-# two). The step `kubectl get` shows lags by as much at most; the operator's metrics carry every pass's
-# figures at once. Anything else in the status (a phase, a condition, a checkpoint, a restart) is written at
-# once, with them.
+# two). The step `kubectl get` shows, and the per-run metrics read from the status, lag by as much at most
+# (the trainer's own tracking, MLflow where a run names it, has every step). Anything else in the status (a
+# phase, a condition, a checkpoint, a restart) is written at once, with them.
 FIGURES_EVERY_INTERVALS = 2
 FIGURE_WRITES_PER_SECOND = 2.0
 FIGURES = frozenset({"progress", "goodput"})
