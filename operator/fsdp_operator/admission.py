@@ -253,16 +253,19 @@ class Admission:
         decision."""
         now = time.monotonic()
         uid_of = {competitor.name: other for other, competitor in by_uid.items() if not competitor.admitted}
+        active: dict[str, set[str]] = {}  # a limited namespace's runs with clusters, kept through the loop
         for competitor in queue.waiting:
             other, result = uid_of.get(competitor.name), queue.results[competitor.name]
             if other is None or other == uid or not result.ok:
                 continue  # not in the index (this run's own record), or told to wait
             assert competitor.spec is not None, "a waiting run's record carries its spec"
-            namespace = preflight.namespace_of(competitor.name)
-            if self.max_active_per_namespace and (
-                len(self._active_in(namespace, indexes)) >= self.max_active_per_namespace
-            ):
-                continue
+            if self.max_active_per_namespace:
+                namespace = preflight.namespace_of(competitor.name)
+                if namespace not in active:
+                    active[namespace] = self._active_in(namespace, indexes)
+                if len(active[namespace]) >= self.max_active_per_namespace:
+                    continue
+                active[namespace].add(other)
             holds = _holding(competitor.name, competitor.created, competitor.spec, result)
             self._admitted[other] = Admitted(now, holds, decided=(competitor.spec, result))
 

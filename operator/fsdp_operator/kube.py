@@ -324,23 +324,24 @@ class Indexes:
         return cast(dict[str, Any] | None, self.one(self.rayclusters, (namespace, name)))
 
     @staticmethod
-    def all(index: Any) -> list[Any]:
-        """Every value of `index`, read from a pass's thread while kopf's event loop may change it: its keys
-        and each store are copied by list(), which walks their dicts without running Python code (no thread
-        can switch in), and a key whose store went meanwhile is skipped. Iterating it directly raised
-        "dictionary changed size during iteration" under load."""
+    def _stores(index: Any) -> list[Any]:
+        """`index`'s stores, read from a pass's thread while kopf's event loop may change it: its keys are
+        copied by list(), which walks the dict without running Python code (no thread can switch in), and a
+        key whose store went meanwhile is skipped. Iterating it directly raised "dictionary changed size
+        during iteration" under load."""
         if index is None:
             return []
-        stores = (index.get(key) for key in list(index))
-        return [value for store in stores if store for value in list(store)]
+        return [store for store in (index.get(key) for key in list(index)) if store]
 
-    @staticmethod
-    def count(index: Any) -> int:
-        """How many values `index` holds (read as `all` reads it)."""
-        if index is None:
-            return 0
-        stores = (index.get(key) for key in list(index))
-        return sum(len(store) for store in stores if store)
+    @classmethod
+    def all(cls, index: Any) -> list[Any]:
+        """Every value of `index` (each store copied by list(), as its keys are)."""
+        return [value for store in cls._stores(index) for value in list(store)]
+
+    @classmethod
+    def count(cls, index: Any) -> int:
+        """How many values `index` holds."""
+        return sum(len(store) for store in cls._stores(index))
 
     def pods(self, namespace: str, cluster_name: str) -> list[dict[str, Any]]:
         store = self.ray_pods.get((namespace, cluster_name)) if self.ray_pods is not None else None
