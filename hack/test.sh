@@ -1,26 +1,48 @@
 #!/usr/bin/env bash
-# The whole suite's two tiers, `make test`'s recipe: the operator's environment (Python 3.11), then the
-# trainer's in the DLC's (Python 3.13). Both run whatever the first one's outcome, so that one tier's failure
-# never hides the other's; the end names each tier's failures and exits non-zero if either failed.
+# The whole suite's two tiers, `make test`'s recipe: the operator's environment (Python 3.11) on WORKERS
+# pytest workers, and beside it the trainer's in the DLC's (Python 3.13) on one worker of its own. Side by
+# side because the operator's tier leaves the machine idle about half its time (its tests wait on clusters and
+# Ray, docs/benchmarks.md "The suite's own time"), which the trainer's tier, all CPU, fills. Each tier's
+# workers take cluster instances of their own (tests/support/paths.py): the trainer's tier starts above the
+# operator's, so it never finds an operator worker's cluster (and S3) running and loses it when that worker
+# stops. Both run whatever the other's outcome, so that one tier's failure never hides the other's; the end
+# names each tier's failures and exits non-zero if either failed.
 # Usage: hack/test.sh OPERATOR_PYTHON DLC_PYTHON TRAINER_TESTS WORKERS [pytest args...]
 set -uo pipefail
 
 operator_python=$1 dlc_python=$2 trainer_tests=$3 workers=$4
 shift 4
+first_instance=${FSDP_CLUSTER_INSTANCE:-0}
 summaries=$(mktemp -d)
 trap 'rm -rf "$summaries"' EXIT
+# Each tier in a process group of its own whose SIGINT is not ignored, as a script's background jobs' is
+# without job control: an interrupt is passed on to both (below), and each pytest stops the clusters it started.
+set -m
 
-# tier NAME PYTHON ARGS...: runs one tier's pytest, its output shown as it comes and kept for the summary.
+# tier NAME INSTANCE WORKERS PYTHON ARGS...: runs one tier's pytest, its output kept for the summary.
 tier() {
-  local name=$1 python=$2
-  shift 2
-  "$python" -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" 2>&1 | tee "$summaries/$name"
-  local rc=${PIPESTATUS[0]}
-  echo "$rc" >"$summaries/$name.rc"
+  local name=$1 instance=$2 tier_workers=$3 python=$4
+  shift 4
+  FSDP_CLUSTER_INSTANCE=$instance "$python" -m pytest -n "$tier_workers" --dist loadfile --no-loadscope-reorder \
+    "$@" >>"$summaries/$name" 2>&1
+  echo $? >"$summaries/$name.rc"
 }
 
-tier operator "$operator_python" --durations=15 --ignore="$trainer_tests" "$@"
-tier trainer "$dlc_python" --durations=5 "$trainer_tests" "$@"
+touch "$summaries/operator" "$summaries/trainer"
+tier trainer $((first_instance + workers)) 1 "$dlc_python" --durations=5 "$trainer_tests" "$@" &
+trainer=$!
+tier operator "$first_instance" "$workers" "$operator_python" --durations=15 --ignore="$trainer_tests" "$@" &
+operator=$!
+trap 'kill -INT -- "-$operator" "-$trainer" 2>/dev/null' INT TERM
+# The operator's tier is shown as it runs (the longer one: CI's log follows it), the trainer's when both end.
+tail -n +1 --pid="$operator" -f "$summaries/operator" &
+shown=$!
+for pid in "$operator" "$trainer" "$shown"; do
+  while kill -0 "$pid" 2>/dev/null; do wait "$pid"; done
+done
+echo
+echo "==================== the trainer's tier ===================="
+cat "$summaries/trainer"
 
 failed=0
 echo

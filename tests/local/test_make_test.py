@@ -1,9 +1,12 @@
-"""`make test` runs both tiers whatever the first one's outcome, and names each tier's failures at the end."""
+"""`make test` runs both tiers side by side, each on cluster instances of its own, whatever the other's
+outcome, and names each tier's failures at the end."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 from tests.support.paths import REPO, dlc_python
@@ -31,3 +34,58 @@ def test_a_broken_trainer_test_still_shows_when_an_operator_test_fails_too(tmp_p
     assert "trainer tier: exit 1: 1 failed" in summary, summary
     assert "FAILED test_operator_side.py::test_operator" in summary, summary
     assert "FAILED trainer/test_trainer_side.py::test_trainer" in summary, summary
+
+
+# Each side records its cluster instance and pytest worker, then waits (bounded) for the other side's record:
+# it passes only while the other tier runs at the same time.
+MEETS = textwrap.dedent(
+    """
+    import os, pathlib, time
+
+    def test_{name}_meets_the_other_tier() -> None:
+        meeting = pathlib.Path(os.environ["MEETING"])
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        (meeting / "{name}").write_text(f"{{os.environ['FSDP_CLUSTER_INSTANCE']}} {{worker}}")
+        deadline = time.monotonic() + 120
+        while not (meeting / "{other}").exists():
+            assert time.monotonic() < deadline, "the {other} tier did not run beside this one within 120 s"
+            time.sleep(0.2)
+    """
+)
+
+
+def test_the_two_tiers_run_side_by_side_on_cluster_instances_of_their_own(tmp_path: Path) -> None:
+    """The trainer's tier runs beside the operator's (which leaves the machine idle half its time), its one
+    worker on the instance above the operator's workers': it never finds an operator worker's cluster (and its
+    S3) running, to lose it when that worker's session ends."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "test_operator_side.py").write_text(MEETS.format(name="operator", other="trainer"))
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "test_trainer_side.py").write_text(MEETS.format(name="trainer", other="operator"))
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    run = subprocess.run(
+        [REPO / "hack" / "test.sh", sys.executable, dlc_python(), "trainer", "2"],
+        cwd=tmp_path,
+        env={**os.environ, "MEETING": str(meeting), "FSDP_CLUSTER_INSTANCE": "5"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-3000:]
+    assert (meeting / "operator").read_text() in ("5 gw0", "5 gw1"), "the operator's workers: 5 and 6"
+    assert (meeting / "trainer").read_text() == "7 gw0", "the trainer's one worker: the instance above them"
+
+
+def test_a_pytest_worker_takes_the_instance_its_number_above_the_one_its_run_was_given() -> None:
+    """Worker gwN of a run given FSDP_CLUSTER_INSTANCE=B uses cluster instance B + N (tests/support/paths.py):
+    the trainer's tier, given the instance above the operator's workers, shares no cluster with them."""
+    instance = subprocess.run(
+        [sys.executable, "-c", "from tests.support.paths import INSTANCE; print(INSTANCE)"],
+        cwd=REPO,
+        env={**os.environ, "PYTEST_XDIST_WORKER": "gw1", "FSDP_CLUSTER_INSTANCE": "5"},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert instance == "6", f"gw1 of a run given instance 5 took instance {instance}"

@@ -11,7 +11,8 @@ things, each counted once and whatever else runs on the machine:
 - the real node's pods: the kubelet's cgroup, by the kernel's own accounting (cpuacct, or cpu.stat on
   cgroup v2).
 
-Use: `FSDP_CPU_PROFILE=DIR make test` (or pytest with it set) writes DIR/<worker>.tsv;
+Use: `FSDP_CPU_PROFILE=DIR make test` (or pytest with it set) writes DIR/instance-<N>.tsv (the local
+cluster instance of each pytest worker);
 `python -m tests.support.cpu_profile DIR` prints the files ranked by CPU, each with its tests' wall time.
 """
 
@@ -28,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.paths import cluster_settings, state_dir
+from tests.support.paths import INSTANCE, cluster_settings, state_dir
 
 PROFILE_DIR_VARIABLE = "FSDP_CPU_PROFILE"
 _TICKS = os.sysconf("SC_CLK_TCK")
@@ -121,12 +122,12 @@ class _Sampler:
 
 
 class CpuProfile:
-    """The plugin: one row per test in <dir>/<worker>.tsv."""
+    """The plugin: one row per test in <dir>/instance-<N>.tsv."""
 
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
-        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-        self.out = (directory / f"{worker}.tsv").open("a", newline="")
+        # The instance, not the worker: make test's two tiers run side by side, each with its own gw0.
+        self.out = (directory / f"instance-{INSTANCE}.tsv").open("a", newline="")
         self.writer = csv.writer(self.out, delimiter="\t")
         if self.out.tell() == 0:
             self.writer.writerow(COLUMNS)
