@@ -24,14 +24,18 @@ start() {
   # dashboard's modules get 300 s to start, not Ray's 30: on a loaded machine MetricsHead took longer, and the
   # dashboard (the job API) exited with it. Ray Train's preemption watcher (an actor per attempt polling the
   # GCS every 5 s for drained nodes, which only an autoscaler drains) is off: one node, never drained, and it
-  # cost 10 % of each attempt's CPU here (53 vs 59 CPU-s for the CPU demo, measured side by side).
+  # cost 10 % of each attempt's CPU here (53 vs 59 CPU-s for the CPU demo, measured side by side). Its agent's
+  # node statistics and its dashboard's own metrics every 60 s, not 5: nothing here reads them, and with the
+  # log monitor's setting an idle head costs 2.7-2.9 CPU-s a minute, not 3.9-5.8 (tests/support/real_node.py QUIET_RAY,
+  # which the real node's pods get too).
   log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
   mkdir -p "$RAY_TMP/tmp"
   (source "$STATE/env" && export TMPDIR=$RAY_TMP/tmp FSDP_TRAINER_CACHE=$RAY_TMP/trainer-cache HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \
     RAY_ADDRESS=127.0.0.1:$RAY_GCS_PORT RAY_AUTH_MODE=token RAY_AUTH_TOKEN=$FSDP_LOCAL_RAY_TOKEN \
     AUTOSCALER_METRIC_PORT=$RAY_AUTOSCALER_METRICS_PORT DASHBOARD_METRIC_PORT=$RAY_DASHBOARD_METRICS_PORT \
     RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT=300 PATH="$DLC_VENV/bin:$PATH" \
-    RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=1 RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 &&
+    RAY_LOG_MONITOR_MANY_FILES_THRESHOLD=0 LOG_NAME_UPDATE_INTERVAL_S=1 RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=0 \
+    REPORTER_UPDATE_INTERVAL_MS=60000 METRICS_RECORD_INTERVAL_S=60 &&
     start_daemon ray "$DLC_VENV/bin/ray" start --head --block \
       --node-ip-address 127.0.0.1 --port "$RAY_GCS_PORT" --ray-client-server-port "$RAY_CLIENT_PORT" \
       --dashboard-host 127.0.0.1 --dashboard-port "$RAY_DASHBOARD_PORT" \

@@ -22,6 +22,20 @@ RUN_TIMEOUT = 900
 OPERATOR_NAMESPACE = "fsdp-real-pods-operator"
 CONTAINERS_CONF = str(REPO / "hack" / "containers.conf")
 
+# What an idle Ray node does on its own, less often (the local head, hack/ray-head.sh, does the same): its
+# agent's node statistics every 60 s, not 5; its dashboard's own metrics every 60 s, not 5; its log monitor
+# lists the log directory once a second, not on each of its 0.1 s rounds (Ray lists it every round while
+# under 1,000 files). An idle head's processes: 3.9-5.8 CPU-s a minute by default, 2.7-2.9 with these (Ray
+# 2.58 from the DLC's lock, measured in turns, docs/benchmarks.md "The suite's own time"); the suite's pods
+# and heads idle most of their life. Nothing the operator reads comes from them: it asks the job, log and
+# package APIs.
+QUIET_RAY = {
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+    "METRICS_RECORD_INTERVAL_S": "60",
+    "LOG_NAME_UPDATE_INTERVAL_S": "1",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0",
+}
+
 
 @dataclass(frozen=True)
 class RealNode:
@@ -51,6 +65,7 @@ class RealNode:
             "HF_HUB_OFFLINE": "1",
             # The node is shared by the whole suite: give the dashboard's modules time to start.
             "RAY_DASHBOARD_SUBPROCESS_MODULE_WAIT_READY_TIMEOUT": "300",
+            **QUIET_RAY,
         }
 
 
