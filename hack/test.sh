@@ -3,7 +3,7 @@
 # pytest workers, and beside it the trainer's in the DLC's (Python 3.13) on one worker of its own. Side by
 # side because the operator's tier leaves the machine idle about half its time (its tests wait on clusters and
 # Ray, docs/benchmarks.md "The suite's own time"), which the trainer's tier, all CPU, fills. Each tier's
-# workers take cluster instances of their own (tests/support/paths.py): the trainer's tier starts above the
+# workers take cluster instances of their own (tests/support/paths.py, FSDP_TEST_FIRST_INSTANCE): the trainer's tier starts above the
 # operator's, so it never finds an operator worker's cluster (and S3) running and loses it when that worker
 # stops. Both run whatever the other's outcome, so that one tier's failure never hides the other's; the end
 # names each tier's failures and exits non-zero if either failed.
@@ -12,7 +12,7 @@ set -uo pipefail
 
 operator_python=$1 dlc_python=$2 trainer_tests=$3 workers=$4
 shift 4
-first_instance=${FSDP_CLUSTER_INSTANCE:-0}
+first_instance=${FSDP_TEST_FIRST_INSTANCE:-0}
 summaries=$(mktemp -d)
 trap 'rm -rf "$summaries"' EXIT
 # Each tier in a process group of its own whose SIGINT is not ignored, as a script's background jobs' is
@@ -23,7 +23,7 @@ set -m
 tier() {
   local name=$1 instance=$2 tier_workers=$3 python=$4
   shift 4
-  FSDP_CLUSTER_INSTANCE=$instance "$python" -m pytest -n "$tier_workers" --dist loadfile --no-loadscope-reorder \
+  FSDP_TEST_FIRST_INSTANCE=$instance "$python" -m pytest -n "$tier_workers" --dist loadfile --no-loadscope-reorder \
     "$@" >>"$summaries/$name" 2>&1
   echo $? >"$summaries/$name.rc"
 }

@@ -45,7 +45,7 @@ MEETS = textwrap.dedent(
     def test_{name}_meets_the_other_tier() -> None:
         meeting = pathlib.Path(os.environ["MEETING"])
         worker = os.environ.get("PYTEST_XDIST_WORKER")
-        (meeting / "{name}").write_text(f"{{os.environ['FSDP_CLUSTER_INSTANCE']}} {{worker}}")
+        (meeting / "{name}").write_text(f"{{os.environ['FSDP_TEST_FIRST_INSTANCE']}} {{worker}}")
         deadline = time.monotonic() + 120
         while not (meeting / "{other}").exists():
             assert time.monotonic() < deadline, "the {other} tier did not run beside this one within 120 s"
@@ -67,7 +67,7 @@ def test_the_two_tiers_run_side_by_side_on_cluster_instances_of_their_own(tmp_pa
     run = subprocess.run(
         [REPO / "hack" / "test.sh", sys.executable, dlc_python(), "trainer", "2"],
         cwd=tmp_path,
-        env={**os.environ, "MEETING": str(meeting), "FSDP_CLUSTER_INSTANCE": "5"},
+        env={**os.environ, "MEETING": str(meeting), "FSDP_TEST_FIRST_INSTANCE": "5"},
         capture_output=True,
         text=True,
         timeout=300,
@@ -77,15 +77,18 @@ def test_the_two_tiers_run_side_by_side_on_cluster_instances_of_their_own(tmp_pa
     assert (meeting / "trainer").read_text() == "7 gw0", "the trainer's one worker: the instance above them"
 
 
-def test_a_pytest_worker_takes_the_instance_its_number_above_the_one_its_run_was_given() -> None:
-    """Worker gwN of a run given FSDP_CLUSTER_INSTANCE=B uses cluster instance B + N (tests/support/paths.py):
-    the trainer's tier, given the instance above the operator's workers, shares no cluster with them."""
-    instance = subprocess.run(
-        [sys.executable, "-c", "from tests.support.paths import INSTANCE; print(INSTANCE)"],
-        cwd=REPO,
-        env={**os.environ, "PYTEST_XDIST_WORKER": "gw1", "FSDP_CLUSTER_INSTANCE": "5"},
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.strip()
-    assert instance == "6", f"gw1 of a run given instance 5 took instance {instance}"
+def test_a_pytest_worker_takes_the_instance_its_number_above_its_runs_first() -> None:
+    """Worker gwN of a run whose first instance is B (FSDP_TEST_FIRST_INSTANCE) uses cluster instance B + N
+    (tests/support/paths.py): the trainer's tier, given the instance above the operator's workers, shares no
+    cluster with them. A worker's child, which also inherits the worker's FSDP_CLUSTER_INSTANCE, agrees."""
+    worker = {**os.environ, "PYTEST_XDIST_WORKER": "gw1", "FSDP_TEST_FIRST_INSTANCE": "5"}
+    for env in (worker, {**worker, "FSDP_CLUSTER_INSTANCE": "6"}):
+        instance = subprocess.run(
+            [sys.executable, "-c", "from tests.support.paths import INSTANCE; print(INSTANCE)"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert instance == "6", f"gw1 of a run whose first instance is 5 took instance {instance}"

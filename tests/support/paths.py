@@ -9,11 +9,16 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-# Which local cluster this process uses (hack/lib.sh, FSDP_CLUSTER_INSTANCE, 0 unless set): pytest-xdist's
-# worker gwN uses the instance N above it, so that two workers never share a control plane, a Ray head or an
-# S3 server, nor two pytest runs side by side whose instances are set apart (hack/test.sh's two tiers).
+# Which local cluster this process uses (hack/lib.sh, FSDP_CLUSTER_INSTANCE): pytest-xdist's worker gwN uses
+# the instance N above its run's first (FSDP_TEST_FIRST_INSTANCE, 0 unless set), so that two workers never
+# share a control plane, a Ray head or an S3 server, nor two pytest runs side by side given first instances
+# apart (hack/test.sh's two tiers). A worker's children inherit both variables and compute the same.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-INSTANCE = int(os.environ.get("FSDP_CLUSTER_INSTANCE", "0")) + (int(_WORKER[2:]) if _WORKER else 0)
+INSTANCE = (
+    int(os.environ.get("FSDP_TEST_FIRST_INSTANCE", "0")) + int(_WORKER[2:])
+    if _WORKER
+    else int(os.environ.get("FSDP_CLUSTER_INSTANCE", "0"))
+)
 
 
 def cluster_settings(*names: str) -> list[str]:
