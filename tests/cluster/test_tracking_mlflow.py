@@ -114,7 +114,9 @@ def test_a_run_that_restarts_once_is_one_mlflow_run_with_every_step_its_params_t
     spec = run_spec(s3_storage, mlflow.url, experiment, registered_model)
     run = RunRef(name="tiny-restart", namespace="team-a", uid=uuid.uuid4().hex)
     # The first attempt stops making progress at step 11 (after the checkpoint of step 8) and is killed
-    # once MLflow shows its step 10, as a lost node is: no cleanup, no last flush.
+    # once MLflow shows its step 10 and its checkpoint of step 8 is complete (written in the background: on
+    # a loaded machine it completed after step 10 was logged, and the second attempt resumed from step 4), as
+    # a lost node is: no cleanup, no last flush.
     first = start_attempt(
         spec,
         run,
@@ -124,8 +126,11 @@ def test_a_run_that_restarts_once_is_one_mlflow_run_with_every_step_its_params_t
     )
     try:
         wait_until(
-            "the first attempt's step 10 in MLflow",
-            lambda: max(mlflow.logged_steps(experiment, "loss"), default=0) >= FAULT_STEP - 1,
+            "the first attempt's step 10 in MLflow and its checkpoint of step 8 complete in S3",
+            lambda: (
+                max(mlflow.logged_steps(experiment, "loss"), default=0) >= FAULT_STEP - 1
+                and 8 in complete_checkpoint_steps(s3_storage)
+            ),
             timeout=RUN_TIMEOUT_S,
         )
     finally:
@@ -200,6 +205,13 @@ def _keys(storage: str) -> list[str]:
     bucket = storage.removeprefix("s3://").split("/")[0]
     pages = boto3.client("s3").get_paginator("list_objects_v2").paginate(Bucket=bucket)
     return [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+
+
+def complete_checkpoint_steps(storage: str) -> set[int]:
+    """The steps of the checkpoints under `storage` that are complete (their manifest written last)."""
+    bucket = storage.removeprefix("s3://").split("/")[0]
+    manifests = [key for key in _keys(storage) if key.endswith("/fsdp_manifest.json")]
+    return {json.loads(read_s3(f"s3://{bucket}/{key}"))["step"] for key in manifests}
 
 
 @pytest.fixture(params=["refusing", "silent"])
