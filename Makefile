@@ -93,6 +93,7 @@ bench: venv tools ## benchmarks (never in CI): control plane on the local cluste
 	$(DLC_PY) bench/trainer_mlflow.py
 	$(DLC_PY) bench/trainer_prefetch.py
 	$(DLC_PY) bench/attempt_cpu.py
+	$(PY) bench/ray_idle.py
 	$(PY) bench/load.py
 
 .PHONY: bench-load
