@@ -30,6 +30,7 @@ import pytest
 from fsdp_operator import api, submission
 from fsdp_operator.builder import RunRef
 from fsdp_trainer.contract import MLFLOW_RUN_FILE, AttemptInfo, MlflowRunRef, ProgressRecord
+from tests.support.demo import complete_checkpoint_manifests
 from tests.support.manifests import tiny_qwen2
 from tests.support.mlflow import MlflowServer
 from tests.support.net import free_port
@@ -210,8 +211,7 @@ def _keys(storage: str) -> list[str]:
 def complete_checkpoint_steps(storage: str) -> set[int]:
     """The steps of the checkpoints under `storage` that are complete (their manifest written last)."""
     bucket = storage.removeprefix("s3://").split("/")[0]
-    manifests = [key for key in _keys(storage) if key.endswith("/fsdp_manifest.json")]
-    return {json.loads(read_s3(f"s3://{bucket}/{key}"))["step"] for key in manifests}
+    return {manifest["step"] for manifest in complete_checkpoint_manifests(boto3.client("s3"), bucket, "")}
 
 
 @pytest.fixture(params=["refusing", "silent"])

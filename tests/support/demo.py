@@ -77,9 +77,24 @@ def keys_under(s3: Any, prefix: str) -> set[str]:
 def checkpoint_steps_in_s3(s3: Any, namespace: str, name: str, written_by: str | None = None) -> set[int]:
     """The steps of the run's complete checkpoints (those with a manifest); with written_by, only those the
     Ray job of that submission id wrote."""
-    manifests = [k for k in keys_under(s3, f"runs/{namespace}/{name}/") if k.endswith("/fsdp_manifest.json")]
-    found = [json.loads(s3.get_object(Bucket=BUCKET, Key=k)["Body"].read()) for k in manifests]
+    found = complete_checkpoint_manifests(s3, BUCKET, f"runs/{namespace}/{name}/")
     return {m["step"] for m in found if written_by is None or m.get("submissionId") == written_by}
+
+
+def complete_checkpoint_manifests(s3: Any, bucket: str, prefix: str) -> list[dict[str, Any]]:
+    """The manifests of the complete checkpoints under the prefix. One that the trainer's retention deletes
+    between the listing and its read is left out: it is no longer there to resume from."""
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    keys = [obj["Key"] for page in pages for obj in page.get("Contents", [])]
+    found = []
+    for key in keys:
+        if not key.endswith("/fsdp_manifest.json"):
+            continue
+        try:
+            found.append(json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read()))
+        except s3.exceptions.NoSuchKey:
+            continue
+    return found
 
 
 def progress_record(s3: Any, namespace: str, name: str) -> dict[str, Any]:
