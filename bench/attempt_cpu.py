@@ -39,7 +39,7 @@ from tests.support.net import answers, free_port
 from tests.support.processes import stop_process_group
 from tests.support.waiting import wait_until
 
-from doc_section import publish
+from doc_section import measured, publish
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,9 +152,8 @@ def attempt(variant: str, env: dict[str, str], workdir: Path) -> dict[str, Any]:
 
 
 def table(rounds: list[dict[str, dict[str, Any]]], command: str) -> str:
-    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
-        f"Measured {when} on {os.cpu_count()} CPUs (`{command}`).",
+        measured(command),
         "",
         "| variant | CPU-s per attempt, median (range) | wall s, median | CPU ratio to demo (range) |",
         "|---|---|---|---|",

@@ -4,11 +4,19 @@ there is typed by hand: `<!-- NAME:begin -->` ... `<!-- NAME:end -->`."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+
+
+def measured(command: str) -> str:
+    """The line a benchmark's table opens with: when, on how many CPUs, by which command."""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"Measured {when} on {os.cpu_count()} CPUs (`{command}`)."
 
 
 def write_section(name: str, text: str, doc: Path = DOC) -> None:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 from tests.support.net import free_port
 from tests.support.paths import dlc_python
+from tests.support.processes import stop_process_group
 from tests.support.real_node import QUIET_RAY
 from tests.support.waiting import wait_until
 
@@ -98,12 +98,7 @@ def idle_head(env: dict[str, str], window: float) -> float:
         used = sum(seconds - before.get(pid, 0.0) for pid, seconds in after.items())
         return used * 60 / window
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-            head.wait()
+        stop_process_group(head, timeout=60)
         shutil.rmtree(session, ignore_errors=True)
 
 
