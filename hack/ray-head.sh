@@ -25,9 +25,8 @@ start() {
   # dashboard (the job API) exited with it. Ray Train's preemption watcher (an actor per attempt polling the
   # GCS every 5 s for drained nodes, which only an autoscaler drains) is off: one node, never drained, and it
   # cost 10 % of each attempt's CPU here (53 vs 59 CPU-s for the CPU demo, measured side by side). Its agent's
-  # node statistics and its dashboard's own metrics every 60 s, not 5: nothing here reads them, and with the
-  # log monitor's setting an idle head costs 2.7-2.9 CPU-s a minute, not 3.9-5.8 (tests/support/real_node.py QUIET_RAY,
-  # which the real node's pods get too).
+  # node statistics and its dashboard's own metrics every 60 s, not 5: nothing here reads them (with the log
+  # monitor's setting, tests/support/real_node.py QUIET_RAY, which the real node's pods get too).
   log "starting Ray head (GCS :$RAY_GCS_PORT, dashboard :$RAY_DASHBOARD_PORT)"
   mkdir -p "$RAY_TMP/tmp"
   (source "$STATE/env" && export TMPDIR=$RAY_TMP/tmp FSDP_TRAINER_CACHE=$RAY_TMP/trainer-cache HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The whole suite's two tiers, `make test`'s recipe: the operator's environment (Python 3.11) on WORKERS
 # pytest workers, and beside it the trainer's in the DLC's (Python 3.13) on one worker of its own. Side by
-# side because the operator's tier leaves the machine idle about half its time (its tests wait on clusters and
-# Ray, docs/benchmarks.md "The suite's own time"), which the trainer's tier, all CPU, fills. Each tier's
-# workers take cluster instances of their own (tests/support/paths.py, FSDP_TEST_FIRST_INSTANCE): the trainer's tier starts above the
-# operator's, so it never finds an operator worker's cluster (and S3) running and loses it when that worker
-# stops. Both run whatever the other's outcome, so that one tier's failure never hides the other's; the end
+# side because the operator's tier alone left the machine idle about half its time (its tests wait on clusters
+# and Ray, docs/benchmarks.md "The suite's own time"), which the trainer's tier, all CPU, fills. Each tier's
+# workers take cluster instances of their own (tests/support/paths.py, FSDP_TEST_FIRST_INSTANCE): the
+# trainer's tier starts above the operator's, so it never finds an operator worker's cluster (and S3) running
+# and loses it when that worker stops. Both run whatever the other's outcome, so that one tier's failure never hides the other's; the end
 # names each tier's failures and exits non-zero if either failed.
 # Usage: hack/test.sh OPERATOR_PYTHON DLC_PYTHON TRAINER_TESTS WORKERS [pytest args...]
 set -uo pipefail

@@ -25,10 +25,10 @@ CONTAINERS_CONF = str(REPO / "hack" / "containers.conf")
 # What an idle Ray node does on its own, less often (the local head, hack/ray-head.sh, does the same): its
 # agent's node statistics every 60 s, not 5; its dashboard's own metrics every 60 s, not 5; its log monitor
 # lists the log directory once a second, not on each of its 0.1 s rounds (Ray lists it every round while
-# under 1,000 files). An idle head's processes: 3.9-5.8 CPU-s a minute by default, 2.7-2.9 with these (Ray
-# 2.58 from the DLC's lock, measured in turns, docs/benchmarks.md "The suite's own time"); the suite's pods
-# and heads idle most of their life. Nothing the operator reads comes from them: it asks the job, log and
-# package APIs.
+# under 1,000 files). An idle head's processes: 3.1-3.5 CPU-s a minute by default, 2.6-3.1 with these, a
+# median ratio of 0.87 (Ray 2.58 from the DLC's lock, `python bench/ray_idle.py --rounds 2`,
+# docs/benchmarks.md "The suite's own time"); the suite's pods and heads idle most of their life. Nothing
+# the operator reads comes from them: it asks the job, log and package APIs.
 QUIET_RAY = {
     "REPORTER_UPDATE_INTERVAL_MS": "60000",
     "METRICS_RECORD_INTERVAL_S": "60",
