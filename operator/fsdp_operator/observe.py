@@ -27,7 +27,7 @@ from fsdp_operator.reconcile import (
     job_to_observe,
     needs_workload,
     observe_cluster,
-    ready_for_elastic,
+    ready_for_a_job,
 )
 from fsdp_operator.records import RecordTooLarge, RunStorage
 from fsdp_operator.runmemory import Pull, PullsRead
@@ -104,7 +104,8 @@ def observe(
     cluster = observe_raycluster(ctx, run, spec, status, indexes)
     pods = ray_pods(run, indexes) if cluster is not None else []
     if cluster is not None:
-        cluster = ready_for_elastic(cluster, spec, sum(1 for p in pods if not p["head"] and p.get("ready")))
+        ready_workers = sum(1 for p in pods if not p["head"] and p.get("ready"))
+        cluster = ready_for_a_job(cluster, spec, status.phase, ready_workers)
     workload = observe_kueue_workload(ctx, run, indexes) if needs_workload(spec, status, cluster) else None
     active = status.phase in api.ACTIVE_PHASES  # finished, pending or suspended runs have nothing new to read
     progress, latest_fingerprint, storage_error, mlflow_run = None, None, None, None

@@ -41,11 +41,13 @@ def kept(body: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def cluster_reaction(body: Mapping[str, Any]) -> tuple[Any, ...]:
-    """What of a RayCluster event a pass reacts to at once: readiness as the pass reads it, KubeRay's state
-    (failed), suspension, its spec's generation (drift), its deletion."""
+    """What of a RayCluster event a pass reacts to at once: readiness as the pass reads it (every worker ready
+    too, which a provisioning run waits for), KubeRay's state (failed), suspension, its spec's generation
+    (drift), its deletion."""
     seen = observe_cluster(dict(body))
     state = (body.get("status") or {}).get("state")
-    return (body["metadata"].get("generation"), seen.ready, seen.deleting, seen.suspended, state)
+    readiness = (seen.ready, seen.every_worker_ready)
+    return (body["metadata"].get("generation"), readiness, seen.deleting, seen.suspended, state)
 
 
 def _memory_limit(body: Mapping[str, Any], container: str) -> str | None:

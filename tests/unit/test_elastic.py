@@ -136,3 +136,35 @@ def test_a_ray_pods_readiness_is_kept_for_the_pass() -> None:
     assert pod_summary(pod)["ready"] is True
     pod["status"]["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]
     assert pod_summary(pod)["ready"] is False
+
+
+def test_a_provisioning_run_waits_for_its_workers_though_kuberay_calls_the_cluster_provisioned() -> None:
+    """KubeRay sets RayClusterProvisioned once, when every pod its cache holds is ready, without counting
+    them: a reconcile that saw the ready head and not yet the workers set it while both workers could not be
+    scheduled, and the run submitted its job instead of saying "Insufficient cpu" (a whole run's failure of
+    test_a_worker_the_scheduler_cannot_place_is_named_in_the_status_and_the_daily_view). KubeRay's own count
+    of ready workers, from that reconcile, holds the run until they are."""
+    from fsdp_operator.api import Phase
+    from fsdp_operator.reconcile import observe_cluster, ready_for_a_job
+    from fsdp_operator.watched import cluster_reaction
+
+    def raycluster(ready_workers: int) -> dict[str, Any]:
+        conditions = [
+            {"type": "HeadPodReady", "status": "True"},
+            {"type": "RayClusterProvisioned", "status": "True"},
+        ]
+        status = {"conditions": conditions, "readyWorkerReplicas": ready_workers, "desiredWorkerReplicas": 2}
+        return {"metadata": {"name": "c", "generation": 1}, "status": status}
+
+    early = observe_cluster(raycluster(ready_workers=0))
+    assert early.ready  # KubeRay's conditions alone
+    held = ready_for_a_job(early, spec(workers=2), Phase.PROVISIONING, ready_workers=0)
+    assert not held.ready and "provisioned with 0 of 2 workers ready" in held.message
+    ready = observe_cluster(raycluster(ready_workers=2))
+    assert ready_for_a_job(ready, spec(workers=2), Phase.PROVISIONING, ready_workers=2).ready
+    # An elastic run takes its job with minWorkers ready, as before.
+    assert ready_for_a_job(early, spec(workers=2, minWorkers=1), Phase.PROVISIONING, ready_workers=1).ready
+    # Once a run is past provisioning, a worker that restarts is the job's business, not a cluster not ready.
+    assert ready_for_a_job(early, spec(workers=2), Phase.RUNNING, ready_workers=1).ready
+    # The workers becoming ready is a RayCluster event a pass reacts to at once.
+    assert cluster_reaction(raycluster(ready_workers=0)) != cluster_reaction(raycluster(ready_workers=2))

@@ -42,6 +42,7 @@ from fsdp_operator.reconcile.observation import (
     needs_preflight,
     needs_workload,
     observe_cluster,
+    ready_for_a_job,
     ready_for_elastic,
 )
 from fsdp_operator.reconcile.trainer_records import MAX_EVIDENCE_LINES, MAX_TRAINER_TEXT
@@ -63,6 +64,7 @@ __all__ = [
     "needs_preflight",
     "needs_workload",
     "observe_cluster",
+    "ready_for_a_job",
     "ready_for_elastic",
     "reconcile",
     "refused_spec",

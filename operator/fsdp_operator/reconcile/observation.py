@@ -36,6 +36,14 @@ class ClusterObservation:
     zone: str | None = None  # the workers' zone as their node selector pins it (Kueue's flavor, or ours)
     replica_failure: str | None = None  # KubeRay could not create or delete a pod (its ReplicaFailure)
     head_ready: bool = False  # KubeRay's HeadPodReady
+    # KubeRay's count of ready worker pods, and of the workers its spec asks for (status.readyWorkerReplicas,
+    # desiredWorkerReplicas), from the same reconcile as its conditions.
+    ready_workers: int = 0
+    desired_workers: int = 0
+
+    @property
+    def every_worker_ready(self) -> bool:
+        return self.ready_workers >= self.desired_workers
 
 
 @dataclass(frozen=True)
@@ -153,7 +161,29 @@ def observe_cluster(raycluster: dict[str, Any], drift: str | None = None) -> Clu
         zone=zones.pop() if len(zones) == 1 else None,
         replica_failure=_replica_failure(failure) if failure.get("status") == "True" else None,
         head_ready=head_ready,
+        ready_workers=int(status.get("readyWorkerReplicas") or 0),
+        desired_workers=int(status.get("desiredWorkerReplicas") or 0),
     )
+
+
+def ready_for_a_job(
+    cluster: ClusterObservation, spec: FSDPTrainingRunSpec, phase: Phase | None, ready_workers: int
+) -> ClusterObservation:
+    """Whether a run's cluster can take its job. While the run provisions, KubeRay's RayClusterProvisioned is
+    not enough: KubeRay (v1.6.2, calculateStatus) sets it once and for good when every pod in its cache is
+    running and ready, without counting them, so a reconcile whose cache holds the ready head and not yet the
+    workers sets it with every worker unschedulable (seen on a loaded machine: the job was submitted and the
+    run said nothing of the workers' "Insufficient cpu"). Its count of ready workers, from the same
+    reconcile, must reach the workers asked for too; an elastic run's minWorkers are enough
+    (ready_for_elastic)."""
+    if phase == Phase.PROVISIONING and cluster.ready and not cluster.every_worker_ready:
+        cluster = dataclasses.replace(
+            cluster,
+            ready=False,
+            message=f"KubeRay reports the RayCluster provisioned with {cluster.ready_workers} of "
+            f"{cluster.desired_workers} workers ready",
+        )
+    return ready_for_elastic(cluster, spec, ready_workers)
 
 
 def ready_for_elastic(
