@@ -21,10 +21,9 @@ import statistics
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
-from tests.support.net import free_port
+from tests.support.net import answers, free_port
 from tests.support.paths import dlc_python
 from tests.support.processes import stop_process_group
 from tests.support.real_node import QUIET_RAY
@@ -63,14 +62,6 @@ def cpu_seconds(pids: set[int]) -> dict[int, float]:
             continue
         found[pid] = (int(fields[11]) + int(fields[12])) / TICKS
     return found
-
-
-def answers(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return bool(response.status == 200)
-    except OSError:
-        return False
 
 
 def idle_head(env: dict[str, str], window: float) -> float:
