@@ -1,5 +1,6 @@
 """The black-hole proxy: pass-through answers, a black hole makes clients time out (never refused or reset), a
-crash resets at once, and pass-through works again afterwards; close() closes every socket."""
+crash resets at once (or at a given byte of what clients send), and pass-through works again afterwards;
+close() closes every socket."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ class _Hello(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         body = b"hello"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        received = len(self.rfile.read(int(self.headers["Content-Length"])))
+        body = str(received).encode()
         self.send_response(200)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -121,6 +130,27 @@ def test_crash_resets_open_and_new_connections_until_pass_through(proxy: BlackHo
         with pytest.raises((ConnectionError, urllib.error.URLError)) as new_connection:
             get(proxy.url, timeout=5)
         assert not isinstance(getattr(new_connection.value, "reason", None), TimeoutError), new_connection
+    finally:
+        connection.close()
+    proxy.pass_through()
+    assert get(proxy.url, timeout=5) == b"hello"
+
+
+def test_crash_after_forwards_that_many_bytes_then_resets(proxy: BlackHoleProxy) -> None:
+    body = b"x" * 200_000
+    connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=5)
+    try:
+        proxy.crash_after(len(body) * 10)  # far beyond one request: it passes
+        connection.request("POST", "/", body=body)
+        assert connection.getresponse().read() == str(len(body)).encode()
+        sent = proxy.sent_bytes
+        proxy.crash_after(len(body) // 2)  # halfway through the next body
+        with pytest.raises(ConnectionError):
+            connection.request("POST", "/", body=body)
+            connection.getresponse()
+        assert proxy.sent_bytes == sent + len(body) // 2, "the crash came elsewhere than at the byte asked"
+        with pytest.raises((ConnectionError, urllib.error.URLError)):
+            get(proxy.url, timeout=5)  # crashed, as crash() leaves it
     finally:
         connection.close()
     proxy.pass_through()

@@ -5,13 +5,16 @@
         proxy.black_hole()                        # now every request hangs until the client's own timeout
         proxy.pass_through()                      # new connections work again
         proxy.crash()                             # as a killed server: connections reset, new ones too
+        proxy.crash_after(1_000_000)              # the same, once clients have sent that many more bytes
 
 In black-hole mode the proxy still accepts new connections and reads what clients send, but it never answers
 and never closes them (no FIN, no RST): what a hung server or a silently dropping network looks like. The
 connections that were open when the hole opened stop forwarding in both directions and stay swallowed, since
 their byte streams are cut at an arbitrary point; only connections made after `pass_through()` forward
 again. In crash mode every open connection is reset (RST) at once and new ones are reset as soon as they are
-accepted: a server killed and not yet back, for clients that retry. `close()` (or leaving the `with` block)
+accepted: a server killed and not yet back, for clients that retry. `crash_after(n)` crashes it at a point in
+the clients' byte stream rather than in time: the proxy forwards exactly n more bytes to the target, whatever
+the machine's load, then crashes. `close()` (or leaving the `with` block)
 closes every socket the proxy holds.
 """
 
@@ -78,6 +81,8 @@ class BlackHoleProxy:
         self.port = 0
         self.accepted = 0  # connections accepted so far, in either mode
         self.answered_bytes = 0  # bytes passed from the target to clients so far (headers and bodies)
+        self.sent_bytes = 0  # bytes passed from clients to the target so far
+        self._crash_at: int | None = None  # the sent_bytes at which crash_after's crash comes
         self._black_hole = False
         self._crashed = False
         self._connections: set[_Connection] = set()
@@ -110,6 +115,10 @@ class BlackHoleProxy:
     def crash(self) -> None:
         """From now on every connection, open or new, is reset, until pass_through()."""
         self._run(self._crash)
+
+    def crash_after(self, sent: int) -> None:
+        """Forwards `sent` more bytes from clients to the target, then crashes (at once for 0)."""
+        self._run(self._arm_crash, sent)
 
     def close(self) -> None:
         """Stops listening and closes every client and upstream socket; idempotent."""
@@ -163,13 +172,18 @@ class BlackHoleProxy:
             handler.add_done_callback(self._handlers.discard)
 
     def _set_black_hole(self, on: bool) -> None:
-        self._black_hole, self._crashed = on, False
+        self._black_hole, self._crashed, self._crash_at = on, False, None
         if on:
             for connection in self._connections:
                 connection.swallow()
 
+    def _arm_crash(self, sent: int) -> None:
+        self._crash_at = self.sent_bytes + sent
+        if sent <= 0:
+            self._crash()
+
     def _crash(self) -> None:
-        self._crashed = True
+        self._crashed, self._crash_at = True, None
         for connection in list(self._connections):
             connection.reset()
 
@@ -229,6 +243,14 @@ class BlackHoleProxy:
                     return
                 if answers:
                     self.answered_bytes += len(data)
+                elif self._crash_at is not None and self.sent_bytes + len(data) >= self._crash_at:
+                    sink.write(data[: self._crash_at - self.sent_bytes])
+                    self.sent_bytes = self._crash_at
+                    await sink.drain()
+                    self._crash()
+                    return
+                else:
+                    self.sent_bytes += len(data)
                 sink.write(data)
                 await sink.drain()
             if not connection.black_holed and sink.can_write_eof():
