@@ -53,9 +53,9 @@ class LocalRayCluster:
         return [self._start(*args) for _ in range(count)]
 
     def _start(self, *args: str) -> subprocess.Popen[bytes]:
-        """A node that exits before it has started is started again, with the same ports, as hack/ray-head.sh
-        does: `ray start` gives its raylet a fixed 30 s to register with the GCS, and under the whole suite's
-        load one did not (Deadline Exceeded; test_drain, 2026-12-07)."""
+        """A node that exits before it has started is started again (fresh ports, the same worker-port range),
+        as hack/ray-head.sh does for the head: `ray start` gives its raylet a fixed 30 s to register with the
+        GCS, and under the whole suite's load one did not (Deadline Exceeded; test_drain, 2026-12-07)."""
         for attempt in range(1, START_ATTEMPTS + 1):
             node, log = self._launch(*args)
             index = len(self.nodes) - 1
